@@ -1,0 +1,1 @@
+"""Running a model: GGUF loading, tokenizer, architectures, KV cache, contexts, perplexity."""

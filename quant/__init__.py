@@ -1,0 +1,4 @@
+"""GGML tensor types: block layouts, reference and Numba quantize/dequantize, matmul kernels.
+
+Nothing here knows about models; everything works on raw bytes plus a type id.
+"""

@@ -1,0 +1,44 @@
+"""QTensor: a (possibly quantized) matrix as raw bytes, viewed straight from the GGUF mmap."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .types import type_info
+
+
+@dataclass
+class QTensor:
+    """Rows of packed blocks.
+
+    data:  uint8 array of shape (*batch, rows, row_bytes) — usually a view into a memory map.
+    qtype: GGML type id.
+    shape: logical shape in NumPy order (*batch, rows, cols); cols is GGML's ne[0].
+    """
+    data: np.ndarray
+    qtype: int
+    shape: tuple
+
+    @property
+    def cols(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def rows(self) -> int:
+        return self.shape[-2] if len(self.shape) >= 2 else 1
+
+    def __getitem__(self, i: int) -> "QTensor":
+        """Select along the leading (expert) axis."""
+        return QTensor(self.data[i], self.qtype, tuple(self.shape[1:]))
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    @classmethod
+    def from_raw(cls, raw: np.ndarray, qtype: int, shape: tuple) -> "QTensor":
+        ti = type_info(qtype)
+        rb = ti.row_bytes(shape[-1])
+        flat = raw.reshape(-1).view(np.uint8)
+        return cls(flat.reshape(*shape[:-1], rb), qtype, tuple(int(s) for s in shape))

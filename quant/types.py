@@ -1,0 +1,71 @@
+"""Type ids, block sizes and byte sizes of the GGML tensor types ikcli understands.
+
+Ids and layouts follow ggml.h of ik_llama.cpp (a superset of mainline's numbering).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TypeInfo:
+    name: str        # canonical spelling, e.g. "Q8_0"
+    id: int          # GGML type id as stored in GGUF
+    block_size: int  # weights per block
+    type_size: int   # bytes per block
+
+    def row_bytes(self, n: int) -> int:
+        if n % self.block_size:
+            raise ValueError(f"row of {n} values is not a multiple of {self.name} block size {self.block_size}")
+        return n // self.block_size * self.type_size
+
+    @property
+    def bpw(self) -> float:
+        return 8.0 * self.type_size / self.block_size
+
+
+_TYPES = [
+    TypeInfo("F32", 0, 1, 4),
+    TypeInfo("F16", 1, 1, 2),
+    TypeInfo("Q4_0", 2, 32, 18),
+    TypeInfo("Q4_1", 3, 32, 20),
+    TypeInfo("Q5_0", 6, 32, 22),
+    TypeInfo("Q5_1", 7, 32, 24),
+    TypeInfo("Q8_0", 8, 32, 34),
+    TypeInfo("Q8_1", 9, 32, 36),
+    TypeInfo("Q2_K", 10, 256, 84),
+    TypeInfo("Q3_K", 11, 256, 110),
+    TypeInfo("Q4_K", 12, 256, 144),
+    TypeInfo("Q5_K", 13, 256, 176),
+    TypeInfo("Q6_K", 14, 256, 210),
+    TypeInfo("Q8_K", 15, 256, 292),
+    TypeInfo("IQ4_NL", 20, 32, 18),
+    TypeInfo("IQ4_XS", 23, 256, 136),
+    TypeInfo("I8", 24, 1, 1),
+    TypeInfo("I16", 25, 1, 2),
+    TypeInfo("I32", 26, 1, 4),
+    TypeInfo("F64", 28, 1, 8),
+    TypeInfo("BF16", 30, 1, 2),
+]
+
+BY_ID: dict[int, TypeInfo] = {t.id: t for t in _TYPES}
+BY_NAME: dict[str, TypeInfo] = {t.name.lower(): t for t in _TYPES}
+
+F32, F16, Q4_0, Q8_0, BF16 = 0, 1, 2, 8, 30
+
+# Types the engine can compute with (matmul kernels exist). Grows with the type library.
+COMPUTE_TYPES = frozenset({F32, F16, BF16, Q8_0, Q4_0})
+
+
+def type_info(t: int | str) -> TypeInfo:
+    """Look a type up by id or by name (any case)."""
+    if isinstance(t, str):
+        key = t.strip().lower()
+        if key.isdigit():
+            return type_info(int(key))
+        if key not in BY_NAME:
+            raise KeyError(f"unknown tensor type '{t}'; valid: {', '.join(sorted(x.name for x in _TYPES))}")
+        return BY_NAME[key]
+    if t not in BY_ID:
+        raise KeyError(f"unknown tensor type id {t}")
+    return BY_ID[t]
