@@ -1,0 +1,1 @@
+"""Forward passes, one module per GGUF architecture."""

@@ -1,0 +1,39 @@
+"""Pieces shared by the architectures: the token embedding, the output head, RoPE tables."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from quant.matmul import get_rows, matmul
+from quant.tensor import QTensor
+
+from ..hparams import HParams
+from ..ops import rms_norm
+from ..rope import rope_cos_sin
+
+
+@dataclass
+class UBatch:
+    tokens: np.ndarray      # int32 (T,)
+    pos: np.ndarray         # int32 (T,) positions in the sequence
+    out_rows: np.ndarray    # indices into tokens whose logits are wanted
+
+
+class Head:
+    """Token embedding in, final norm and output projection out."""
+
+    def __init__(self, tok_embd: QTensor, output_norm: np.ndarray, output: QTensor, eps: float) -> None:
+        self.tok_embd, self.output_norm, self.output, self.eps = tok_embd, output_norm, output, eps
+
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        return get_rows(self.tok_embd, tokens.astype(np.int64))
+
+    def logits(self, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        h = rms_norm(np.ascontiguousarray(x[rows]), self.output_norm, self.eps)
+        return matmul(self.output, h)
+
+
+def rope_tables(hp: HParams, pos: np.ndarray, attn_factor: float, freq_factors: np.ndarray | None = None):
+    return rope_cos_sin(pos, hp.n_rot, hp.rope_freq_base, hp.rope_freq_scale, hp.yarn_ext_factor,
+                        attn_factor, hp.n_ctx_orig_yarn, hp.yarn_beta_fast, hp.yarn_beta_slow, freq_factors)

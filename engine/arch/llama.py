@@ -1,0 +1,74 @@
+"""The `llama` architecture (LLaMA, Mistral-style files): GQA attention with RoPE, SiLU MLP or MoE."""
+from __future__ import annotations
+
+import numpy as np
+
+from quant.matmul import matmul
+
+from ..attention import causal_attention
+from ..ffn import MoEWeights, ffn_silu, moe_ffn
+from ..hparams import GATING_SOFTMAX, HParams, yarn_kq_scale, rope_attn_factor
+from ..kv_cache import KVCache
+from ..ops import rms_norm
+from ..rope import apply_rope
+from .common import Head, UBatch, rope_tables
+
+
+class LlamaArch:
+    def __init__(self, hp: HParams, w, log) -> None:
+        self.hp = hp
+        E, H, Hkv, dk = hp.n_embd, hp.n_head, hp.n_head_kv, hp.n_embd_head_k
+        emb = w.matrix("token_embd.weight", (hp.n_vocab, E))
+        out = w.matrix("output.weight", (hp.n_vocab, E)) if w.has("output.weight") else emb
+        self.head = Head(emb, w.vector("output_norm.weight", E), out, hp.rms_eps)
+        self.freq_factors = w.optional_vector("rope_freqs.weight")
+        self.layers = []
+        for i in range(hp.n_layer):
+            p = f"blk.{i}."
+            L = {
+                "attn_norm": w.vector(p + "attn_norm.weight", E),
+                "wq": w.matrix(p + "attn_q.weight", (H * dk, E)),
+                "wk": w.matrix(p + "attn_k.weight", (Hkv * dk, E)),
+                "wv": w.matrix(p + "attn_v.weight", (Hkv * hp.n_embd_head_v, E)),
+                "wo": w.matrix(p + "attn_output.weight", (E, H * hp.n_embd_head_v)),
+                "ffn_norm": w.vector(p + "ffn_norm.weight", E),
+            }
+            if w.has(p + "ffn_gate_inp.weight"):
+                L["moe"] = MoEWeights(w.matrix(p + "ffn_gate_inp.weight"), None, w.matrix(p + "ffn_gate_exps.weight"),
+                                      w.matrix(p + "ffn_up_exps.weight"), w.matrix(p + "ffn_down_exps.weight"))
+            else:
+                L["gate"] = w.matrix(p + "ffn_gate.weight")
+                L["up"] = w.matrix(p + "ffn_up.weight")
+                L["down"] = w.matrix(p + "ffn_down.weight")
+            self.layers.append(L)
+        self.kq_scale = yarn_kq_scale(hp)
+        self.attn_factor = rope_attn_factor(hp)
+
+    def cache_shapes(self) -> list[tuple[int, int, int]]:
+        hp = self.hp
+        return [(hp.n_head_kv, hp.n_embd_head_k, hp.n_embd_head_v)] * hp.n_layer
+
+    def forward(self, ub: UBatch, cache: KVCache, scratch_bytes: int) -> np.ndarray:
+        hp = self.hp
+        T = len(ub.tokens)
+        cos, sin = rope_tables(hp, ub.pos, self.attn_factor, self.freq_factors)
+        x = self.head.embed(ub.tokens)
+        pos0 = int(ub.pos[0])
+        n_kv = pos0 + T
+        for il, L in enumerate(self.layers):
+            h = rms_norm(x, L["attn_norm"], hp.rms_eps)
+            q = matmul(L["wq"], h).reshape(T, hp.n_head, hp.n_embd_head_k)
+            k = matmul(L["wk"], h).reshape(T, hp.n_head_kv, hp.n_embd_head_k)
+            v = matmul(L["wv"], h).reshape(T, hp.n_head_kv, hp.n_embd_head_v)
+            apply_rope(q, cos, sin, hp.rope_neox)
+            apply_rope(k, cos, sin, hp.rope_neox)
+            cache.store(il, pos0, k, v)
+            kc, vc = cache.view(il, n_kv)
+            a = causal_attention(q, kc, vc, ub.pos, self.kq_scale, scratch_bytes)
+            x = x + matmul(L["wo"], a.reshape(T, -1))
+            h = rms_norm(x, L["ffn_norm"], hp.rms_eps)
+            if "moe" in L:
+                x = x + moe_ffn(h, L["moe"], hp.n_expert_used or 2, GATING_SOFTMAX, True, 1.0)
+            else:
+                x = x + ffn_silu(h, L["gate"], L["up"], L["down"])
+        return self.head.logits(x, ub.out_rows)

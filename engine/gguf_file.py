@@ -1,0 +1,195 @@
+"""Opening GGUF model files: metadata, memory-mapped tensors, split files, the loader's log lines.
+
+Built on gguf.GGUFReader; tensor infos are decoded with ikcli's own type table (quant.types) so
+that types mainline's gguf package lacks (the IQK family, _R4/_R8) load too, and so an unknown
+type or a truncated file is reported by name instead of as a traceback.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+from gguf import GGUFReader
+
+from quant.tensor import QTensor
+from quant.types import type_info
+
+from .gguf_meta import reader_metadata
+
+
+class ModelFileError(Exception):
+    """A problem with a model file; str() is a complete one-line message."""
+
+
+@dataclass
+class TensorEntry:
+    name: str
+    qtype: int
+    ne: tuple            # GGML order: ne[0] is the row length
+    raw: np.ndarray      # uint8 view of the bytes (memory mapped)
+    path: str
+
+    @property
+    def shape(self) -> tuple:
+        """NumPy order (outermost first)."""
+        return tuple(reversed(self.ne))
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.ne))
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.raw.nbytes)
+
+    def qtensor(self) -> QTensor:
+        return QTensor.from_raw(self.raw, self.qtype, self.shape)
+
+    def as_f32(self) -> np.ndarray:
+        """Small tensors (norms, biases) as float32 NumPy arrays."""
+        from quant.matmul import dequantize
+        return dequantize(self.qtensor()).reshape(self.shape)
+
+
+class _Reader(GGUFReader):
+    """GGUFReader whose tensor table uses ikcli's type registry and checks bounds."""
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:  # noqa: D401 - override
+        self.ik_tensors: list[TensorEntry] = []
+        self.tensors = []
+        seen: set[str] = set()
+        file_size = len(self.data)
+        for f in fields:
+            _nl, name_data, _nd, dims, raw_dtype, offset_tensor = f.parts
+            name = bytes(name_data).decode("utf-8", errors="replace")
+            if name in seen:
+                raise ModelFileError(f"duplicated tensor '{name}'")
+            seen.add(name)
+            tid = int(raw_dtype[0])
+            try:
+                ti = type_info(tid)
+            except KeyError:
+                raise ModelFileError(f"tensor '{name}' has unknown type id {tid}") from None
+            ne = tuple(int(d) for d in dims.tolist())
+            n_elem = int(np.prod(ne)) if ne else 1
+            if ne[0] % ti.block_size:
+                raise ModelFileError(f"tensor '{name}': row of {ne[0]} is not a multiple of the {ti.name} block size")
+            nbytes = n_elem // ti.block_size * ti.type_size
+            offs = int(start_offs + int(offset_tensor[0]))
+            if offs + nbytes > file_size:
+                raise ModelFileError(
+                    f"file is truncated: tensor '{name}' needs bytes {offs}..{offs + nbytes} but the file has {file_size}")
+            self.ik_tensors.append(TensorEntry(name, tid, ne, self.data[offs:offs + nbytes], ""))
+
+
+def split_paths(path: str, meta: dict[str, Any]) -> list[str]:
+    """All files of a split model given its first part (`…-00001-of-0000N.gguf`)."""
+    n = int(meta.get("split.count", 1) or 1)
+    if n <= 1:
+        return [path]
+    m = re.match(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$", path)
+    if not m:
+        raise ModelFileError(f"{path}: file says it is split into {n} parts but its name does not end in -0000K-of-0000N.gguf")
+    prefix = m.group(1)
+    return [f"{prefix}-{i:05d}-of-{n:05d}.gguf" for i in range(1, n + 1)]
+
+
+@dataclass
+class ModelFile:
+    path: str
+    paths: list[str]
+    meta: dict[str, Any]
+    tensors: dict[str, TensorEntry]
+    n_kv: int = 0
+    version: int = 3
+    meta_order: list[str] = field(default_factory=list)
+
+    @property
+    def arch(self) -> str:
+        return str(self.meta.get("general.architecture", ""))
+
+    def get(self, name: str) -> TensorEntry | None:
+        return self.tensors.get(name)
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def n_elements(self) -> int:
+        return sum(t.n_elements for t in self.tensors.values())
+
+
+def _open_one(path: str) -> _Reader:
+    if not os.path.exists(path):
+        raise ModelFileError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise ModelFileError(f"{path}: is a directory, not a GGUF file")
+    if os.path.getsize(path) < 24:
+        raise ModelFileError(f"{path}: file is too small to be a GGUF file (truncated?)")
+    try:
+        return _Reader(path, "r")
+    except ModelFileError as e:
+        raise ModelFileError(f"{path}: {e}") from None
+    except (ValueError, IndexError, OverflowError, UnicodeDecodeError, TypeError, MemoryError) as e:
+        msg = str(e) or type(e).__name__
+        if "magic" in msg.lower():
+            msg = "not a GGUF file (bad magic)"
+        elif isinstance(e, (IndexError, OverflowError)) or "buffer" in msg or "size" in msg:
+            msg = f"file is truncated or corrupt ({msg})"
+        raise ModelFileError(f"{path}: {msg}") from None
+
+
+def open_model_file(path: str, log: Callable[[str], None] | None = None) -> ModelFile:
+    """Open a GGUF file (and the other parts of a split model) without copying tensor data."""
+    first = _open_one(path)
+    meta = reader_metadata(first)
+    paths = split_paths(path, meta)
+    readers = [first] + [_open_one(p) for p in paths[1:]]
+    tensors: dict[str, TensorEntry] = {}
+    for p, r in zip(paths, readers):
+        for t in r.ik_tensors:
+            t.path = p
+            if t.name in tensors:
+                raise ModelFileError(f"{p}: tensor '{t.name}' appears in more than one split file")
+            tensors[t.name] = t
+    mf = ModelFile(path=path, paths=paths, meta=meta, tensors=tensors,
+                   n_kv=len(meta), meta_order=list(meta.keys()))
+    ver = first.fields.get("GGUF.version")
+    if ver is not None:
+        mf.version = int(ver.parts[ver.data[0]][0])
+    if log is not None:
+        log_model_file(mf, log)
+    return mf
+
+
+def _fmt_value(v: Any) -> tuple[str, str]:
+    if isinstance(v, bool):
+        return "bool", str(v).lower()
+    if isinstance(v, int):
+        return "u32" if 0 <= v < 2**32 else "i64", str(v)
+    if isinstance(v, float):
+        return "f32", f"{v:.6f}".rstrip("0").rstrip(".") if v != int(v) else f"{v:.6f}"
+    if isinstance(v, str):
+        s = v if len(v) <= 60 else v[:57] + "..."
+        return "str", s.replace("\n", "\\n")
+    if isinstance(v, list):
+        kind = "str" if v and isinstance(v[0], str) else ("f32" if v and isinstance(v[0], float) else "i32")
+        head = ", ".join(repr(x) if isinstance(x, str) else str(x) for x in v[:5])
+        return f"arr[{kind},{len(v)}]", f"[{head}{', ...' if len(v) > 5 else ''}]"
+    return "?", str(v)
+
+
+def log_model_file(mf: ModelFile, log: Callable[[str], None]) -> None:
+    """The llama_model_loader lines users compare across tools."""
+    log(f"llama_model_loader: loaded meta data with {mf.n_kv} key-value pairs and {len(mf.tensors)} tensors "
+        f"from {mf.path} (version GGUF V{mf.version})")
+    for i, k in enumerate(mf.meta_order):
+        t, v = _fmt_value(mf.meta[k])
+        log(f"llama_model_loader: - kv {i:3d}: {k:>42s} {t:<16s} = {v}")
+    counts: dict[int, int] = {}
+    for t in mf.tensors.values():
+        counts[t.qtype] = counts.get(t.qtype, 0) + 1
+    for tid in sorted(counts):
+        log(f"llama_model_loader: - type {type_info(tid).name.lower():>5s}: {counts[tid]:4d} tensors")

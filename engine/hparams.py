@@ -1,0 +1,158 @@
+"""Model hyper-parameters read from GGUF metadata (the `{arch}.*` keys), with llama.cpp's defaults."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .gguf_file import ModelFileError, ModelFile
+
+SUPPORTED_ARCHS = ("llama", "deepseek2")
+
+# expert_gating_func values in GGUF
+GATING_SOFTMAX = 1
+GATING_SIGMOID = 2
+
+
+@dataclass
+class HParams:
+    arch: str
+    n_vocab: int
+    n_ctx_train: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_embd_head_k: int
+    n_embd_head_v: int
+    n_ff: int
+    rms_eps: float
+    # RoPE
+    n_rot: int
+    rope_freq_base: float
+    rope_freq_scale: float          # 1/factor
+    rope_scaling: str               # none | linear | yarn
+    n_ctx_orig_yarn: int
+    yarn_ext_factor: float
+    yarn_attn_factor: float
+    yarn_beta_fast: float
+    yarn_beta_slow: float
+    rope_yarn_log_mul: float
+    rope_neox: bool
+    # DeepSeek-2 (MLA + MoE)
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_expert_shared: int = 0
+    n_ff_exp: int = 0
+    n_layer_dense_lead: int = 0
+    expert_weights_scale: float = 1.0
+    expert_weights_norm: bool = False
+    expert_gating_func: int = GATING_SOFTMAX
+
+    @property
+    def n_embd_head_qk_nope(self) -> int:
+        return self.n_embd_head_k - self.n_rot
+
+
+def _need(meta: dict[str, Any], key: str, path: str) -> Any:
+    if key not in meta:
+        raise ModelFileError(f"{path}: missing required metadata key '{key}'")
+    return meta[key]
+
+
+def read_hparams(mf: ModelFile) -> HParams:
+    meta, path = mf.meta, mf.path
+    arch = mf.arch
+    if not arch:
+        raise ModelFileError(f"{path}: no general.architecture key (vocabulary-only or corrupt file?)")
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelFileError(f"{path}: unknown model architecture '{arch}' (supported: {', '.join(SUPPORTED_ARCHS)})")
+
+    def g(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    def need(key: str) -> Any:
+        return _need(meta, f"{arch}.{key}", path)
+
+    n_embd = int(need("embedding_length"))
+    n_layer = int(need("block_count"))
+    n_head = g("attention.head_count")
+    if isinstance(n_head, list):
+        n_head = n_head[0]
+    n_head = int(n_head if n_head is not None else need("attention.head_count"))
+    n_head_kv = g("attention.head_count_kv", n_head)
+    if isinstance(n_head_kv, list):
+        n_head_kv = n_head_kv[0]
+    n_head_kv = int(n_head_kv)
+    n_ff = g("feed_forward_length", 0)
+    if isinstance(n_ff, list):
+        n_ff = n_ff[0]
+    tokens = meta.get("tokenizer.ggml.tokens")
+    n_vocab = int(g("vocab_size", len(tokens) if tokens else 0))
+    if n_vocab == 0:
+        emb = mf.get("token_embd.weight")
+        n_vocab = emb.ne[1] if emb is not None else 0
+    k_len = int(g("attention.key_length", n_embd // n_head))
+    v_len = int(g("attention.value_length", n_embd // n_head))
+    # new mainline MLA layout stores the latent sizes as key/value_length and the per-head
+    # decompressed sizes under *_mla
+    if g("attention.key_length_mla") is not None:
+        k_len = int(g("attention.key_length_mla"))
+        v_len = int(g("attention.value_length_mla", v_len))
+        if arch == "deepseek2":
+            n_head_kv = n_head
+    n_rot = int(g("rope.dimension_count", k_len))
+    rope_scaling = str(g("rope.scaling.type", "linear"))
+    factor = float(g("rope.scaling.factor", 0.0) or g("rope.scale_linear", 0.0) or 0.0)
+    freq_scale = 1.0 if factor == 0.0 else 1.0 / factor
+    if rope_scaling == "none":
+        freq_scale = 1.0
+    n_ctx_train = int(g("context_length", 2048))
+    hp = HParams(
+        arch=arch, n_vocab=n_vocab, n_ctx_train=n_ctx_train, n_embd=n_embd, n_layer=n_layer,
+        n_head=n_head, n_head_kv=n_head_kv, n_embd_head_k=k_len, n_embd_head_v=v_len,
+        n_ff=int(n_ff or 0), rms_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        n_rot=n_rot, rope_freq_base=float(g("rope.freq_base", 10000.0)), rope_freq_scale=freq_scale,
+        rope_scaling=rope_scaling,
+        n_ctx_orig_yarn=int(g("rope.scaling.original_context_length", n_ctx_train) or n_ctx_train),
+        yarn_ext_factor=float(g("rope.scaling.yarn_ext_factor", -1.0)),
+        yarn_attn_factor=float(g("rope.scaling.attn_factor", 1.0)),
+        yarn_beta_fast=float(g("rope.scaling.yarn_beta_fast", 32.0)),
+        yarn_beta_slow=float(g("rope.scaling.yarn_beta_slow", 1.0)),
+        rope_yarn_log_mul=float(g("rope.scaling.yarn_log_multiplier", 0.0)),
+        rope_neox=False,
+    )
+    if hp.yarn_ext_factor < 0:
+        hp.yarn_ext_factor = 1.0 if rope_scaling == "yarn" else 0.0
+    hp.n_expert = int(g("expert_count", 0) or 0)
+    hp.n_expert_used = int(g("expert_used_count", 0) or 0)
+    if arch == "deepseek2":
+        hp.q_lora_rank = int(g("attention.q_lora_rank", 0) or 0)
+        hp.kv_lora_rank = int(need("attention.kv_lora_rank"))
+        hp.n_expert_shared = int(g("expert_shared_count", 0))
+        hp.n_ff_exp = int(g("expert_feed_forward_length", 0))
+        hp.n_layer_dense_lead = int(g("leading_dense_block_count", 0))
+        hp.expert_weights_scale = float(g("expert_weights_scale", 1.0))
+        hp.expert_weights_norm = bool(g("expert_weights_norm", False))
+        gf = int(g("expert_gating_func", 0) or 0)
+        hp.expert_gating_func = gf if gf in (GATING_SOFTMAX, GATING_SIGMOID) else GATING_SOFTMAX
+        if hp.n_layer_dense_lead < hp.n_layer and (hp.n_expert <= 0 or hp.n_expert_used <= 0):
+            raise ModelFileError(f"{path}: deepseek2 model without expert_count / expert_used_count")
+    return hp
+
+
+def yarn_kq_scale(hp: HParams) -> float:
+    """Attention scale; DeepSeek's YaRN folds mscale² into it (llama.cpp discussion 7416)."""
+    if hp.arch != "deepseek2":
+        return 1.0 / math.sqrt(hp.n_embd_head_k)
+    mscale = hp.yarn_attn_factor * (1.0 + hp.rope_yarn_log_mul * math.log(1.0 / hp.rope_freq_scale))
+    return mscale * mscale / math.sqrt(hp.n_embd_head_k)
+
+
+def rope_attn_factor(hp: HParams) -> float:
+    """The `mscale` handed to RoPE (DeepSeek pre-divides what YaRN multiplies back in)."""
+    if hp.arch == "deepseek2":
+        return 1.0 / (1.0 + 0.1 * math.log(1.0 / hp.rope_freq_scale))
+    return hp.yarn_attn_factor

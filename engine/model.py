@@ -1,0 +1,161 @@
+"""Loading a model: open the GGUF, read hyper-parameters and tokenizer, bind tensors to an architecture."""
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+import numpy as np
+
+from quant.tensor import QTensor
+from quant.types import COMPUTE_TYPES, F32, type_info
+
+from .gguf_file import ModelFile, ModelFileError, TensorEntry, open_model_file
+from .hparams import HParams, read_hparams
+
+Log = Callable[[str], None]
+
+
+def stderr_log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def quiet_log(msg: str) -> None:
+    pass
+
+
+class Weights:
+    """Typed access to a model file's tensors by GGUF name, with clear errors for missing ones."""
+
+    def __init__(self, mf: ModelFile) -> None:
+        self.mf = mf
+        self.used: set[str] = set()
+        self.extra: dict[str, QTensor] = {}   # tensors computed at load (e.g. attn_kv_b)
+
+    def has(self, name: str) -> bool:
+        return name in self.mf.tensors or name in self.extra
+
+    def entry(self, name: str) -> TensorEntry:
+        t = self.mf.get(name)
+        if t is None:
+            raise ModelFileError(f"{self.mf.path}: missing tensor '{name}'")
+        self.used.add(name)
+        return t
+
+    def matrix(self, name: str, shape: tuple | None = None) -> QTensor:
+        """A weight used in matrix multiplications (kept as packed bytes)."""
+        if name in self.extra:
+            return self.extra[name]
+        t = self.entry(name)
+        if t.qtype not in COMPUTE_TYPES:
+            raise ModelFileError(f"{self.mf.path}: tensor '{name}' has type {type_info(t.qtype).name}, "
+                                 f"which this version of ikcli cannot compute with")
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise ModelFileError(f"{self.mf.path}: tensor '{name}' has shape {list(t.ne)}, "
+                                 f"expected {list(reversed(shape))}")
+        return t.qtensor()
+
+    def vector(self, name: str, n: int | None = None) -> np.ndarray:
+        t = self.entry(name)
+        v = t.as_f32().reshape(-1).astype(np.float32)
+        if n is not None and v.size != n:
+            raise ModelFileError(f"{self.mf.path}: tensor '{name}' has {v.size} values, expected {n}")
+        return v
+
+    def optional_vector(self, name: str) -> np.ndarray | None:
+        return self.vector(name) if name in self.mf.tensors else None
+
+
+def f32_qtensor(a: np.ndarray) -> QTensor:
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    return QTensor(a.view(np.uint8).reshape(*a.shape[:-1], a.shape[-1] * 4), F32, tuple(a.shape))
+
+
+class Model:
+    """A loaded model: hyper-parameters, tokenizer and the architecture's forward pass."""
+
+    def __init__(self, mf: ModelFile, hp: HParams, tokenizer, arch, log: Log) -> None:
+        self.file = mf
+        self.hp = hp
+        self.tokenizer = tokenizer
+        self.arch = arch
+        self.log = log
+
+    @property
+    def n_vocab(self) -> int:
+        return self.hp.n_vocab
+
+    def size_bytes(self) -> int:
+        return self.file.nbytes()
+
+    def n_params(self) -> int:
+        return self.file.n_elements()
+
+
+def _fmt_size(nbytes: int) -> str:
+    if nbytes < 1024 ** 3:
+        return f"{nbytes / 1024 ** 2:.3f} MiB"
+    return f"{nbytes / 1024 ** 3:.3f} GiB"
+
+
+def log_hparams(mf: ModelFile, hp: HParams, log: Log) -> None:
+    p = "llm_load_print_meta"
+    log(f"{p}: format           = GGUF V{mf.version}")
+    log(f"{p}: arch             = {hp.arch}")
+    log(f"{p}: n_vocab          = {hp.n_vocab}")
+    log(f"{p}: n_ctx_train      = {hp.n_ctx_train}")
+    log(f"{p}: n_embd           = {hp.n_embd}")
+    log(f"{p}: n_layer          = {hp.n_layer}")
+    log(f"{p}: n_head           = {hp.n_head}")
+    log(f"{p}: n_head_kv        = {hp.n_head_kv}")
+    log(f"{p}: n_rot            = {hp.n_rot}")
+    log(f"{p}: n_embd_head_k    = {hp.n_embd_head_k}")
+    log(f"{p}: n_embd_head_v    = {hp.n_embd_head_v}")
+    log(f"{p}: f_norm_rms_eps   = {hp.rms_eps:.1e}")
+    log(f"{p}: n_ff             = {hp.n_ff}")
+    log(f"{p}: n_expert         = {hp.n_expert}")
+    log(f"{p}: n_expert_used    = {hp.n_expert_used}")
+    log(f"{p}: rope scaling     = {hp.rope_scaling}")
+    log(f"{p}: freq_base_train  = {hp.rope_freq_base:.1f}")
+    log(f"{p}: freq_scale_train = {hp.rope_freq_scale:g}")
+    log(f"{p}: n_ctx_orig_yarn  = {hp.n_ctx_orig_yarn}")
+    n = mf.n_elements()
+    nb = mf.nbytes()
+    log(f"{p}: model params     = {n / 1e9:.3f} B" if n >= 1e9 else f"{p}: model params     = {n / 1e6:.3f} M")
+    log(f"{p}: model size       = {_fmt_size(nb)} ({nb * 8.0 / max(n, 1):.3f} BPW) ")
+    if hp.arch == "deepseek2":
+        log(f"{p}: n_layer_dense_lead   = {hp.n_layer_dense_lead}")
+        log(f"{p}: n_lora_q             = {hp.q_lora_rank}")
+        log(f"{p}: n_lora_kv            = {hp.kv_lora_rank}")
+        log(f"{p}: n_ff_exp             = {hp.n_ff_exp}")
+        log(f"{p}: n_expert_shared      = {hp.n_expert_shared}")
+        log(f"{p}: expert_weights_scale = {hp.expert_weights_scale:.1f}")
+        log(f"{p}: expert_weights_norm  = {int(hp.expert_weights_norm)}")
+        log(f"{p}: expert_gating_func   = {'softmax' if hp.expert_gating_func == 1 else 'sigmoid'}")
+        log(f"{p}: rope_yarn_log_mul    = {hp.rope_yarn_log_mul:.4f}")
+
+
+def load_model(path: str, log: Log = stderr_log, mla: int = 0) -> Model:
+    """Open, validate and bind a GGUF model. Raises ModelFileError with a one-line message."""
+    from .tokenizer import Tokenizer
+
+    mf = open_model_file(path, log)
+    hp = read_hparams(mf)
+    try:
+        tok = Tokenizer.from_metadata(mf.meta)
+    except (ValueError, KeyError) as e:
+        raise ModelFileError(f"{path}: cannot build tokenizer: {e}") from None
+    if hp.n_vocab == 0:
+        hp.n_vocab = tok.n_vocab
+    log_hparams(mf, hp, log)
+    w = Weights(mf)
+    if hp.arch == "llama":
+        from .arch.llama import LlamaArch
+        arch = LlamaArch(hp, w, log)
+    elif hp.arch == "deepseek2":
+        from .arch.deepseek2 import DeepSeek2Arch
+        arch = DeepSeek2Arch(hp, w, log, mla=mla)
+    else:  # read_hparams already refused it
+        raise ModelFileError(f"{path}: unknown model architecture '{hp.arch}'")
+    buf = sum(mf.tensors[n].nbytes for n in w.used) + sum(t.nbytes for t in w.extra.values())
+    log(f"llm_load_tensors:        CPU buffer size = {buf / 1024 ** 2:10.2f} MiB")
+    return Model(mf, hp, tok, arch, log)

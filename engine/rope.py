@@ -1,0 +1,53 @@
+"""Rotary position embeddings with YaRN, as GGML computes them (NORM = adjacent pairs, NEOX = halves)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def yarn_corr_dims(n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: float, beta_slow: float) -> tuple[float, float]:
+    def corr_dim(n_rot: float) -> float:
+        return n_dims * math.log(n_ctx_orig / (n_rot * 2 * math.pi)) / (2 * math.log(freq_base))
+    start = math.floor(corr_dim(beta_fast))
+    end = math.ceil(corr_dim(beta_slow))
+    return max(0.0, start), min(n_dims - 1.0, end)
+
+
+def rope_cos_sin(pos: np.ndarray, n_dims: int, freq_base: float, freq_scale: float, ext_factor: float,
+                 attn_factor: float, n_ctx_orig: int, beta_fast: float, beta_slow: float,
+                 freq_factors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin tables of shape (len(pos), n_dims // 2), magnitude-scaled as in YaRN."""
+    i0 = np.arange(0, n_dims, 2, dtype=np.float64)
+    theta_scale = freq_base ** (-2.0 / n_dims)
+    inv = theta_scale ** (i0 / 2)
+    if freq_factors is not None:
+        inv = inv / freq_factors.astype(np.float64)[: n_dims // 2]
+    theta_extrap = pos.astype(np.float64)[:, None] * inv[None, :]
+    theta = freq_scale * theta_extrap
+    mscale = attn_factor
+    if ext_factor != 0.0:
+        lo, hi = yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow)
+        y = (np.floor(i0 / 2) - lo) / max(0.001, hi - lo)
+        ramp = (1.0 - np.clip(y, 0.0, 1.0)) * ext_factor
+        theta = theta * (1 - ramp) + theta_extrap * ramp
+        mscale = mscale * (1.0 + 0.1 * math.log(1.0 / freq_scale))
+    return (np.cos(theta) * mscale).astype(np.float32), (np.sin(theta) * mscale).astype(np.float32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndarray:
+    """Rotate x of shape (n_tok, n_head, n_dims) in place; cos/sin are (n_tok, n_dims // 2)."""
+    c = cos[:, None, :]
+    s = sin[:, None, :]
+    if neox:
+        h = x.shape[-1] // 2
+        a = x[..., :h].copy()
+        b = x[..., h:]
+        x[..., :h] = a * c - b * s
+        x[..., h:] = a * s + b * c
+    else:
+        a = x[..., 0::2].copy()
+        b = x[..., 1::2].copy()
+        x[..., 0::2] = a * c - b * s
+        x[..., 1::2] = a * s + b * c
+    return x

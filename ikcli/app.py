@@ -1,0 +1,53 @@
+"""The `ikcli` command: a Typer app with one module per subcommand, errors as one line."""
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from . import perplexity_cmd, tokenize_cmd
+from .errors import CliError
+
+app = typer.Typer(
+    name="ikcli",
+    help="ik_llama.cpp's tools in Python: run DeepSeek / LLaMA GGUF models on the CPU.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+app.command("perplexity", help="Perplexity (and KL-divergence) of a model over a text, llama-perplexity style.")(
+    perplexity_cmd.perplexity)
+app.command("tokenize", help="Tokenize a text with a model's tokenizer, llama-tokenize style.")(tokenize_cmd.tokenize)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:  # recent Typer vendors Click
+        from typer import _click as click
+    except ImportError:  # pragma: no cover - older Typer depends on Click
+        import click
+
+    args = sys.argv[1:] if argv is None else argv
+    cmd = typer.main.get_command(app)
+    try:
+        cmd.main(args=args, prog_name="ikcli", standalone_mode=False)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        print("ikcli: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except click.ClickException as e:
+        msg = e.format_message()
+        if not msg:  # bare `ikcli`: the help was shown
+            sys.exit(0)
+        print(f"ikcli: error: {msg}", file=sys.stderr)
+        sys.exit(e.exit_code if e.exit_code else 2)
+    except KeyboardInterrupt:
+        print("ikcli: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except BrokenPipeError:
+        sys.exit(0)
+    except Exception as e:  # one line for anything the engine raises about the user's input
+        from .errors import describe
+        print(f"ikcli: error: {describe(e)}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,116 @@
+"""Plain-NumPy quantize / dequantize for the compute types (F32, F16, BF16, Q8_0, Q4_0).
+
+These are the slow, obviously-correct versions: they define what the Numba kernels must
+produce and what a GGUF file written by ikcli contains.  `quantize` reproduces ggml's
+reference quantizers (quantize_row_*_ref) bit for bit:
+
+* F16   — IEEE half, round to nearest even (what F16C / ggml's software path do).
+* BF16  — upper 16 bits of the f32, round to nearest even, NaN forced quiet.
+* Q8_0  — blocks of 32: d = amax/127 stored as f16, q = roundf(x / d) (half away from 0),
+          where the division is done as a multiplication by the f32 reciprocal of the
+          *unrounded* d.
+* Q4_0  — blocks of 32: m = the element of largest magnitude (first one on ties),
+          d = m / -8 stored as f16, q = min(15, trunc(x / d + 8.5)); byte j of the block
+          holds element j in its low nibble and element j+16 in its high nibble.
+          Value = (q - 8) * d.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .types import BF16, F16, F32, Q4_0, Q8_0, type_info
+
+QK = 32  # weights per block of Q8_0 and Q4_0
+
+REFERENCE_TYPES = frozenset({F32, F16, BF16, Q8_0, Q4_0})
+
+
+def round_half_away(v: np.ndarray) -> np.ndarray:
+    """C's roundf, elementwise, without the float error of floor(|v| + 0.5)."""
+    a = np.abs(v)
+    t = np.floor(a)
+    t = t + (a - t >= 0.5)  # a - t is exact for floats
+    return np.copysign(t, v)
+
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    is_nan = (u & 0x7FFFFFFF) > 0x7F800000
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    quiet = (u >> 16) | 64
+    return np.where(is_nan, quiet, rounded).astype(np.uint16)
+
+
+def bf16_bits_to_f32(h: np.ndarray) -> np.ndarray:
+    return (h.astype(np.uint32) << 16).view(np.float32)
+
+
+def _blocks(x: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    if x.size % QK:
+        raise ValueError(f"{x.size} values is not a multiple of the block size {QK}")
+    return x.reshape(-1, QK)
+
+
+def quantize(x: np.ndarray, qtype: int) -> np.ndarray:
+    """Quantize f32 values (any shape, flattened in C order) to the raw bytes of `qtype`.
+
+    Returns a flat uint8 array of n // block_size * type_size bytes.
+    """
+    if qtype == F32:
+        return np.ascontiguousarray(x, dtype=np.float32).reshape(-1).view(np.uint8).copy()
+    if qtype == F16:
+        return np.ascontiguousarray(x, dtype=np.float32).reshape(-1).astype(np.float16).view(np.uint8)
+    if qtype == BF16:
+        return f32_to_bf16_bits(np.asarray(x).reshape(-1)).view(np.uint8)
+    if qtype == Q8_0:
+        b = _blocks(x)
+        d = np.abs(b).max(axis=1, keepdims=True) / np.float32(127)
+        with np.errstate(divide="ignore"):
+            inv = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+        q = round_half_away(b * inv).astype(np.int8)
+        out = np.empty((b.shape[0], 34), dtype=np.uint8)
+        out[:, :2] = d.astype(np.float16).view(np.uint8)
+        out[:, 2:] = q.view(np.uint8)
+        return out.reshape(-1)
+    if qtype == Q4_0:
+        b = _blocks(x)
+        imax = np.abs(b).argmax(axis=1)[:, None]            # first index on ties, like ggml
+        m = np.take_along_axis(b, imax, axis=1)
+        d = m / np.float32(-8)
+        with np.errstate(divide="ignore"):
+            inv = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+        q = np.trunc(b * inv + np.float32(8.5)).astype(np.int32)
+        q = np.minimum(q, 15).astype(np.uint8)               # lower end is >= 0 by construction
+        out = np.empty((b.shape[0], 18), dtype=np.uint8)
+        out[:, :2] = d.astype(np.float16).view(np.uint8)
+        out[:, 2:] = q[:, :16] | (q[:, 16:] << 4)
+        return out.reshape(-1)
+    raise NotImplementedError(f"reference quantize: type {type_info(qtype).name} not supported")
+
+
+def dequantize(raw: np.ndarray, qtype: int, n: int) -> np.ndarray:
+    """Decode the first `n` values of raw bytes `raw` (flat, C order) of type `qtype` to f32."""
+    ti = type_info(qtype)
+    nbytes = ti.row_bytes(n)
+    raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    if raw.size < nbytes:
+        raise ValueError(f"{raw.size} bytes is less than the {nbytes} needed for {n} {ti.name} values")
+    raw = raw[:nbytes]
+    if qtype == F32:
+        return raw.view(np.float32).copy()
+    if qtype == F16:
+        return raw.view(np.float16).astype(np.float32)
+    if qtype == BF16:
+        return bf16_bits_to_f32(raw.view(np.uint16))
+    if qtype == Q8_0:
+        b = raw.reshape(-1, 34)
+        d = b[:, :2].copy().view(np.float16).astype(np.float32)
+        return (b[:, 2:].view(np.int8).astype(np.float32) * d).reshape(-1)
+    if qtype == Q4_0:
+        b = raw.reshape(-1, 18)
+        d = b[:, :2].copy().view(np.float16).astype(np.float32)
+        qs = b[:, 2:]
+        q = np.concatenate([qs & 15, qs >> 4], axis=1).astype(np.float32) - 8
+        return (q * d).reshape(-1)
+    raise NotImplementedError(f"reference dequantize: type {ti.name} not supported")

@@ -1,0 +1,62 @@
+"""Rough speed of quant.matmul: n=1 (integer-dot path) and a many-token (tile + BLAS) case.
+
+    python scripts/bench_matmul.py [--rows 4096] [--cols 4096] [--n-many 512] [--types q8_0,q4_0,f16]
+
+Prints time per call, weight GB/s (bytes of packed weights read per second) and GFLOP/s
+(2*n*rows*cols / time) for numba thread counts 1 and 2 (BLAS uses its own pool).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import numba  # noqa: E402
+import numpy as np  # noqa: E402
+
+from quant.matmul import matmul, quantize_tensor  # noqa: E402
+from quant.types import type_info  # noqa: E402
+
+
+def bench(fn, min_time=1.0, min_reps=3):
+    fn()  # warm-up (compilation, page faults)
+    reps, t0 = 0, time.perf_counter()
+    best = float("inf")
+    while reps < min_reps or time.perf_counter() - t0 < min_time:
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+        reps += 1
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=4096)
+    ap.add_argument("--cols", type=int, default=4096)
+    ap.add_argument("--n-many", type=int, default=512)
+    ap.add_argument("--types", default="q8_0,q4_0,f16")
+    ap.add_argument("--threads", default="1,2")
+    a = ap.parse_args()
+    rng = np.random.default_rng(0)
+    w32 = rng.standard_normal((a.rows, a.cols), dtype=np.float32)
+    for tname in a.types.split(","):
+        ti = type_info(tname)
+        w = quantize_tensor(w32, ti.id)
+        for nt in [int(t) for t in a.threads.split(",")]:
+            numba.set_num_threads(nt)
+            for n in (1, a.n_many):
+                x = rng.standard_normal((n, a.cols), dtype=np.float32)
+                out = np.empty((n, a.rows), dtype=np.float32)
+                t = bench(lambda: matmul(w, x, out))
+                gflops = 2.0 * n * a.rows * a.cols / t / 1e9
+                gbs = w.nbytes / t / 1e9
+                print(f"{ti.name:5s} {a.rows}x{a.cols} n={n:4d} threads={nt}: {t * 1e3:8.2f} ms "
+                      f"{gflops:7.1f} GFLOP/s {gbs:6.2f} GB/s(weights)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,318 @@
+#!/usr/bin/env python3
+"""Write small random-weight GGUF models (llama, deepseek2 in its three layouts) with the gguf writer.
+
+Used by the tests (imported as a module) and by benchmarks:
+
+    python scripts/make_test_model.py out.gguf --arch deepseek2 --layout ik --type q8_0 --preset tiny
+    python scripts/make_test_model.py ds-1b.gguf --arch deepseek2 --type q8_0 --preset 1b
+    python scripts/make_test_model.py sp.gguf --preset tiny --split 3   # sp-00001-of-00003.gguf …
+
+Layouts of DeepSeek files (DESIGN.md): `ik` (attn_kv_b + attn_k_b + attn_v_b), `mainline-old`
+(attn_kv_b only), `mainline-mla` (attn_k_b/attn_v_b only, head_count_kv = 1, key_length 576-style).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import gguf  # noqa: E402
+
+from quant.matmul import quantize_tensor  # noqa: E402
+from quant.types import type_info  # noqa: E402
+
+
+@dataclass
+class Shape:
+    n_embd: int = 64
+    n_layer: int = 3
+    n_head: int = 4
+    n_head_kv: int = 2          # llama only
+    head_dim: int = 16          # llama only
+    n_ff: int = 128
+    n_ctx: int = 256
+    # deepseek2
+    q_lora_rank: int = 48       # 0: no q_lora (V2-Lite style)
+    kv_lora_rank: int = 32
+    qk_nope: int = 32
+    qk_rope: int = 16
+    v_head: int = 32
+    n_expert: int = 8
+    n_expert_used: int = 2
+    n_expert_shared: int = 1
+    n_ff_exp: int = 64
+    n_dense_lead: int = 1
+    gating: int = 1             # 1 softmax (V2), 2 sigmoid + exp_probs_b (V3)
+    weights_norm: bool = False
+    weights_scale: float = 1.0
+    yarn_factor: float = 0.0    # >0: YaRN rope scaling with this factor
+    yarn_log_mul: float = 0.0
+    yarn_orig_ctx: int = 0
+    rope_base: float = 10000.0
+
+
+PRESETS = {
+    "tiny": Shape(),
+    # V3-like: sigmoid gating with selection bias, weight norm and scale, YaRN
+    "tiny-v3": Shape(gating=2, weights_norm=True, weights_scale=2.5, yarn_factor=4.0, yarn_log_mul=0.1,
+                     yarn_orig_ctx=64),
+    # V2-Lite-like: no q_lora. ik_llama.cpp infers "no q_lora" from n_layer in {26, 27}.
+    "tiny-lite": Shape(q_lora_rank=0, n_layer=26, n_embd=32, n_expert=4, n_ff_exp=32, n_ff=64, kv_lora_rank=32,
+                       qk_nope=16, qk_rope=16, v_head=16),
+    # ~1B parameters, DeepSeek-shaped (for benchmarks)
+    "1b": Shape(n_embd=1024, n_layer=8, n_head=16, n_ff=4096, n_ctx=4096, q_lora_rank=384, kv_lora_rank=512,
+                qk_nope=128, qk_rope=64, v_head=128, n_expert=64, n_expert_used=6, n_expert_shared=2,
+                n_ff_exp=512, n_dense_lead=1, gating=2, weights_norm=True, weights_scale=2.5),
+}
+
+
+def byte_vocab() -> tuple[list[str], list[int], list[str]]:
+    """A byte-level GPT-2 style vocabulary: 256 byte symbols + <|endoftext|>, a few merges."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    byte_char = dict(zip(bs, (chr(c) for c in cs)))
+    tokens = [byte_char[b] for b in range(256)]
+    merges = []
+    for a, b in [("Ġ", "t"), ("h", "e"), ("Ġ", "a"), ("Ġt", "he"), ("i", "n"), ("e", "r"), ("o", "u"), ("Ġ", "s")]:
+        merges.append(f"{a} {b}")
+        tokens.append(a + b)
+    types = [1] * len(tokens)
+    tokens.append("<|endoftext|>")
+    types.append(3)
+    return tokens, types, merges
+
+
+class _Writer:
+    def __init__(self, qtype: str, rng: np.random.Generator):
+        self.qtype = type_info(qtype)
+        self.rng = rng
+        self.tensors: list[tuple[str, np.ndarray, int]] = []   # name, data, ggml type
+
+    def mat(self, name: str, *shape: int, scale: float = 1.0, keep_f32: bool = False) -> np.ndarray:
+        """Random matrix of NumPy shape (…, rows, cols); cols is the input dimension."""
+        w = (self.rng.standard_normal(shape) * (scale / np.sqrt(shape[-1]))).astype(np.float32)
+        self.put(name, w, keep_f32)
+        return w
+
+    def put(self, name: str, w: np.ndarray, keep_f32: bool = False) -> None:
+        t = self.qtype
+        if keep_f32 or w.ndim == 1 or w.shape[-1] % t.block_size:
+            self.tensors.append((name, w.astype(np.float32), 0))
+        else:
+            self.tensors.append((name, w, t.id))
+
+    def vec(self, name: str, n: int, base: float = 1.0, noise: float = 0.1) -> None:
+        self.tensors.append((name, (base + noise * self.rng.standard_normal(n)).astype(np.float32), 0))
+
+    def emit(self, writers: list[gguf.GGUFWriter]) -> None:
+        per = -(-len(self.tensors) // len(writers))
+        for i, (name, w, tid) in enumerate(self.tensors):
+            gw = writers[min(i // per, len(writers) - 1)]
+            if tid == 0:
+                gw.add_tensor(name, w)
+            elif tid == 1:
+                gw.add_tensor(name, w.astype(np.float16))
+            else:
+                q = quantize_tensor(w, tid)
+                raw = np.ascontiguousarray(q.data).view(np.uint8)
+                gw.add_tensor(name, raw, raw_shape=raw.shape[:-1] + (w.shape[-1] // type_info(tid).block_size
+                                                                       * type_info(tid).type_size,),
+                              raw_dtype=gguf.GGMLQuantizationType(tid))
+
+
+def _tokenizer_kv(gw: gguf.GGUFWriter) -> int:
+    tokens, types, merges = byte_vocab()
+    gw.add_tokenizer_model("gpt2")
+    gw.add_tokenizer_pre("gpt-2")
+    gw.add_token_list(tokens)
+    gw.add_token_types(types)
+    gw.add_token_merges(merges)
+    gw.add_bos_token_id(len(tokens) - 1)
+    gw.add_eos_token_id(len(tokens) - 1)
+    gw.add_add_bos_token(True)
+    gw.add_add_eos_token(False)
+    return len(tokens)
+
+
+def build_llama(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int) -> None:
+    a = "llama"
+    gw.add_uint32(f"{a}.context_length", s.n_ctx)
+    gw.add_uint32(f"{a}.embedding_length", s.n_embd)
+    gw.add_uint32(f"{a}.block_count", s.n_layer)
+    gw.add_uint32(f"{a}.feed_forward_length", s.n_ff)
+    gw.add_uint32(f"{a}.attention.head_count", s.n_head)
+    gw.add_uint32(f"{a}.attention.head_count_kv", s.n_head_kv)
+    gw.add_uint32(f"{a}.rope.dimension_count", s.head_dim)
+    gw.add_float32(f"{a}.rope.freq_base", s.rope_base)
+    gw.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)
+    gw.add_uint32(f"{a}.vocab_size", n_vocab)
+    E = s.n_embd
+    w.mat("token_embd.weight", n_vocab, E, scale=np.sqrt(E))
+    w.vec("output_norm.weight", E)
+    w.mat("output.weight", n_vocab, E, scale=4.0)
+    for i in range(s.n_layer):
+        p = f"blk.{i}."
+        w.vec(p + "attn_norm.weight", E)
+        w.mat(p + "attn_q.weight", s.n_head * s.head_dim, E, scale=2.0)
+        w.mat(p + "attn_k.weight", s.n_head_kv * s.head_dim, E, scale=2.0)
+        w.mat(p + "attn_v.weight", s.n_head_kv * s.head_dim, E)
+        w.mat(p + "attn_output.weight", E, s.n_head * s.head_dim, scale=0.5)
+        w.vec(p + "ffn_norm.weight", E)
+        w.mat(p + "ffn_gate.weight", s.n_ff, E)
+        w.mat(p + "ffn_up.weight", s.n_ff, E)
+        w.mat(p + "ffn_down.weight", E, s.n_ff, scale=0.5)
+
+
+def build_deepseek2(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int, layout: str) -> None:
+    a = "deepseek2"
+    E, H = s.n_embd, s.n_head
+    nope, rope, dv, lora = s.qk_nope, s.qk_rope, s.v_head, s.kv_lora_rank
+    gw.add_uint32(f"{a}.context_length", s.n_ctx)
+    gw.add_uint32(f"{a}.embedding_length", E)
+    gw.add_uint32(f"{a}.block_count", s.n_layer)
+    gw.add_uint32(f"{a}.feed_forward_length", s.n_ff)
+    gw.add_uint32(f"{a}.attention.head_count", H)
+    gw.add_float32(f"{a}.rope.freq_base", s.rope_base)
+    gw.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)
+    gw.add_uint32(f"{a}.expert_used_count", s.n_expert_used)
+    gw.add_uint32(f"{a}.leading_dense_block_count", s.n_dense_lead)
+    gw.add_uint32(f"{a}.vocab_size", n_vocab)
+    if s.q_lora_rank:
+        gw.add_uint32(f"{a}.attention.q_lora_rank", s.q_lora_rank)
+    gw.add_uint32(f"{a}.attention.kv_lora_rank", lora)
+    if layout == "mainline-mla":
+        gw.add_uint32(f"{a}.attention.head_count_kv", 1)
+        gw.add_uint32(f"{a}.attention.key_length", lora + rope)
+        gw.add_uint32(f"{a}.attention.value_length", lora)
+        gw.add_uint32(f"{a}.attention.key_length_mla", nope + rope)
+        gw.add_uint32(f"{a}.attention.value_length_mla", dv)
+    else:
+        gw.add_uint32(f"{a}.attention.head_count_kv", H)
+        gw.add_uint32(f"{a}.attention.key_length", nope + rope)
+        gw.add_uint32(f"{a}.attention.value_length", dv)
+    gw.add_uint32(f"{a}.expert_feed_forward_length", s.n_ff_exp)
+    gw.add_uint32(f"{a}.expert_count", s.n_expert)
+    gw.add_uint32(f"{a}.expert_shared_count", s.n_expert_shared)
+    gw.add_float32(f"{a}.expert_weights_scale", s.weights_scale)
+    gw.add_bool(f"{a}.expert_weights_norm", s.weights_norm)
+    gw.add_uint32(f"{a}.expert_gating_func", s.gating)
+    gw.add_uint32(f"{a}.rope.dimension_count", rope)
+    if s.yarn_factor > 0:
+        gw.add_string(f"{a}.rope.scaling.type", "yarn")
+        gw.add_float32(f"{a}.rope.scaling.factor", s.yarn_factor)
+        gw.add_uint32(f"{a}.rope.scaling.original_context_length", s.yarn_orig_ctx or s.n_ctx)
+        gw.add_float32(f"{a}.rope.scaling.yarn_log_multiplier", s.yarn_log_mul)
+    else:
+        gw.add_string(f"{a}.rope.scaling.type", "none")
+
+    w.mat("token_embd.weight", n_vocab, E, scale=np.sqrt(E))
+    w.vec("output_norm.weight", E)
+    w.mat("output.weight", n_vocab, E, scale=4.0)
+    for i in range(s.n_layer):
+        p = f"blk.{i}."
+        w.vec(p + "attn_norm.weight", E)
+        if s.q_lora_rank:
+            w.mat(p + "attn_q_a.weight", s.q_lora_rank, E)
+            w.vec(p + "attn_q_a_norm.weight", s.q_lora_rank)
+            w.mat(p + "attn_q_b.weight", H * (nope + rope), s.q_lora_rank, scale=2.0)
+        else:
+            w.mat(p + "attn_q.weight", H * (nope + rope), E, scale=2.0)
+        w.mat(p + "attn_kv_a_mqa.weight", lora + rope, E, scale=2.0)
+        w.vec(p + "attn_kv_a_norm.weight", lora)
+        kv_b = (w.rng.standard_normal((H, nope + dv, lora)) / np.sqrt(lora)).astype(np.float32)
+        k_b = np.ascontiguousarray(kv_b[:, :nope, :].transpose(0, 2, 1))   # (H, lora, nope)
+        v_b = np.ascontiguousarray(kv_b[:, nope:, :])                      # (H, dv, lora)
+        if layout in ("ik", "mainline-old"):
+            w.put(p + "attn_kv_b.weight", kv_b.reshape(H * (nope + dv), lora))
+        if layout == "ik":
+            w.put(p + "attn_k_b.weight", k_b.reshape(H * lora, nope))
+            w.put(p + "attn_v_b.weight", v_b.reshape(H * dv, lora))
+        elif layout == "mainline-mla":
+            w.put(p + "attn_k_b.weight", k_b)
+            w.put(p + "attn_v_b.weight", v_b)
+        w.mat(p + "attn_output.weight", E, H * dv, scale=0.5)
+        w.vec(p + "ffn_norm.weight", E)
+        if i < s.n_dense_lead:
+            w.mat(p + "ffn_gate.weight", s.n_ff, E)
+            w.mat(p + "ffn_up.weight", s.n_ff, E)
+            w.mat(p + "ffn_down.weight", E, s.n_ff, scale=0.5)
+        else:
+            w.mat(p + "ffn_gate_inp.weight", s.n_expert, E, scale=3.0, keep_f32=True)
+            if s.gating == 2:
+                w.vec(p + "exp_probs_b.bias", s.n_expert, base=0.0, noise=0.05)
+            w.mat(p + "ffn_gate_exps.weight", s.n_expert, s.n_ff_exp, E)
+            w.mat(p + "ffn_up_exps.weight", s.n_expert, s.n_ff_exp, E)
+            w.mat(p + "ffn_down_exps.weight", s.n_expert, E, s.n_ff_exp, scale=0.5)
+            if s.n_expert_shared:
+                f = s.n_ff_exp * s.n_expert_shared
+                w.mat(p + "ffn_gate_shexp.weight", f, E)
+                w.mat(p + "ffn_up_shexp.weight", f, E)
+                w.mat(p + "ffn_down_shexp.weight", E, f, scale=0.5)
+
+
+def write_model(path: str, arch: str = "deepseek2", layout: str = "ik", qtype: str = "f16",
+                shape: Shape | str = "tiny", seed: int = 0, split: int = 1, **overrides) -> list[str]:
+    """Write a random model; returns the written paths (several with split > 1)."""
+    s = PRESETS[shape] if isinstance(shape, str) else shape
+    if overrides:
+        s = replace(s, **overrides)
+    rng = np.random.default_rng(seed)
+    if split > 1:
+        base = path[:-5] if path.endswith(".gguf") else path
+        paths = [f"{base}-{i:05d}-of-{split:05d}.gguf" for i in range(1, split + 1)]
+    else:
+        paths = [path]
+    writers = [gguf.GGUFWriter(p, arch) for p in paths]
+    gw = writers[0]
+    gw.add_name(f"ikcli-test-{arch}-{layout}-{qtype}")
+    if split > 1:
+        for i, x in enumerate(writers):
+            x.add_uint16("split.no", i)
+            x.add_uint16("split.count", split)
+    n_vocab = _tokenizer_kv(gw)
+    w = _Writer(qtype, rng)
+    if arch == "llama":
+        build_llama(w, gw, s, n_vocab)
+    elif arch == "deepseek2":
+        build_deepseek2(w, gw, s, n_vocab, layout)
+    else:
+        raise ValueError(f"unknown arch {arch}")
+    if split > 1:
+        for x in writers:
+            x.add_int32("split.tensors.count", len(w.tensors))
+    w.emit(writers)
+    for x in writers:
+        x.write_header_to_file()
+        x.write_kv_data_to_file()
+        x.write_tensors_to_file()
+        x.close()
+    return paths
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--arch", default="deepseek2", choices=["llama", "deepseek2"])
+    ap.add_argument("--layout", default="ik", choices=["ik", "mainline-old", "mainline-mla"])
+    ap.add_argument("--type", default="f16", help="weight type: f32 f16 bf16 q8_0 q4_0")
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--split", type=int, default=1)
+    a = ap.parse_args()
+    for p in write_model(a.out, a.arch, a.layout, a.type, a.preset, a.seed, a.split):
+        print(p)
+
+
+if __name__ == "__main__":
+    main()
