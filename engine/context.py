@@ -26,13 +26,17 @@ class Context:
         self.scratch = cfg.attn_max_batch_mib * 1024 * 1024 if cfg.attn_max_batch_mib > 0 else DEFAULT_SCRATCH_BYTES
         log = log or model.log
         kb, vb = self.cache.size_bytes()
-        log(f"llama_new_context_with_model: n_ctx      = {self.n_ctx}")
-        log(f"llama_new_context_with_model: n_batch    = {self.n_batch}")
-        log(f"llama_new_context_with_model: n_ubatch   = {self.n_ubatch}")
-        log(f"llama_new_context_with_model: freq_base  = {model.hp.rope_freq_base:.1f}")
-        log(f"llama_new_context_with_model: freq_scale = {model.hp.rope_freq_scale:g}")
-        log(f"llama_kv_cache_init:        CPU KV buffer size = {(kb + vb) / 1024 ** 2:8.2f} MiB")
-        log(f"llama_new_context_with_model: KV self size  = {(kb + vb) / 1024 ** 2:7.2f} MiB, "
+        log(f"llama_init_from_model: n_ctx         = {self.n_ctx}")
+        log(f"llama_init_from_model: n_batch       = {self.n_batch}")
+        log(f"llama_init_from_model: n_ubatch      = {self.n_ubatch}")
+        log("llama_init_from_model: flash_attn    = 0")
+        if model.hp.arch == "deepseek2":
+            log(f"llama_init_from_model: mla_attn      = {cfg.mla}")
+        log(f"llama_init_from_model: attn_max_b    = {cfg.attn_max_batch_mib}")
+        log(f"llama_init_from_model: freq_base     = {model.hp.rope_freq_base:.1f}")
+        log(f"llama_init_from_model: freq_scale    = {model.hp.rope_freq_scale:g}")
+        log(f"llama_kv_cache_init: {'CPU':>10s} KV buffer size = {(kb + vb) / 1024 ** 2:8.2f} MiB")
+        log(f"llama_init_from_model: KV self size  = {(kb + vb) / 1024 ** 2:7.2f} MiB, "
             f"K ({self.cache.type_k}): {kb / 1024 ** 2:7.2f} MiB, V ({self.cache.type_v}): {vb / 1024 ** 2:7.2f} MiB")
 
     @property

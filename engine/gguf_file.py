@@ -172,7 +172,7 @@ def _fmt_value(v: Any) -> tuple[str, str]:
     if isinstance(v, float):
         return "f32", f"{v:.6f}".rstrip("0").rstrip(".") if v != int(v) else f"{v:.6f}"
     if isinstance(v, str):
-        s = v if len(v) <= 60 else v[:57] + "..."
+        s = v if len(v) <= 40 else v[:37] + "..."
         return "str", s.replace("\n", "\\n")
     if isinstance(v, list):
         kind = "str" if v and isinstance(v[0], str) else ("f32" if v and isinstance(v[0], float) else "i32")
@@ -184,12 +184,14 @@ def _fmt_value(v: Any) -> tuple[str, str]:
 def log_model_file(mf: ModelFile, log: Callable[[str], None]) -> None:
     """The llama_model_loader lines users compare across tools."""
     log(f"llama_model_loader: loaded meta data with {mf.n_kv} key-value pairs and {len(mf.tensors)} tensors "
-        f"from {mf.path} (version GGUF V{mf.version})")
+        f"from {mf.path} (version GGUF V{mf.version}{' (latest)' if mf.version == 3 else ''})")
     for i, k in enumerate(mf.meta_order):
         t, v = _fmt_value(mf.meta[k])
         log(f"llama_model_loader: - kv {i:3d}: {k:>42s} {t:<16s} = {v}")
+    if len(mf.paths) > 1:
+        log(f"llama_model_loader: additional {len(mf.paths) - 1} GGUFs metadata loaded.")
     counts: dict[int, int] = {}
     for t in mf.tensors.values():
         counts[t.qtype] = counts.get(t.qtype, 0) + 1
     for tid in sorted(counts):
-        log(f"llama_model_loader: - type {type_info(tid).name.lower():>5s}: {counts[tid]:4d} tensors")
+        log(f"llama_model_loader: - type {type_info(tid).name.lower():>4s}: {counts[tid]:4d} tensors")

@@ -97,9 +97,16 @@ def _fmt_size(nbytes: int) -> str:
     return f"{nbytes / 1024 ** 3:.3f} GiB"
 
 
+def _fmt_count(n: int) -> str:
+    for lim, suf in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= lim:
+            return f"{n / lim:.3f} {suf}"
+    return f"{n}"
+
+
 def log_hparams(mf: ModelFile, hp: HParams, log: Log) -> None:
     p = "llm_load_print_meta"
-    log(f"{p}: format           = GGUF V{mf.version}")
+    log(f"{p}: format           = GGUF V{mf.version}{' (latest)' if mf.version == 3 else ''}")
     log(f"{p}: arch             = {hp.arch}")
     log(f"{p}: n_vocab          = {hp.n_vocab}")
     log(f"{p}: n_ctx_train      = {hp.n_ctx_train}")
@@ -120,7 +127,7 @@ def log_hparams(mf: ModelFile, hp: HParams, log: Log) -> None:
     log(f"{p}: n_ctx_orig_yarn  = {hp.n_ctx_orig_yarn}")
     n = mf.n_elements()
     nb = mf.nbytes()
-    log(f"{p}: model params     = {n / 1e9:.3f} B" if n >= 1e9 else f"{p}: model params     = {n / 1e6:.3f} M")
+    log(f"{p}: model params     = {_fmt_count(n)}")
     log(f"{p}: model size       = {_fmt_size(nb)} ({nb * 8.0 / max(n, 1):.3f} BPW) ")
     if hp.arch == "deepseek2":
         log(f"{p}: n_layer_dense_lead   = {hp.n_layer_dense_lead}")
@@ -132,6 +139,7 @@ def log_hparams(mf: ModelFile, hp: HParams, log: Log) -> None:
         log(f"{p}: expert_weights_norm  = {int(hp.expert_weights_norm)}")
         log(f"{p}: expert_gating_func   = {'softmax' if hp.expert_gating_func == 1 else 'sigmoid'}")
         log(f"{p}: rope_yarn_log_mul    = {hp.rope_yarn_log_mul:.4f}")
+    log(f"{p}: general.name     = {mf.meta.get('general.name', '')}")
 
 
 def load_model(path: str, log: Log = stderr_log, mla: int = 0) -> Model:
@@ -157,5 +165,5 @@ def load_model(path: str, log: Log = stderr_log, mla: int = 0) -> Model:
     else:  # read_hparams already refused it
         raise ModelFileError(f"{path}: unknown model architecture '{hp.arch}'")
     buf = sum(mf.tensors[n].nbytes for n in w.used) + sum(t.nbytes for t in w.extra.values())
-    log(f"llm_load_tensors:        CPU buffer size = {buf / 1024 ** 2:10.2f} MiB")
+    log(f"llm_load_tensors: {'CPU':>10s} buffer size = {buf / 1024 ** 2:8.2f} MiB")
     return Model(mf, hp, tok, arch, log)

@@ -3,16 +3,30 @@
 matmul(w, x) computes x @ W.T for f32 activations x (n, cols) and weights W (rows, cols)
 stored in any supported GGML type, reading the packed weight bytes in place:
 
-* n < MANY_TOKENS (decode, small batches): x is quantized once to int8 + f32 scale per 32
-  and Q8_0 / Q4_0 rows are dotted with it using integer block sums (F16 / BF16 rows are
-  decoded row by row and dotted in f32), parallel over output rows (numba prange).
-* n >= MANY_TOKENS (prompt processing): a tile of rows is decoded into a reusable f32
-  scratch buffer and multiplied with BLAS (numpy matmul), tile after tile; at no point is
-  more than one tile of the weight matrix held in f32.
+* few tokens (n < many_tokens(qtype): 8 for Q8_0/Q4_0, 16 for F16/BF16): x is quantized
+  once to int8 + f32 scale per 32 and Q8_0 / Q4_0 rows are dotted with it using integer
+  block sums (F16 / BF16 rows are decoded row by row and dotted in f32), parallel over
+  output rows (numba prange).  Cost grows linearly with n.
+* many tokens: a tile of rows (about TILE_BYTES of f32) is decoded into a reusable scratch
+  buffer and multiplied with BLAS (numpy matmul), tile after tile; at no point is more
+  than one tile of the weight matrix held in f32.  Nearly flat cost up to n ~ 64.
 * F32 weights go to BLAS directly (the strided view of the bytes is already a matrix).
 
-Threads: the Numba kernels use numba's thread pool (numba.set_num_threads, set by the
-engine); the BLAS calls use numpy's BLAS pool.
+The crossovers were measured on a Zen 4 core (4096 x 4096): Q8_0 few-token costs ~2 ms
+per token, the tile path ~13 ms + ~0.35 ms per token.
+
+Weights may be non-contiguous views (one expert of a 3-D memory-mapped tensor, rows
+spaced further apart than their length): only the byte span from the first to the last
+row is viewed, never copied, as long as each row is one contiguous run of bytes.
+
+Threads: the Numba kernels use numba's pool, the BLAS calls numpy's OpenBLAS pool; set
+both with set_num_threads(n) (quant.blas_threads explains why BLAS's must be set too).  Both pools busy-wait after their work by
+default, so in the many-token path (numba tile decode, then BLAS, alternating) they fight
+for the cores; on 2 cores that doubled the time of an n=512 matmul.  Setting
+OMP_WAIT_POLICY=PASSIVE in the environment before numba starts its pool (numba's "omp"
+threading layer) removes that (228 -> 104 ms for 512 x 4096 x 4096 Q8_0, 2 threads),
+and costs the few-token path only a few percent.  TILE_DEQUANT_THREADS can also cap the
+numba threads used for tile decoding.
 """
 from __future__ import annotations
 
@@ -20,15 +34,34 @@ import numba
 import numpy as np
 
 from . import kernels as K
+from .blas_threads import get_blas_threads, set_blas_threads
 from . import reference
 from .tensor import QTensor
 from .types import BF16, F16, F32, Q4_0, Q8_0, type_info
 
 MANY_TOKENS = 16          # from this many activation rows on, use dequantized tiles + BLAS
+_MANY_TOKENS_INT = 8      # ... and this many for Q8_0 / Q4_0 (integer dots cost more per token)
 TILE_BYTES = 4 << 20      # target size of the f32 scratch tile
+# Numba threads that decode a tile (None: all of numba's).  Decoding is ~1-2 % of the work
+# of a many-token matmul; see the module docstring on thread pools fighting.
+TILE_DEQUANT_THREADS: int | None = None
 
 _SUPPORTED = frozenset({F32, F16, BF16, Q8_0, Q4_0})
 _ELEM = {F32: 4, F16: 2, BF16: 2, Q8_0: 1, Q4_0: 1}   # alignment the kernels' views need
+
+
+def set_num_threads(n: int, blas: int | None = None) -> None:
+    """Threads for matmul: numba's pool gets n, numpy's OpenBLAS gets `blas` (default n).
+
+    numba.set_num_threads is per calling thread; the BLAS setting is process-wide.
+    """
+    numba.set_num_threads(max(1, min(int(n), numba.config.NUMBA_NUM_THREADS)))
+    set_blas_threads(int(n if blas is None else blas))
+
+
+def get_num_threads() -> tuple[int, int | None]:
+    """(numba threads, BLAS threads or None when numpy's BLAS is not OpenBLAS)."""
+    return numba.get_num_threads(), get_blas_threads()
 
 
 def supported(qtype: int) -> bool:
@@ -72,6 +105,11 @@ def _as_act(x: np.ndarray, cols: int) -> np.ndarray:
     return x
 
 
+def many_tokens(qtype: int) -> int:
+    """Number of activation rows from which matmul switches to the tile + BLAS path."""
+    return min(MANY_TOKENS, _MANY_TOKENS_INT) if qtype in (Q8_0, Q4_0) else MANY_TOKENS
+
+
 def tile_rows(cols: int, rows: int) -> int:
     """Rows per f32 scratch tile in the many-token path (a multiple of 16, 16..512)."""
     t = TILE_BYTES // (4 * max(cols, 1))
@@ -97,7 +135,7 @@ def matmul(w: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarr
         wf = np.lib.stride_tricks.as_strided(buf.view(np.float32), shape=(rows, cols),
                                              strides=(stride, 4), writeable=False)
         np.matmul(x, wf.T, out=target)
-    elif n < MANY_TOKENS:
+    elif n < many_tokens(qt):
         _few_tokens(buf, qt, stride, rows, cols, x, target)
     else:
         _many_tokens(buf, qt, stride, rows, cols, x, target)
@@ -121,16 +159,17 @@ def _many_tokens(buf, qt, stride, rows, cols, x, out) -> None:
     tr = tile_rows(cols, rows)
     tile = np.empty((tr, cols), dtype=np.float32)
     ids = np.arange(rows, dtype=np.int64)
-    part = np.empty((x.shape[0], tr), dtype=np.float32)
-    for r0 in range(0, rows, tr):
-        r1 = min(rows, r0 + tr)
-        k = r1 - r0
-        K.dequant_rows(buf, qt, stride, ids[r0:r1], cols, K.QK, K.F16_TO_F32, tile[:k])
-        if k == tr:
-            np.matmul(x, tile.T, out=part)
-            out[:, r0:r1] = part
-        else:
-            out[:, r0:r1] = x @ tile[:k].T
+    nt = numba.get_num_threads()
+    dq_threads = nt if TILE_DEQUANT_THREADS is None else max(1, min(nt, TILE_DEQUANT_THREADS))
+    try:
+        numba.set_num_threads(dq_threads)
+        for r0 in range(0, rows, tr):
+            r1 = min(rows, r0 + tr)
+            t = tile[:r1 - r0]
+            K.dequant_rows(buf, qt, stride, ids[r0:r1], cols, K.QK, K.F16_TO_F32, t)
+            np.matmul(x, t.T, out=out[:, r0:r1])
+    finally:
+        numba.set_num_threads(nt)
 
 
 def get_rows(w: QTensor, ids: np.ndarray) -> np.ndarray:
@@ -156,10 +195,13 @@ def dequantize(w: QTensor) -> np.ndarray:
 
 
 def quantize_tensor(x: np.ndarray, qtype: int) -> QTensor:
-    """Quantize f32 values of shape (..., cols) with ggml's reference rules (see quant.reference)."""
+    """Quantize f32 values of shape (..., cols) with ggml's reference rules (see quant.reference).
+
+    The QTensor keeps x's shape; its data is a fresh (..., row_bytes) uint8 array.
+    """
     _check(qtype)
     x = np.ascontiguousarray(x, dtype=np.float32)
-    if x.ndim == 1:
-        x = x[None, :]
+    if x.ndim == 0:
+        raise ValueError("cannot quantize a scalar")
     raw = reference.quantize(x, qtype)
     return QTensor.from_raw(raw, qtype, x.shape)

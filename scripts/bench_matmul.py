@@ -1,9 +1,13 @@
 """Rough speed of quant.matmul: n=1 (integer-dot path) and a many-token (tile + BLAS) case.
 
     python scripts/bench_matmul.py [--rows 4096] [--cols 4096] [--n-many 512] [--types q8_0,q4_0,f16]
+                                   [--threads 1,2] [--passive]
+
+--passive sets OMP_WAIT_POLICY=PASSIVE before numba starts its OpenMP pool, so idle numba
+threads sleep instead of spinning while OpenBLAS works (see quant/matmul.py).
 
 Prints time per call, weight GB/s (bytes of packed weights read per second) and GFLOP/s
-(2*n*rows*cols / time) for numba thread counts 1 and 2 (BLAS uses its own pool).
+(2*n*rows*cols / time) for thread counts 1 and 2 (numba and OpenBLAS set alike).
 """
 from __future__ import annotations
 
@@ -13,11 +17,12 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+if "--passive" in sys.argv:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
-import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
-from quant.matmul import matmul, quantize_tensor  # noqa: E402
+from quant.matmul import matmul, quantize_tensor, set_num_threads  # noqa: E402
 from quant.types import type_info  # noqa: E402
 
 
@@ -40,14 +45,17 @@ def main() -> None:
     ap.add_argument("--n-many", type=int, default=512)
     ap.add_argument("--types", default="q8_0,q4_0,f16")
     ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--passive", action="store_true", help="OMP_WAIT_POLICY=PASSIVE")
     a = ap.parse_args()
+    print(f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')} "
+          f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs", flush=True)
     rng = np.random.default_rng(0)
     w32 = rng.standard_normal((a.rows, a.cols), dtype=np.float32)
     for tname in a.types.split(","):
         ti = type_info(tname)
         w = quantize_tensor(w32, ti.id)
         for nt in [int(t) for t in a.threads.split(",")]:
-            numba.set_num_threads(nt)
+            set_num_threads(nt)   # numba and OpenBLAS both
             for n in (1, a.n_many):
                 x = rng.standard_normal((n, a.cols), dtype=np.float32)
                 out = np.empty((n, a.rows), dtype=np.float32)

@@ -186,10 +186,11 @@ class Block(nn.Module):
         self.attn = MLA(c)
         self.ffn_norm = RMSNorm(c.n_embd, c.eps)
         self.ffn = DenseFFN(c.n_embd, c.n_ff) if il < c.n_dense_lead else MoE(c)
+        self.drop = nn.Dropout(c.dropout)  # training only (identity in eval / inference)
 
     def forward(self, x, cos, sin):
-        x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.ffn(self.ffn_norm(x))
+        x = x + self.drop(self.attn(self.attn_norm(x), cos, sin))
+        return x + self.drop(self.ffn(self.ffn_norm(x)))
 
 
 class Model(nn.Module):
@@ -377,6 +378,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--wd", type=float, default=0.1)
     ap.add_argument("--aux-coef", type=float, default=0.01)
+    ap.add_argument("--dropout", type=float, default=0.1, help="residual-branch dropout (training only)")
     ap.add_argument("--max-minutes", type=float, default=0.0,
                     help="stop training early after this many minutes (0 = no limit; breaks determinism)")
     ap.add_argument("--eval-every", type=int, default=250)
@@ -433,7 +435,7 @@ def main():
             q_lora_rank=a.q_lora_rank, kv_lora_rank=a.kv_lora_rank, qk_nope=a.qk_nope, qk_rope=a.qk_rope,
             v_dim=a.v_dim, n_ff=a.n_ff, n_dense_lead=a.n_dense_lead, n_expert=a.n_expert,
             n_expert_used=a.n_expert_used, n_ff_exp=a.n_ff_exp, n_shared=a.n_shared,
-            weights_norm=a.weights_norm, weights_scale=a.weights_scale, rope_base=a.rope_base, eps=a.eps)
+            weights_norm=a.weights_norm, weights_scale=a.weights_scale, rope_base=a.rope_base, eps=a.eps, dropout=a.dropout)
     model = Model(c)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params} params; kq_scale {c.kq_scale:.6f}", flush=True)

@@ -1,0 +1,57 @@
+"""Shared fixtures: small random GGUF models written once per session, paths to ../shared data."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+sys.path.insert(0, str(ROOT))
+
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(mod)
+    return mod
+
+
+make_test_model = _load_script("make_test_model")
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def make_model(model_dir):
+    """make_model(arch, layout, qtype, preset, **overrides) -> path; cached per argument set."""
+    cache: dict = {}
+
+    def make(arch="deepseek2", layout="ik", qtype="f16", preset="tiny", split=1, seed=0, **kw):
+        key = (arch, layout, qtype, preset, split, seed, tuple(sorted(kw.items())))
+        if key not in cache:
+            name = f"{arch}-{layout}-{qtype}-{preset}-s{seed}-{len(cache)}.gguf"
+            paths = make_test_model.write_model(str(model_dir / name), arch, layout, qtype, preset, seed, split, **kw)
+            cache[key] = paths[0]
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> Path:
+    if not SHARED.is_dir():
+        pytest.skip(f"shared test data not found at {SHARED}")
+    return SHARED
+
+
+@pytest.fixture(scope="session")
+def corpus_text(shared_dir) -> str:
+    return (shared_dir / "corpus" / "shakespeare.test.txt").read_text(encoding="utf-8")

@@ -1,0 +1,87 @@
+"""GGUF loading: metadata, mmap views, split files and one-line errors for bad files."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.gguf_file import ModelFileError, open_model_file
+from engine.hparams import read_hparams
+
+
+def test_tensors_are_memory_mapped_views(make_model):
+    mf = open_model_file(make_model(qtype="q8_0"))
+    t = mf.tensors["blk.1.ffn_up_exps.weight"]
+    assert isinstance(t.raw.base, np.memmap) or isinstance(t.raw, np.memmap)
+    assert t.ne == (64, 64, 8)           # ne[0] = n_embd, then n_ff_exp, then experts
+    assert t.nbytes == 64 * 64 * 8 // 32 * 34
+
+
+def test_split_files_found_from_first_part(make_model):
+    single = open_model_file(make_model(qtype="f16"))
+    p = make_model(qtype="f16", split=3)
+    assert p.endswith("-00001-of-00003.gguf")
+    mf = open_model_file(p)
+    assert len(mf.paths) == 3
+    assert set(mf.tensors) == set(single.tensors)
+    for name, t in single.tensors.items():
+        assert np.array_equal(np.asarray(mf.tensors[name].raw), np.asarray(t.raw)), name
+
+
+def test_missing_split_part_is_one_line_error(make_model, tmp_path):
+    import shutil
+    p = make_model(qtype="f16", split=3, seed=5)
+    first = tmp_path / "m-00001-of-00003.gguf"
+    shutil.copy(p, first)
+    with pytest.raises(ModelFileError, match="no such file"):
+        open_model_file(str(first))
+
+
+@pytest.mark.parametrize("cut", [10, 100, 2000, -1000])
+def test_truncated_file(make_model, tmp_path, cut):
+    src = open(make_model(qtype="q8_0"), "rb").read()
+    bad = tmp_path / "trunc.gguf"
+    bad.write_bytes(src[:cut] if cut > 0 else src[:cut])
+    with pytest.raises(ModelFileError) as e:
+        open_model_file(str(bad))
+    msg = str(e.value)
+    assert "trunc.gguf" in msg and "\n" not in msg
+
+
+def test_not_a_gguf(tmp_path):
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"hello world, this is not a gguf file at all" * 10)
+    with pytest.raises(ModelFileError, match="not a GGUF file"):
+        open_model_file(str(bad))
+
+
+def test_unknown_architecture(tmp_path):
+    import gguf
+    p = tmp_path / "arch.gguf"
+    w = gguf.GGUFWriter(str(p), "mamba9")
+    w.add_tensor("x", np.zeros(32, dtype=np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    with pytest.raises(ModelFileError, match="unknown model architecture 'mamba9'"):
+        read_hparams(open_model_file(str(p)))
+
+
+def test_unknown_tensor_type(make_model, tmp_path):
+    """Patch a tensor's type id in the header to a value no GGML version uses."""
+    import gguf
+    p = tmp_path / "badtype.gguf"
+    w = gguf.GGUFWriter(str(p), "llama")
+    w.add_tensor("weird", np.zeros(64, dtype=np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    raw = bytearray(p.read_bytes())
+    i = raw.find(b"weird") + len(b"weird")
+    # after the name: n_dims (u32), dims (u64 each), then the type id (u32)
+    raw[i + 4 + 8:i + 4 + 8 + 4] = (250).to_bytes(4, "little")
+    p.write_bytes(bytes(raw))
+    with pytest.raises(ModelFileError, match="unknown type id 250"):
+        open_model_file(str(p))
+
+
+def test_hparams_of_three_layouts_agree(make_model):
+    hps = [read_hparams(open_model_file(make_model(layout=lay))) for lay in ("ik", "mainline-old", "mainline-mla")]
+    for hp in hps[1:]:
+        assert (hp.n_embd_head_k, hp.n_embd_head_v, hp.n_head_kv, hp.kv_lora_rank) == \
+               (hps[0].n_embd_head_k, hps[0].n_embd_head_v, hps[0].n_head_kv, hps[0].kv_lora_rank)

@@ -1,0 +1,229 @@
+"""Numba kernels and quant.matmul against the NumPy reference (and gguf.quants as oracle).
+
+Tolerances, and why:
+* decoding (dequantize / get_rows / tiles) does the same single f32 multiply as the
+  reference, so it must match exactly;
+* f32 dot products of length c differ from a float64 sum by at most ~c*eps*sum|w*x|
+  (eps = 2^-24); with c <= 256 that is < 2e-5 of |W|@|x|, the scale used below;
+* the integer paths quantize x per block of 32 to q*s with |x - q*s| <= s/2 = amax/254,
+  so |y - x@W.T| <= |W| @ e with e_j = amax(block of j)/254 — checked as a hard bound,
+  plus an exact emulation of the same integer arithmetic in NumPy.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import quants as gq
+from gguf.constants import GGMLQuantizationType as GT
+
+from quant import kernels as K
+from quant import matmul as M
+from quant import reference as R
+from quant.tensor import QTensor
+from quant.types import BF16, F16, F32, Q4_0, Q8_0, type_info
+
+ALL = [F32, F16, BF16, Q8_0, Q4_0]
+INT_TYPES = [Q8_0, Q4_0]
+GGUF_TYPE = {F32: GT.F32, F16: GT.F16, BF16: GT.BF16, Q8_0: GT.Q8_0, Q4_0: GT.Q4_0}
+F32_TOL = 2e-5
+
+
+def _weights(rng, rows, cols):
+    """Random rows with varied scales plus the awkward blocks: zeros, ties, one spike."""
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    w *= rng.uniform(0.01, 4.0, (rows, 1)).astype(np.float32)
+    w[0, :32] = 0.0
+    if rows > 1:
+        w[1, :32] = 0.5                      # every element ties for the max
+    if rows > 2:
+        w[2, 5] = -7.0 * np.abs(w[2]).max()  # negative spike sets the Q4_0 scale sign
+    if rows > 3:
+        w[3, 40:72] = rng.standard_normal(32) * 1e-6   # f16 subnormal scales
+    return w
+
+
+def _ref_matrix(w: QTensor) -> np.ndarray:
+    return R.dequantize(np.ascontiguousarray(w.data), w.qtype, int(np.prod(w.shape))).reshape(w.shape)
+
+
+def _ref_act_q8(x):
+    b = x.reshape(x.shape[0], -1, 32)
+    d = np.abs(b).max(axis=2) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d > 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    q = R.round_half_away(b * inv[:, :, None]).astype(np.int8)
+    return q.reshape(x.shape), d.astype(np.float32)
+
+
+# ------------------------------------------------------------------ reference quantizers
+@pytest.mark.parametrize("qt", ALL)
+def test_reference_matches_gguf(qt):
+    rng = np.random.default_rng(1)
+    x = _weights(rng, 24, 256)
+    ours = R.quantize(x, qt)
+    theirs = np.asarray(gq.quantize(x, GGUF_TYPE[qt])).view(np.uint8).reshape(-1)
+    assert np.array_equal(ours, theirs)
+    back = R.dequantize(ours, qt, x.size)
+    want = gq.dequantize(theirs.reshape(24, -1), GGUF_TYPE[qt]).reshape(-1)
+    assert np.array_equal(back, want)
+    assert ours.size == type_info(qt).row_bytes(x.size)
+
+
+def test_reference_q8_0_rounding_is_roundf():
+    # 0.49999997 * 1 must round to 0 (floor(x + 0.5) would give 1)
+    x = np.zeros(32, np.float32)
+    x[0] = 127.0
+    x[1] = np.nextafter(np.float32(0.5), np.float32(0))
+    x[2] = 2.5
+    x[3] = -2.5
+    q = R.quantize(x, Q8_0)[2:].view(np.int8)
+    assert list(q[:4]) == [127, 0, 3, -3]
+
+
+def test_f16_bits_all_patterns():
+    h = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    y = np.empty(65536, np.float32)
+    K.f16_bits_to_f32(h, y)
+    want = h.view(np.float16).astype(np.float32)
+    assert np.array_equal(y.view(np.uint32), want.view(np.uint32))
+
+
+# ------------------------------------------------------------------ dequantize / get_rows
+@pytest.mark.parametrize("qt", ALL)
+def test_dequantize_matches_reference_and_gguf(qt):
+    rng = np.random.default_rng(2)
+    x = _weights(rng, 13, 128)
+    w = M.quantize_tensor(x, qt)
+    got = M.dequantize(w)
+    assert got.shape == x.shape and got.dtype == np.float32
+    assert np.array_equal(got, _ref_matrix(w))
+    assert np.array_equal(got, gq.dequantize(w.data, GGUF_TYPE[qt]))
+    # and it is actually close to what was quantized (catches a wrong-but-consistent pair)
+    tol = {F32: 0, F16: 1e-3, BF16: 8e-3, Q8_0: 1e-2, Q4_0: 0.15}[qt]
+    assert np.abs(got - x).max() <= tol * np.abs(x).max()
+
+
+@pytest.mark.parametrize("qt", ALL)
+def test_get_rows(qt):
+    rng = np.random.default_rng(3)
+    x = _weights(rng, 37, 96)
+    w = M.quantize_tensor(x, qt)
+    ids = np.array([[5, 0, 36], [5, 17, 2]])
+    got = M.get_rows(w, ids)
+    assert got.shape == (2, 3, 96)
+    assert np.array_equal(got, _ref_matrix(w)[ids])
+    with pytest.raises(IndexError):
+        M.get_rows(w, np.array([37]))
+
+
+# ------------------------------------------------------------------ activation quantizer
+def test_quantize_act_q8_exact():
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((5, 256)) * rng.uniform(1e-3, 1e3, (5, 1))).astype(np.float32)
+    x[0, :32] = 0
+    x[1, :32] = np.linspace(-3.5, 3.5, 32)
+    x[2, :32] = 0
+    x[2, 0] = 127.0                                      # d = 1 exactly
+    x[2, 1] = -np.nextafter(np.float32(0.5), np.float32(0))  # roundf -> 0, floor(|v|+.5) -> 1
+    q = np.empty(x.shape, np.int8)
+    s = np.empty((5, 8), np.float32)
+    K.quantize_act_q8(x, K.QK, q, s)
+    rq, rs = _ref_act_q8(x)
+    assert np.array_equal(q, rq) and np.array_equal(s, rs)
+
+
+# ------------------------------------------------------------------ matmul
+def _check_matmul(w: QTensor, x: np.ndarray, y: np.ndarray):
+    W = _ref_matrix(w).astype(np.float64)
+    xd = x.astype(np.float64)
+    scale = np.abs(xd) @ np.abs(W).T + 1e-30
+    if w.qtype in INT_TYPES and x.shape[0] < M.many_tokens(w.qtype):
+        q, s = _ref_act_q8(x)
+        # exact emulation of the integer path: per-block int sums times both scales
+        xq = (q.reshape(len(x), -1, 32).astype(np.float64) * s[:, :, None]).reshape(x.shape)
+        assert np.all(np.abs(y - xq @ W.T) <= F32_TOL * (np.abs(xq) @ np.abs(W).T) + 1e-30)
+        # and the bound that activation rounding guarantees against the f32 product
+        e = np.repeat(np.abs(x).reshape(len(x), -1, 32).max(axis=2) / 254.0, 32, axis=1)
+        bound = e @ np.abs(W).T * (1 + 1e-4) + F32_TOL * scale
+        assert np.all(np.abs(y - xd @ W.T) <= bound)
+    else:
+        assert np.all(np.abs(y - xd @ W.T) <= F32_TOL * scale)
+
+
+@pytest.mark.parametrize("qt", ALL)
+@pytest.mark.parametrize("n", [1, 3, 40])
+def test_matmul_paths(qt, n, monkeypatch):
+    monkeypatch.setattr(M, "TILE_BYTES", 16 * 4 * 256)   # 16-row tiles: 77 = 4*16 + 13
+    rng = np.random.default_rng(10 + n)
+    w = M.quantize_tensor(_weights(rng, 77, 256), qt)
+    x = rng.standard_normal((n, 256)).astype(np.float32)
+    y = M.matmul(w, x)
+    assert y.shape == (n, 77) and y.dtype == np.float32
+    _check_matmul(w, x, y)
+    out = np.full((n, 77), np.nan, np.float32)
+    assert M.matmul(w, x, out=out) is out
+    assert np.array_equal(out, y)
+
+
+def test_tile_rows_remainder_is_used():
+    assert M.tile_rows(256, 77) <= 77
+    assert M.tile_rows(4096, 10_000) % 16 == 0
+
+
+@pytest.mark.parametrize("qt", ALL)
+@pytest.mark.parametrize("layout", ["padded", "interleaved"])
+def test_matmul_noncontiguous_expert(qt, layout):
+    rng = np.random.default_rng(20)
+    E, rows, cols = 3, 45, 128
+    experts = [M.quantize_tensor(_weights(rng, rows, cols), qt) for _ in range(E)]
+    rb = experts[0].data.shape[1]
+    if layout == "padded":   # rows of each expert are rb + 8 bytes apart
+        big = np.zeros((E, rows, rb + 8), np.uint8)
+        for e in range(E):
+            big[e, :, :rb] = experts[e].data
+        data = big[:, :, :rb]
+    else:                    # stored (rows, E, rb): an expert's rows are E*rb bytes apart
+        big = np.zeros((rows, E, rb), np.uint8)
+        for e in range(E):
+            big[:, e] = experts[e].data
+        data = big.transpose(1, 0, 2)
+    big.flags.writeable = False              # like a read-only memory map
+    w3 = QTensor(data, qt, (E, rows, cols))
+    for e in (0, 2):
+        we = w3[e]
+        assert not we.data.flags.c_contiguous
+        buf, stride, _, _ = M._rows_view(we)
+        assert np.shares_memory(buf, big) and stride == we.data.strides[0]   # no copy
+        for n in (1, 3, 40):
+            x = rng.standard_normal((n, cols)).astype(np.float32)
+            y = M.matmul(we, x)
+            assert np.array_equal(M.dequantize(we), M.dequantize(experts[e]))
+            _check_matmul(experts[e], x, y)
+        assert np.array_equal(M.get_rows(we, np.array([44, 1])), M.get_rows(experts[e], np.array([44, 1])))
+
+
+def test_matmul_rejects_bad_shapes():
+    w = M.quantize_tensor(np.ones((4, 64), np.float32), Q8_0)
+    with pytest.raises(ValueError):
+        M.matmul(w, np.ones((2, 32), np.float32))
+    with pytest.raises(ValueError):
+        M.matmul(w, np.ones((2, 64), np.float32), out=np.empty((2, 5), np.float32))
+
+
+def test_supported():
+    for qt in ALL:
+        assert M.supported(qt)
+    assert not M.supported(type_info("Q4_K").id)
+    with pytest.raises(NotImplementedError):
+        M.quantize_tensor(np.ones((1, 256), np.float32), type_info("Q4_K").id)
+
+
+def test_set_num_threads_roundtrip():
+    nb0, bl0 = M.get_num_threads()
+    try:
+        M.set_num_threads(1)
+        assert M.get_num_threads()[0] == 1
+        if bl0 is not None:
+            assert M.get_num_threads()[1] == 1
+    finally:
+        M.set_num_threads(nb0, bl0 if bl0 is not None else nb0)
