@@ -11,8 +11,9 @@ from .model import Log, Model
 
 
 def set_threads(n: int) -> None:
-    import numba
-    numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
+    """Both pools: Numba's kernels and the BLAS behind the many-token matmuls."""
+    from quant.matmul import set_num_threads
+    set_num_threads(n)
 
 
 class Context:

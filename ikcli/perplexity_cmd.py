@@ -13,16 +13,17 @@ from . import common
 from .errors import CliError
 
 
-def _read_text(path: Optional[str]) -> tuple[str, str]:
+def _read_text(path: Optional[str], escape: bool) -> tuple[str, str]:
+    from .textio import prompt_from_file
     if path is None:
         from .defaults import demo_text
         path = demo_text()
         common.log(f"perplexity: no -f given, using the bundled text {path}")
     if path == "-":
-        return sys.stdin.buffer.read().decode("utf-8", errors="replace"), "<stdin>"
+        return prompt_from_file(sys.stdin.buffer.read().decode("utf-8", errors="replace"), escape), "<stdin>"
     try:
         with open(path, "rb") as fh:
-            return fh.read().decode("utf-8", errors="replace"), path
+            return prompt_from_file(fh.read().decode("utf-8", errors="replace"), escape), path
     except OSError as e:
         raise CliError(f"cannot read text file '{path}': {e.strerror}") from None
 
@@ -61,7 +62,7 @@ def _eta(t_pass: float, n_pass: int) -> None:
 def perplexity(
     model: Optional[str] = common.ModelOpt,
     file: Optional[str] = typer.Option(None, "-f", "--file", help="text file to evaluate ('-' for stdin). Default: bundled Shakespeare slice"),
-    ctx_size: int = typer.Option(512, "-c", "--ctx-size", help="chunk size in tokens (llama-perplexity default: 512)"),
+    ctx_size: Optional[int] = typer.Option(None, "-c", "--ctx-size", help="chunk size in tokens (default 512 as in llama-perplexity; the embedded demo model uses its training context)"),
     batch_size: int = common.BatchOpt,
     ubatch_size: int = common.UBatchOpt,
     threads: int = common.ThreadsOpt,
@@ -70,9 +71,13 @@ def perplexity(
     chunks: int = typer.Option(-1, "--chunks", help="max number of chunks to process (-1 = all)"),
     kl_base: Optional[str] = typer.Option(None, "--kl-divergence-base", help="file of base-model log-probabilities: written, or read with --kl-divergence"),
     kl: bool = typer.Option(False, "--kl-divergence", help="compare against the base log-probabilities of --kl-divergence-base"),
+    escape: bool = typer.Option(True, "-e/--no-escape", "--escape/--no-escape",
+                                help="process escape sequences (\\n, \\t, \\xHH …) in the text, as llama.cpp does by default"),
     ngl: int = common.NglOpt,
     mla: int = common.MlaOpt,
 ) -> None:
+    if ctx_size is None:
+        ctx_size = 0 if model is None else 512  # the demo model is evaluated at its trained context
     common.check_common(ctx_size, batch_size, ubatch_size, threads, threads_batch, ngl, mla)
     if kl and not kl_base:
         raise CliError("--kl-divergence needs --kl-divergence-base FILE (the base model's log-probabilities)")
@@ -108,15 +113,15 @@ def perplexity(
         finally:
             base.fh.close()
     else:
-        _perplexity(ctx, m, file, n_ctx, n_batch, n_seq, chunks, kl_base)
+        _perplexity(ctx, m, file, escape, n_ctx, n_batch, n_seq, chunks, kl_base)
 
 
-def _perplexity(ctx, m, file, n_ctx: int, n_batch: int, n_seq: int, chunks: int, kl_base: Optional[str]) -> None:
+def _perplexity(ctx, m, file, escape: bool, n_ctx: int, n_batch: int, n_seq: int, chunks: int, kl_base: Optional[str]) -> None:
     import numpy as np
 
     from engine.perplexity import BaseLogitsWriter, PplAccumulator, chunk_logits, plan_chunks, token_nll
 
-    text, name = _read_text(file)
+    text, name = _read_text(file, escape)
     common.log("perplexity: tokenizing the input ..")
     t0 = time.perf_counter()
     tokens = np.asarray(m.tokenizer.encode(text, add_special=True), dtype=np.int32)

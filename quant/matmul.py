@@ -9,7 +9,7 @@ stored in any supported GGML type, reading the packed weight bytes in place:
   output rows (numba prange).  Cost grows linearly with n.
 * many tokens: a tile of rows (about TILE_BYTES of f32) is decoded into a reusable scratch
   buffer and multiplied with BLAS (numpy matmul), tile after tile; at no point is more
-  than one tile of the weight matrix held in f32.  Nearly flat cost up to n ~ 64.
+  than one tile of the weight matrix held in f32.  Cost grows slowly with n.
 * F32 weights go to BLAS directly (the strided view of the bytes is already a matrix).
 
 The crossovers were measured on a Zen 4 core (4096 x 4096): Q8_0 few-token costs ~2 ms
@@ -20,12 +20,11 @@ spaced further apart than their length): only the byte span from the first to th
 row is viewed, never copied, as long as each row is one contiguous run of bytes.
 
 Threads: the Numba kernels use numba's pool, the BLAS calls numpy's OpenBLAS pool; set
-both with set_num_threads(n) (quant.blas_threads explains why BLAS's must be set too).  Both pools busy-wait after their work by
-default, so in the many-token path (numba tile decode, then BLAS, alternating) they fight
-for the cores; on 2 cores that doubled the time of an n=512 matmul.  Setting
-OMP_WAIT_POLICY=PASSIVE in the environment before numba starts its pool (numba's "omp"
-threading layer) removes that (228 -> 104 ms for 512 x 4096 x 4096 Q8_0, 2 threads),
-and costs the few-token path only a few percent.  TILE_DEQUANT_THREADS can also cap the
+both with set_num_threads(n) (quant.blas_threads explains why BLAS's must be set too).
+Idle pools that busy-wait fight for the cores: quant.kernels therefore defaults
+OMP_WAIT_POLICY to PASSIVE for numba's OpenMP pool (for 512 x 4096 x 4096 Q8_0 on 2 cores
+that took the many-token path from 228 to 104 ms), which only works if quant is imported
+before numba runs its first parallel function.  TILE_DEQUANT_THREADS can also cap the
 numba threads used for tile decoding.
 """
 from __future__ import annotations
@@ -155,7 +154,22 @@ def _few_tokens(buf, qt, stride, rows, cols, x, out) -> None:
         K.matvec_float(buf, qt, stride, rows, cols, K.QK, K.F16_TO_F32, x, out, 8 * numba.get_num_threads())
 
 
+def _q8_rounded(x: np.ndarray) -> np.ndarray:
+    """x after a round trip through Q8 blocks (int8 + f32 scale per 32).
+
+    GGML multiplies Q8_0 / Q4_0 weights with activations quantized this way; doing the same
+    before BLAS keeps the many-token path numerically equal to the few-token integer path and
+    to ik_llama.cpp (measured: perplexity differences of ~0.35% without it on random models).
+    """
+    q = np.empty(x.shape, dtype=np.int8)
+    s = np.empty((x.shape[0], x.shape[1] // K.QK), dtype=np.float32)
+    K.quantize_act_q8(x, K.QK, q, s)
+    return (q.reshape(x.shape[0], -1, K.QK).astype(np.float32) * s[:, :, None]).reshape(x.shape)
+
+
 def _many_tokens(buf, qt, stride, rows, cols, x, out) -> None:
+    if qt == Q8_0 or qt == Q4_0:
+        x = _q8_rounded(x)
     tr = tile_rows(cols, rows)
     tile = np.empty((tr, cols), dtype=np.float32)
     ids = np.arange(rows, dtype=np.int64)

@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""Compare `ikcli perplexity` with another tool's `llama-perplexity` (e.g. ik_llama.cpp built beside
+the project) on the same generated GGUF files, text and -c.
+
+    python scripts/compare_perplexity.py --ref /path/to/llama-perplexity [--ref-args "-mla 0 -fa off"] \
+        [--cases all] [--ctx 128] [--chunks 8] [--text FILE] [--out table.md]
+
+Prints a Markdown table: model, weights, ikcli PPL, reference PPL, relative difference.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+from make_test_model import write_model  # noqa: E402
+
+CASES = {
+    # name: (arch, layout, preset)
+    "llama": ("llama", "ik", "tiny"),
+    "ds-v3like-ik": ("deepseek2", "ik", "tiny"),
+    "ds-v3like-mainline-old": ("deepseek2", "mainline-old", "tiny"),
+    "ds-mla576-ik": ("deepseek2", "ik", "tiny-mla576"),
+    "ds-mla576-mainline-mla": ("deepseek2", "mainline-mla", "tiny-mla576"),
+    "ds-v3-yarn-sigmoid": ("deepseek2", "ik", "tiny-v3"),
+    "ds-v2lite-like": ("deepseek2", "mainline-old", "tiny-lite"),
+}
+FINAL = re.compile(r"Final estimate: PPL(?: over \d+ chunks for n_ctx=\d+)? = (\d+\.\d+) \+/- (\d+\.\d+)")
+
+
+def run(cmd: list[str]) -> float:
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    m = FINAL.search(r.stdout)
+    if not m:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+    return float(m.group(1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ref", required=True, help="path of the reference llama-perplexity binary")
+    ap.add_argument("--ref-args", default="", help="extra flags for the reference tool")
+    ap.add_argument("--cases", default="all")
+    ap.add_argument("--types", default="f16,q8_0,q4_0")
+    ap.add_argument("--ctx", type=int, default=128)
+    ap.add_argument("--chunks", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--text", default=os.path.join(os.path.dirname(HERE), "engine", "data", "shakespeare.test.txt"))
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    names = list(CASES) if a.cases == "all" else a.cases.split(",")
+    rows = ["| model | weights | ikcli PPL | reference PPL | diff |", "|---|---|---:|---:|---:|"]
+    with tempfile.TemporaryDirectory() as d:
+        for name in names:
+            arch, layout, preset = CASES[name]
+            for qt in a.types.split(","):
+                path = write_model(os.path.join(d, f"{name}-{qt}.gguf"), arch, layout, qt, preset, seed=1)[0]
+                common = ["-m", path, "-f", a.text, "-c", str(a.ctx), "--chunks", str(a.chunks), "-t", str(a.threads)]
+                ours = run([sys.executable, "-m", "ikcli", "perplexity", *common])
+                ref = run([a.ref, *common, *shlex.split(a.ref_args)])
+                diff = (ours - ref) / ref
+                rows.append(f"| {name} | {qt} | {ours:.4f} | {ref:.4f} | {100 * diff:+.3f}% |")
+                print(rows[-1], flush=True)
+    text = "\n".join(rows)
+    print(text)
+    if a.out:
+        open(a.out, "w").write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
