@@ -163,7 +163,7 @@ def build_llama(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int) -> None
     E = s.n_embd
     w.mat("token_embd.weight", n_vocab, E, scale=np.sqrt(E))
     w.vec("output_norm.weight", E)
-    w.mat("output.weight", n_vocab, E, scale=4.0)
+    w.mat("output.weight", n_vocab, E, scale=2.0)
     for i in range(s.n_layer):
         p = f"blk.{i}."
         w.vec(p + "attn_norm.weight", E)
@@ -221,7 +221,7 @@ def build_deepseek2(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int, lay
 
     w.mat("token_embd.weight", n_vocab, E, scale=np.sqrt(E))
     w.vec("output_norm.weight", E)
-    w.mat("output.weight", n_vocab, E, scale=4.0)
+    w.mat("output.weight", n_vocab, E, scale=2.0)
     for i in range(s.n_layer):
         p = f"blk.{i}."
         w.vec(p + "attn_norm.weight", E)

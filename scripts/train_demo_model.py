@@ -371,7 +371,7 @@ def main():
     ap.add_argument("--test", default="/work/shared/corpus/shakespeare.test.txt")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--steps", type=int, default=800)
     ap.add_argument("--batch", type=int, default=16, help="sequences per step")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--min-lr-frac", type=float, default=0.1)
@@ -381,7 +381,7 @@ def main():
     ap.add_argument("--dropout", type=float, default=0.1, help="residual-branch dropout (training only)")
     ap.add_argument("--max-minutes", type=float, default=0.0,
                     help="stop training early after this many minutes (0 = no limit; breaks determinism)")
-    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--eval-every", type=int, default=200)
     # tokenizer / architecture
     ap.add_argument("--vocab-size", type=int, default=1024)
     ap.add_argument("--n-ctx", type=int, default=256)
