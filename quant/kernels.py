@@ -34,6 +34,8 @@ import os
 # (numba and OpenBLAS pools no longer spin against each other).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import math
+
 import numpy as np  # noqa: E402
 from numba import njit, prange  # noqa: E402
 
@@ -134,8 +136,9 @@ def dequant_rows(buf, qtype, stride, row_ids, cols, qk, lut, out):
 def quantize_act_q8(x, qk, q, s):
     """x (n, cols) f32 -> q (n, cols) int8, s (n, cols//qk) f32 with x ~= q * s (per block).
 
-    d = amax/127, q = roundf(x * (1/d)): ggml's Q8_0 rule with an f32 scale.  No
-    reassociation / reciprocal flags here, so the result is reproducible bit for bit.
+    The rule of the Q8_2 activation blocks ik_llama.cpp multiplies Q8_0 / Q4_0 weights with:
+    d = amax/127 rounded to bfloat16 (nearest even), q = x/d rounded to nearest even and
+    saturated to int8.  Matching it keeps perplexities within noise of the C++ tool.
     """
     n, cols = x.shape
     nb = cols // qk
@@ -147,14 +150,14 @@ def quantize_act_q8(x, qk, q, s):
             for j in range(qk):
                 amax = max(amax, abs(xv[j]))
             d = amax / np.float32(127.0)
+            if d > 0:
+                m, e = math.frexp(np.float64(d))          # bf16 keeps 8 significant bits
+                d = np.float32(math.ldexp(np.rint(m * 256.0) / 256.0, e))
             inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
             s[t, b] = d
             for j in range(qk):
-                v = xv[j] * inv
-                a = abs(v)
-                r = np.floor(a)
-                r += np.float32(a - r >= np.float32(0.5))   # roundf: half away from zero
-                qv[j] = np.int8(r if v >= 0 else -r)
+                r = np.rint(xv[j] * inv)
+                qv[j] = np.int8(min(127.0, max(-128.0, r)))
 
 
 # ----------------------------------------------------------------------------------------

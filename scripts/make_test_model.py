@@ -68,7 +68,7 @@ PRESETS = {
     # layout only with these
     "tiny-mla576": Shape(kv_lora_rank=512, qk_rope=64, qk_nope=32, v_head=32),
     # ~1B parameters, DeepSeek-shaped (for benchmarks)
-    "1b": Shape(n_embd=1024, n_layer=8, n_head=16, n_ff=4096, n_ctx=4096, q_lora_rank=384, kv_lora_rank=512,
+    "1b": Shape(n_embd=1024, n_layer=10, n_head=16, n_ff=4096, n_ctx=4096, q_lora_rank=384, kv_lora_rank=512,
                 qk_nope=128, qk_rope=64, v_head=128, n_expert=64, n_expert_used=6, n_expert_shared=2,
                 n_ff_exp=512, n_dense_lead=1, gating=2, weights_norm=True, weights_scale=2.5),
 }

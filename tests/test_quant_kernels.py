@@ -46,12 +46,20 @@ def _ref_matrix(w: QTensor) -> np.ndarray:
     return R.dequantize(np.ascontiguousarray(w.data), w.qtype, int(np.prod(w.shape))).reshape(w.shape)
 
 
+def _bf16(v):
+    """float32 -> nearest-even bfloat16, back as float32 (bit manipulation)."""
+    u = np.asarray(v, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+    return u.astype(np.uint32).view(np.float32)
+
+
 def _ref_act_q8(x):
+    """ik_llama.cpp's Q8_2 activation rule: bf16 scale, round half to even, int8 saturation."""
     b = x.reshape(x.shape[0], -1, 32)
-    d = np.abs(b).max(axis=2) / np.float32(127)
+    d = _bf16(np.abs(b).max(axis=2) / np.float32(127))
     with np.errstate(divide="ignore"):
         inv = np.where(d > 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
-    q = R.round_half_away(b * inv[:, :, None]).astype(np.int8)
+    q = np.clip(np.rint(b * inv[:, :, None]), -128, 127).astype(np.int8)
     return q.reshape(x.shape), d.astype(np.float32)
 
 
@@ -137,13 +145,14 @@ def _check_matmul(w: QTensor, x: np.ndarray, y: np.ndarray):
     W = _ref_matrix(w).astype(np.float64)
     xd = x.astype(np.float64)
     scale = np.abs(xd) @ np.abs(W).T + 1e-30
-    if w.qtype in INT_TYPES and x.shape[0] < M.many_tokens(w.qtype):
+    if w.qtype in INT_TYPES:  # both paths use Q8-rounded activations with integer weight types
         q, s = _ref_act_q8(x)
         # exact emulation of the integer path: per-block int sums times both scales
         xq = (q.reshape(len(x), -1, 32).astype(np.float64) * s[:, :, None]).reshape(x.shape)
         assert np.all(np.abs(y - xq @ W.T) <= F32_TOL * (np.abs(xq) @ np.abs(W).T) + 1e-30)
         # and the bound that activation rounding guarantees against the f32 product
-        e = np.repeat(np.abs(x).reshape(len(x), -1, 32).max(axis=2) / 254.0, 32, axis=1)
+        # bf16 scale d <= amax/127·(1 + 2^-8): half a step, plus a saturated 127.5 -> 127
+        e = np.repeat(np.abs(x).reshape(len(x), -1, 32).max(axis=2) / 127.0 * (1 + 2 ** -8), 32, axis=1)
         bound = e @ np.abs(W).T * (1 + 1e-4) + F32_TOL * scale
         assert np.all(np.abs(y - xd @ W.T) <= bound)
     else:
