@@ -17,7 +17,7 @@ from __future__ import annotations
 import heapq
 import re
 import unicodedata
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["Tokenizer"]
 
@@ -53,7 +53,7 @@ _SPACE_ESC = "\u2581"  # SentencePiece's visible space "▁"
 # ---------------------------------------------------------------------------
 
 
-def _gpt2_byte_chars() -> list[str]:
+def gpt2_byte_chars() -> list[str]:
     """Byte value -> printable unicode char, as in GPT-2's bytes_to_unicode()."""
     keep = list(range(0x21, 0x7F)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
     table: dict[int, int] = {b: b for b in keep}
@@ -65,10 +65,52 @@ def _gpt2_byte_chars() -> list[str]:
     return [chr(table[b]) for b in range(256)]
 
 
-_BYTE_CHARS = _gpt2_byte_chars()
+_BYTE_CHARS = gpt2_byte_chars()
 # str.translate table applied to bytes decoded as latin-1 (one char per byte)
 _BYTE_ENCODE_TABLE = {b: _BYTE_CHARS[b] for b in range(256)}
 _CHAR_TO_BYTE = {c: b for b, c in enumerate(_BYTE_CHARS)}
+
+
+def merge_pairs(syms: list[str], priority: Callable[[str, str], float | None]) -> list[str]:
+    """Repeatedly merge the adjacent pair with the lowest priority value (ties: leftmost first).
+
+    One loop for both tokenizer families: BPE ranks pairs by merge order, SPM by the negated
+    score of the merged piece. Symbols form a linked list; stale heap entries are skipped.
+    """
+    n = len(syms)
+    if n < 2:
+        return [x for x in syms if x]
+    nxt = list(range(1, n + 1))
+    nxt[-1] = -1
+    prv = list(range(-1, n - 1))
+    heap = []
+    for i in range(n - 1):
+        r = priority(syms[i], syms[i + 1])
+        if r is not None:
+            heap.append((r, i, i + 1, syms[i] + syms[i + 1]))
+    heapq.heapify(heap)
+    pop, push = heapq.heappop, heapq.heappush
+    while heap:
+        _, left, right, text = pop(heap)
+        ls, rs = syms[left], syms[right]
+        if not ls or not rs or ls + rs != text:
+            continue  # stale entry
+        syms[left] = text
+        syms[right] = ""
+        nx = nxt[right]
+        nxt[left] = nx
+        if nx >= 0:
+            prv[nx] = left
+        p = prv[left]
+        if p >= 0:
+            r = priority(syms[p], text)
+            if r is not None:
+                push(heap, (r, p, left, syms[p] + text))
+        if nx >= 0:
+            r = priority(text, syms[nx])
+            if r is not None:
+                push(heap, (r, left, nx, text + syms[nx]))
+    return [x for x in syms if x]
 
 
 def _byte_encode(word: str) -> str:
@@ -823,44 +865,8 @@ class Tokenizer:
 
     def _bpe_merge(self, enc: str) -> list[str]:
         """Merge adjacent symbols by lowest merge rank (ties: leftmost first)."""
-        n = len(enc)
-        if n < 2:
-            return [enc] if n else []
         ranks = self.bpe_ranks
-        syms = list(enc)
-        nxt = list(range(1, n + 1))
-        nxt[-1] = -1
-        prv = list(range(-1, n - 1))
-        heap = []
-        for i in range(n - 1):
-            r = ranks.get((syms[i], syms[i + 1]))
-            if r is not None:
-                heap.append((r, i, i + 1, syms[i] + syms[i + 1]))
-        if not heap:
-            return syms
-        heapq.heapify(heap)
-        pop, push = heapq.heappop, heapq.heappush
-        while heap:
-            _, left, right, text = pop(heap)
-            ls, rs = syms[left], syms[right]
-            if not ls or not rs or ls + rs != text:
-                continue  # stale entry
-            syms[left] = text
-            syms[right] = ""
-            nx = nxt[right]
-            nxt[left] = nx
-            if nx >= 0:
-                prv[nx] = left
-            p = prv[left]
-            if p >= 0:
-                r = ranks.get((syms[p], text))
-                if r is not None:
-                    push(heap, (r, p, left, syms[p] + text))
-            if nx >= 0:
-                r = ranks.get((text, syms[nx]))
-                if r is not None:
-                    push(heap, (r, left, nx, text + syms[nx]))
-        return [s for s in syms if s]
+        return merge_pairs(list(enc), lambda l, r: ranks.get((l, r)))
 
     # --- SPM
     def _spm_tokenize(self, text: str) -> list[int]:
@@ -885,42 +891,12 @@ class Tokenizer:
         """llama.cpp's SPM: repeatedly merge the adjacent pair whose concatenation is the
         highest-scoring vocab entry (ties: leftmost first); leftovers become byte tokens."""
         vocab, scores = self.token_to_id, self.scores
-        n = len(text)
-        syms = list(text)
-        nxt = list(range(1, n + 1))
-        if n:
-            nxt[-1] = -1
-        prv = list(range(-1, n - 1))
-        heap = []
-        for i in range(n - 1):
-            t = syms[i] + syms[i + 1]
-            tid = vocab.get(t)
-            if tid is not None:
-                heap.append((-scores[tid], i, i + 1, t))
-        heapq.heapify(heap)
-        pop, push = heapq.heappop, heapq.heappush
-        while heap:
-            _, left, right, t = pop(heap)
-            ls, rs = syms[left], syms[right]
-            if not ls or not rs or ls + rs != t:
-                continue
-            syms[left] = t
-            syms[right] = ""
-            nx = nxt[right]
-            nxt[left] = nx
-            if nx >= 0:
-                prv[nx] = left
-            p = prv[left]
-            if p >= 0:
-                t2 = syms[p] + t
-                tid = vocab.get(t2)
-                if tid is not None:
-                    push(heap, (-scores[tid], p, left, t2))
-            if nx >= 0:
-                t2 = t + syms[nx]
-                tid = vocab.get(t2)
-                if tid is not None:
-                    push(heap, (-scores[tid], left, nx, t2))
+
+        def priority(left: str, right: str):
+            tid = vocab.get(left + right)
+            return None if tid is None else -scores[tid]
+
+        syms = merge_pairs(list(text), priority)
         ids: list[int] = []
         for s in syms:
             if not s:

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gguf  # noqa: E402
 
+from engine.tokenizer import gpt2_byte_chars  # noqa: E402
 from quant.matmul import quantize_tensor  # noqa: E402
 from quant.types import type_info  # noqa: E402
 
@@ -76,16 +77,7 @@ PRESETS = {
 
 def byte_vocab() -> tuple[list[str], list[int], list[str]]:
     """A byte-level GPT-2 style vocabulary: 256 byte symbols + <|endoftext|>, a few merges."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    byte_char = dict(zip(bs, (chr(c) for c in cs)))
-    tokens = [byte_char[b] for b in range(256)]
+    tokens = gpt2_byte_chars()
     merges = []
     for a, b in [("Ġ", "t"), ("h", "e"), ("Ġ", "a"), ("Ġt", "he"), ("i", "n"), ("e", "r"), ("o", "u"), ("Ġ", "s")]:
         merges.append(f"{a} {b}")
