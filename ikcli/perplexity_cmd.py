@@ -67,7 +67,7 @@ def perplexity(
     ubatch_size: int = common.UBatchOpt,
     threads: int = common.ThreadsOpt,
     threads_batch: int = common.ThreadsBatchOpt,
-    seed: int = common.SeedOpt,
+    seed: int = typer.Option(-1, "-s", "--seed", help="accepted like llama-perplexity's; perplexity does not sample, so it changes nothing"),
     chunks: int = typer.Option(-1, "--chunks", help="max number of chunks to process (-1 = all)"),
     kl_base: Optional[str] = typer.Option(None, "--kl-divergence-base", help="file of base-model log-probabilities: written, or read with --kl-divergence"),
     kl: bool = typer.Option(False, "--kl-divergence", help="compare against the base log-probabilities of --kl-divergence-base"),
