@@ -10,25 +10,16 @@ import typer
 from .errors import CliError
 
 ModelOpt = typer.Option(None, "-m", "--model", help="model path (GGUF; first part of a split model). Default: embedded demo model")
-CtxOpt = typer.Option(0, "-c", "--ctx-size", help="size of the prompt context (0 = loaded from model)")
 BatchOpt = typer.Option(2048, "-b", "--batch-size", help="logical maximum batch size")
 UBatchOpt = typer.Option(512, "-ub", "--ubatch-size", help="physical maximum batch size")
 ThreadsOpt = typer.Option(0, "-t", "--threads", help="number of threads to use during generation (0 = all cores)")
 ThreadsBatchOpt = typer.Option(0, "-tb", "--threads-batch", help="threads for batch and prompt processing (default: same as --threads)")
-SeedOpt = typer.Option(-1, "-s", "--seed", help="RNG seed (-1 = random)")
 NglOpt = typer.Option(0, "-ngl", "--gpu-layers", "--n-gpu-layers", help="number of layers to store in VRAM")
 MlaOpt = typer.Option(0, "-mla", "--mla-use", help="DeepSeek attention mode (only 0 is available in this version)")
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def configure_threads(n_threads: int) -> None:
-    """BLAS threads must be fixed before NumPy is imported; Numba's are set per call by the engine."""
-    if n_threads > 0:
-        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-            os.environ.setdefault(var, str(n_threads))
 
 
 def resolve_model(model: Optional[str]) -> str:

@@ -83,7 +83,6 @@ def perplexity(
         raise CliError("--kl-divergence needs --kl-divergence-base FILE (the base model's log-probabilities)")
     if ctx_size == 1:
         raise CliError("-c/--ctx-size must be at least 2 for perplexity")
-    common.configure_threads(threads_batch or threads)
     from engine.config import EngineConfig
     from engine.context import Context
     from engine.model import load_model

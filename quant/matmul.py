@@ -143,11 +143,17 @@ def matmul(w: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarr
     return out
 
 
+def _quantize_act(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x (n, cols) -> int8 values and one scale per 32, ik_llama.cpp's Q8_2 rule (see kernels)."""
+    q = np.empty(x.shape, dtype=np.int8)
+    s = np.empty((x.shape[0], x.shape[1] // K.QK), dtype=np.float32)
+    K.quantize_act_q8(x, K.QK, q, s)
+    return q, s
+
+
 def _few_tokens(buf, qt, stride, rows, cols, x, out) -> None:
     if qt == Q8_0 or qt == Q4_0:
-        q = np.empty(x.shape, dtype=np.int8)
-        s = np.empty((x.shape[0], cols // K.QK), dtype=np.float32)
-        K.quantize_act_q8(x, K.QK, q, s)
+        q, s = _quantize_act(x)
         kern = K.matvec_q8_0 if qt == Q8_0 else K.matvec_q4_0
         kern(buf, stride, rows, cols, K.QK, K.F16_TO_F32, q, s, out)
     else:
@@ -155,16 +161,14 @@ def _few_tokens(buf, qt, stride, rows, cols, x, out) -> None:
 
 
 def _q8_rounded(x: np.ndarray) -> np.ndarray:
-    """x after a round trip through Q8 blocks (int8 + f32 scale per 32).
+    """x after a round trip through the Q8 activation blocks of the few-token path.
 
-    GGML multiplies Q8_0 / Q4_0 weights with activations quantized this way, and so does the
-    few-token path here; doing the same before BLAS makes a token's result independent of the
-    batch it came in, and on a ~1B random DeepSeek Q8_0 model took the perplexity difference
-    to ik_llama.cpp (-mla 0) from 1.25% to 0.12%.
+    GGML multiplies Q8_0 / Q4_0 weights with activations quantized this way; doing the same
+    before BLAS makes a token's result independent of the batch it came in. Measured with it:
+    perplexities within 0.2% of ik_llama.cpp's (-mla 0) on the random Q8_0/Q4_0 models of
+    scripts/compare_perplexity.py, except the chaotic 26-layer Lite one (1.8%, README).
     """
-    q = np.empty(x.shape, dtype=np.int8)
-    s = np.empty((x.shape[0], x.shape[1] // K.QK), dtype=np.float32)
-    K.quantize_act_q8(x, K.QK, q, s)
+    q, s = _quantize_act(x)
     return (q.reshape(x.shape[0], -1, K.QK).astype(np.float32) * s[:, :, None]).reshape(x.shape)
 
 
