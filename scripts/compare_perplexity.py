@@ -29,6 +29,7 @@ EXTRA_REF_ARGS = {"ds-v2lite-like": ["-mla", "0", "-fa", "off"]}
 CASES = {
     # name: (arch, layout, preset)
     "llama": ("llama", "ik", "tiny"),
+    "llama-moe": ("llama", "ik", "tiny-moe"),
     "ds-v3like-ik": ("deepseek2", "ik", "tiny"),
     "ds-v3like-mainline-old": ("deepseek2", "mainline-old", "tiny"),
     "ds-mla576-ik": ("deepseek2", "ik", "tiny-mla576"),

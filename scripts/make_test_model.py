@@ -55,6 +55,7 @@ class Shape:
     yarn_log_mul: float = 0.0
     yarn_orig_ctx: int = 0
     rope_base: float = 10000.0
+    llama_moe: bool = False     # llama only: Mixtral-style routed experts instead of a dense MLP
 
 
 PRESETS = {
@@ -65,6 +66,7 @@ PRESETS = {
     # V2-Lite-like: no q_lora. ik_llama.cpp infers "no q_lora" from n_layer in {26, 27}.
     "tiny-lite": Shape(q_lora_rank=0, n_layer=26, n_embd=32, n_expert=4, n_ff_exp=32, n_ff=64, kv_lora_rank=32,
                        qk_nope=16, qk_rope=16, v_head=16),
+    "tiny-moe": Shape(llama_moe=True, n_expert=4),
     # DeepSeek's real latent sizes (576/512, rope 64): ik_llama.cpp accepts the new-mainline MLA
     # layout only with these
     "tiny-mla576": Shape(kv_lora_rank=512, qk_rope=64, qk_nope=32, v_head=32),
@@ -152,6 +154,9 @@ def build_llama(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int) -> None
     gw.add_float32(f"{a}.rope.freq_base", s.rope_base)
     gw.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)
     gw.add_uint32(f"{a}.vocab_size", n_vocab)
+    if s.llama_moe:
+        gw.add_uint32(f"{a}.expert_count", s.n_expert)
+        gw.add_uint32(f"{a}.expert_used_count", s.n_expert_used)
     E = s.n_embd
     w.mat("token_embd.weight", n_vocab, E, scale=np.sqrt(E))
     w.vec("output_norm.weight", E)
@@ -164,9 +169,16 @@ def build_llama(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int) -> None
         w.mat(p + "attn_v.weight", s.n_head_kv * s.head_dim, E)
         w.mat(p + "attn_output.weight", E, s.n_head * s.head_dim, scale=0.5)
         w.vec(p + "ffn_norm.weight", E)
-        w.mat(p + "ffn_gate.weight", s.n_ff, E)
-        w.mat(p + "ffn_up.weight", s.n_ff, E)
-        w.mat(p + "ffn_down.weight", E, s.n_ff, scale=0.5)
+        if s.llama_moe:
+            w.mat(p + "ffn_gate_inp.weight", s.n_expert, E, scale=3.0, keep_f32=True)
+            # llama's experts are feed_forward_length wide (no separate expert length key)
+            w.mat(p + "ffn_gate_exps.weight", s.n_expert, s.n_ff, E)
+            w.mat(p + "ffn_up_exps.weight", s.n_expert, s.n_ff, E)
+            w.mat(p + "ffn_down_exps.weight", s.n_expert, E, s.n_ff, scale=0.5)
+        else:
+            w.mat(p + "ffn_gate.weight", s.n_ff, E)
+            w.mat(p + "ffn_up.weight", s.n_ff, E)
+            w.mat(p + "ffn_down.weight", E, s.n_ff, scale=0.5)
 
 
 def build_deepseek2(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int, layout: str) -> None:

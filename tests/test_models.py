@@ -35,7 +35,8 @@ def test_deepseek_layouts_give_same_logits(make_model, qtype):
         np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-4 * np.abs(ref).max(), err_msg=layout)
 
 
-@pytest.mark.parametrize("arch,preset", [("deepseek2", "tiny"), ("deepseek2", "tiny-v3"), ("llama", "tiny")])
+@pytest.mark.parametrize("arch,preset", [("deepseek2", "tiny"), ("deepseek2", "tiny-v3"), ("llama", "tiny"),
+                                         ("llama", "tiny-moe")])
 def test_incremental_decoding_matches_one_batch(make_model, arch, preset):
     p = make_model(arch=arch, preset=preset, qtype="f32")
     t = tokens(33)
@@ -126,3 +127,25 @@ def test_deepseek2_matches_plain_numpy_restatement(make_model):
     ref = reference_deepseek2(p, t)
     got = run(p, t)
     np.testing.assert_allclose(got, ref, rtol=2e-3, atol=2e-3 * np.abs(ref).max())
+
+
+def test_llama_moe_is_mixtral_style(make_model):
+    """Routed experts: softmax over the router, top-k, weights renormalised, added to the residual."""
+    from engine.ffn import moe_ffn
+    p = make_model(arch="llama", preset="tiny-moe", qtype="f32")
+    m = load_model(p, quiet_log)
+    assert "moe" in m.arch.layers[0] and m.hp.n_expert_used == 2
+    L = m.arch.layers[0]["moe"]
+    h = np.random.default_rng(3).standard_normal((5, m.hp.n_embd)).astype(np.float32)
+    got = moe_ffn(h, L, 2, 1, True, 1.0)
+    W = {k: dequantize(getattr(L, k)).astype(np.float64) for k in ("router", "gate", "up", "down")}
+    silu = lambda z: z / (1 + np.exp(-z))
+    want = np.zeros_like(got, dtype=np.float64)
+    for t in range(5):
+        lg = W["router"] @ h[t]
+        pr = np.exp(lg - lg.max()); pr /= pr.sum()
+        top = np.argsort(-pr)[:2]
+        for e in top:
+            y = W["down"][e] @ (silu(W["gate"][e] @ h[t]) * (W["up"][e] @ h[t]))
+            want[t] += pr[e] / pr[top].sum() * y
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())

@@ -7,6 +7,7 @@ from quant.matmul import matmul
 
 from ..attention import causal_attention
 from ..ffn import MoEWeights, ffn_silu, moe_ffn
+from ..gguf_file import ModelFileError
 from ..hparams import GATING_SOFTMAX, HParams, yarn_kq_scale, rope_attn_factor
 from ..kv_cache import KVCache
 from ..ops import rms_norm
@@ -34,6 +35,8 @@ class LlamaArch:
                 "ffn_norm": w.vector(p + "ffn_norm.weight", E),
             }
             if w.has(p + "ffn_gate_inp.weight"):
+                if hp.n_expert_used <= 0:
+                    raise ModelFileError(f"{w.mf.path}: MoE tensors present but no llama.expert_used_count")
                 L["moe"] = MoEWeights(w.matrix(p + "ffn_gate_inp.weight"), None, w.matrix(p + "ffn_gate_exps.weight"),
                                       w.matrix(p + "ffn_up_exps.weight"), w.matrix(p + "ffn_down_exps.weight"))
             else:
@@ -68,7 +71,8 @@ class LlamaArch:
             x = x + matmul(L["wo"], a.reshape(T, -1))
             h = rms_norm(x, L["ffn_norm"], hp.rms_eps)
             if "moe" in L:
-                x = x + moe_ffn(h, L["moe"], hp.n_expert_used or 2, GATING_SOFTMAX, True, 1.0)
+                # Mixtral-style: softmax, top-k, weights renormalised, no scale
+                x = x + moe_ffn(h, L["moe"], hp.n_expert_used, GATING_SOFTMAX, True, 1.0)
             else:
                 x = x + ffn_silu(h, L["gate"], L["up"], L["down"])
         return self.head.logits(x, ub.out_rows)
