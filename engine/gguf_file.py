@@ -170,7 +170,7 @@ def _fmt_value(v: Any) -> tuple[str, str]:
     if isinstance(v, int):
         return "u32" if 0 <= v < 2**32 else "i64", str(v)
     if isinstance(v, float):
-        return "f32", f"{v:.6f}".rstrip("0").rstrip(".") if v != int(v) else f"{v:.6f}"
+        return "f32", f"{v:.6f}"   # llama.cpp prints floats with std::to_string
     if isinstance(v, str):
         s = v if len(v) <= 40 else v[:37] + "..."
         return "str", s.replace("\n", "\\n")

@@ -250,6 +250,17 @@ def _median(v) -> float:
     return 0.5 * (v[n // 2] + v[n // 2 - 1]) if n % 2 == 0 else v[n // 2]
 
 
+def _quantile_lines(w, name: str, v, upper, lower, fmt) -> None:
+    """Maximum, upper percentiles, median, lower percentiles, minimum: llama-perplexity's block."""
+    w(f"Maximum {name}:{fmt(v[-1])}\n")
+    for f in upper:
+        w(f"{100 * f:4.1f}%   {name}:{fmt(_percentile(v, f))}\n")
+    w(f"Median  {name}:{fmt(_median(v))}\n")
+    for f in lower:
+        w(f"{100 * f:4.1f}%   {name}:{fmt(_percentile(v, f))}\n")
+    w(f"Minimum {name}:{fmt(v[0])}\n")
+
+
 def _kl_summary(acc, out) -> None:
     mu = acc.mean_unc
     lp, lb, cov, ratio, ratio_unc = _stats(acc)
@@ -271,24 +282,13 @@ def _kl_summary(acc, out) -> None:
     kld = mu(acc.sum_kld, acc.sum_kld2, acc.count)
     kv = sorted(acc.kld_values)
     w(f"Mean    KLD: {kld[0]:10.6f} ± {kld[1]:10.6f}\n")
-    w(f"Maximum KLD: {kv[-1]:10.6f}\n")
-    for label, f in (("99.9%", .999), ("99.0%", .99), ("95.0%", .95), ("90.0%", .9)):
-        w(f"{label}   KLD: {_percentile(kv, f):10.6f}\n")
-    w(f"Median  KLD: {_median(kv):10.6f}\n")
-    for label, f in (("10.0%", .1), (" 5.0%", .05), (" 1.0%", .01), (" 0.1%", .001)):
-        w(f"{label}   KLD: {_percentile(kv, f):10.6f}\n")
-    w(f"Minimum KLD: {kv[0]:10.6f}\n\n")
+    _quantile_lines(w, "KLD", kv, (.999, .99, .95, .9), (.1, .05, .01, .001), lambda v: f" {v:10.6f}")
+    w("\n")
     w("====== Token probability statistics ======\n")
     pd = mu(acc.sum_p_diff, acc.sum_p_diff2, acc.count)
     pv = sorted(acc.p_diff_values)
     w(f"Mean    Δp: {100 * pd[0]:6.3f} ± {100 * pd[1]:5.3f} %\n")
-    w(f"Maximum Δp: {100 * pv[-1]:6.3f}%\n")
-    for label, f in (("99.9%", .999), ("99.0%", .99), ("95.0%", .95), ("90.0%", .9), ("75.0%", .75)):
-        w(f"{label}   Δp: {100 * _percentile(pv, f):6.3f}%\n")
-    w(f"Median  Δp: {100 * _median(pv):6.3f}%\n")
-    for label, f in (("25.0%", .25), ("10.0%", .1), (" 5.0%", .05), (" 1.0%", .01), (" 0.1%", .001)):
-        w(f"{label}   Δp: {100 * _percentile(pv, f):6.3f}%\n")
-    w(f"Minimum Δp: {100 * pv[0]:6.3f}%\n")
+    _quantile_lines(w, "Δp", pv, (.999, .99, .95, .9, .75), (.25, .1, .05, .01, .001), lambda v: f" {100 * v:6.3f}%")
     mse = mu(acc.sum_p_diff2, acc.sum_p_diff4, acc.count)
     rms = math.sqrt(mse[0])
     w(f"RMS Δp    : {100 * rms:6.3f} ± {100 * (0.5 / rms * mse[1] if rms > 0 else 0):5.3f} %\n")

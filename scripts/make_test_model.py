@@ -142,25 +142,34 @@ def _tokenizer_kv(gw: gguf.GGUFWriter) -> int:
     return len(tokens)
 
 
-def build_llama(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int) -> None:
-    a = "llama"
+def _common_kv(gw: gguf.GGUFWriter, a: str, s: Shape, n_vocab: int, eps: float) -> None:
+    """The `{arch}.*` keys every architecture has."""
     gw.add_uint32(f"{a}.context_length", s.n_ctx)
     gw.add_uint32(f"{a}.embedding_length", s.n_embd)
     gw.add_uint32(f"{a}.block_count", s.n_layer)
     gw.add_uint32(f"{a}.feed_forward_length", s.n_ff)
     gw.add_uint32(f"{a}.attention.head_count", s.n_head)
+    gw.add_float32(f"{a}.rope.freq_base", s.rope_base)
+    gw.add_float32(f"{a}.attention.layer_norm_rms_epsilon", eps)
+    gw.add_uint32(f"{a}.vocab_size", n_vocab)
+
+
+def _embedding_and_head(w: _Writer, s: Shape, n_vocab: int) -> None:
+    w.mat("token_embd.weight", n_vocab, s.n_embd, scale=np.sqrt(s.n_embd))
+    w.vec("output_norm.weight", s.n_embd)
+    w.mat("output.weight", n_vocab, s.n_embd, scale=2.0)
+
+
+def build_llama(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int) -> None:
+    a = "llama"
+    _common_kv(gw, a, s, n_vocab, 1e-5)
     gw.add_uint32(f"{a}.attention.head_count_kv", s.n_head_kv)
     gw.add_uint32(f"{a}.rope.dimension_count", s.head_dim)
-    gw.add_float32(f"{a}.rope.freq_base", s.rope_base)
-    gw.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)
-    gw.add_uint32(f"{a}.vocab_size", n_vocab)
     if s.llama_moe:
         gw.add_uint32(f"{a}.expert_count", s.n_expert)
         gw.add_uint32(f"{a}.expert_used_count", s.n_expert_used)
     E = s.n_embd
-    w.mat("token_embd.weight", n_vocab, E, scale=np.sqrt(E))
-    w.vec("output_norm.weight", E)
-    w.mat("output.weight", n_vocab, E, scale=2.0)
+    _embedding_and_head(w, s, n_vocab)
     for i in range(s.n_layer):
         p = f"blk.{i}."
         w.vec(p + "attn_norm.weight", E)
@@ -185,16 +194,9 @@ def build_deepseek2(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int, lay
     a = "deepseek2"
     E, H = s.n_embd, s.n_head
     nope, rope, dv, lora = s.qk_nope, s.qk_rope, s.v_head, s.kv_lora_rank
-    gw.add_uint32(f"{a}.context_length", s.n_ctx)
-    gw.add_uint32(f"{a}.embedding_length", E)
-    gw.add_uint32(f"{a}.block_count", s.n_layer)
-    gw.add_uint32(f"{a}.feed_forward_length", s.n_ff)
-    gw.add_uint32(f"{a}.attention.head_count", H)
-    gw.add_float32(f"{a}.rope.freq_base", s.rope_base)
-    gw.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)
+    _common_kv(gw, a, s, n_vocab, 1e-6)
     gw.add_uint32(f"{a}.expert_used_count", s.n_expert_used)
     gw.add_uint32(f"{a}.leading_dense_block_count", s.n_dense_lead)
-    gw.add_uint32(f"{a}.vocab_size", n_vocab)
     if s.q_lora_rank:
         gw.add_uint32(f"{a}.attention.q_lora_rank", s.q_lora_rank)
     gw.add_uint32(f"{a}.attention.kv_lora_rank", lora)
@@ -223,9 +225,7 @@ def build_deepseek2(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int, lay
     else:
         gw.add_string(f"{a}.rope.scaling.type", "none")
 
-    w.mat("token_embd.weight", n_vocab, E, scale=np.sqrt(E))
-    w.vec("output_norm.weight", E)
-    w.mat("output.weight", n_vocab, E, scale=2.0)
+    _embedding_and_head(w, s, n_vocab)
     for i in range(s.n_layer):
         p = f"blk.{i}."
         w.vec(p + "attn_norm.weight", E)
