@@ -1,36 +1,81 @@
-"""Causal softmax attention over decompressed heads (grouped-query aware), bounded scratch."""
+"""Attention over the KV cache: materialized K*Q (`-fa off`, bounded by `-amb`) or flash attention.
+
+Masking everywhere uses the cells' positions: a query at position p sees cells with pos <= p.
+"""
 from __future__ import annotations
 
 import numpy as np
 
+from .kv_cache import LayerCache
 from .ops import softmax
 
-DEFAULT_SCRATCH_BYTES = 256 * 1024 * 1024
+# K*Q scratch cap used when -amb is 0 (no user limit): results do not depend on it
+DEFAULT_SCRATCH_BYTES = 1024 * 1024 * 1024
+MIB = 1024 * 1024
 
 
-def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos_q: np.ndarray, kq_scale: float,
-                     scratch_bytes: int = DEFAULT_SCRATCH_BYTES) -> np.ndarray:
-    """q (T, H, dk) f32; k (n_kv, Hkv, dk), v (n_kv, Hkv, dv) with entry j at position j.
+def head_steps(n_head: int, kq_bytes: int, amb_bytes: int) -> int:
+    """Heads per step when the K*Q matrix (kq_bytes for all heads) must stay under amb_bytes.
 
-    Returns (T, H, dv). Query t sees keys j <= pos_q[t]. Heads are processed in groups so the
-    K·Q buffer (heads × T × n_kv floats) stays under `scratch_bytes`.
+    ik_llama.cpp's rule: n_step = ceil(size / amb) (at most n_head), heads per step =
+    ceil(n_head / n_step); sizes are compared in whole MiB as there.
+    """
+    limit = amb_bytes if amb_bytes > 0 else DEFAULT_SCRATCH_BYTES
+    kq_mib, amb_mib = kq_bytes // MIB, max(limit // MIB, 1)
+    if kq_mib <= amb_mib:
+        return n_head
+    n_step = min(n_head, (kq_mib + amb_mib - 1) // amb_mib)
+    return (n_head + n_step - 1) // n_step
+
+
+def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, cell_pos: np.ndarray, q_pos: np.ndarray,
+                     kq_scale: float, amb_bytes: int = 0) -> np.ndarray:
+    """softmax(kq_scale * q.k) v with K*Q materialized per group of heads.
+
+    q (T, H, dk) f32; k (n_kv, Hkv, dk), v (n_kv, Hkv, dv) f32 for cells with positions cell_pos.
+    Returns (T, H, dv). Heads are processed in groups sized by head_steps (the -amb rule).
     """
     T, H, dk = q.shape
     n_kv, hkv, dv = v.shape
     g = H // hkv
     out = np.empty((T, H, dv), dtype=np.float32)
-    mask = np.arange(n_kv)[None, :] > pos_q[:, None]          # (T, n_kv) True = hidden
-    per_head = T * n_kv * 4
-    hc = max(1, min(H, scratch_bytes // max(per_head, 1)))
-    qh = np.ascontiguousarray(q.transpose(1, 0, 2))             # (H, T, dk)
+    hidden = cell_pos[None, :n_kv] > q_pos[:, None]               # (T, n_kv) True = masked
+    hc = head_steps(H, T * n_kv * H * 4, amb_bytes)
+    qh = np.ascontiguousarray(q.transpose(1, 0, 2))                # (H, T, dk)
     for h0 in range(0, H, hc):
         h1 = min(H, h0 + hc)
         kv_idx = np.arange(h0, h1) // g
-        kh = k[:, kv_idx, :].astype(np.float32).transpose(1, 2, 0)   # (hc, dk, n_kv)
-        vh = v[:, kv_idx, :].astype(np.float32).transpose(1, 0, 2)   # (hc, n_kv, dv)
+        kh = k[:, kv_idx, :].transpose(1, 2, 0)                    # (hc, dk, n_kv)
+        vh = v[:, kv_idx, :].transpose(1, 0, 2)                    # (hc, n_kv, dv)
         s = np.matmul(qh[h0:h1], kh)
         s *= np.float32(kq_scale)
-        s[:, mask] = -np.inf
+        s[:, hidden] = -np.inf
         p = softmax(s, axis=-1)
+        p[~np.isfinite(p)] = 0.0                                   # a query that sees nothing
         out[:, h0:h1, :] = np.matmul(p, vh).transpose(1, 0, 2)
     return out
+
+
+def standard_attention(q: np.ndarray, lc: LayerCache, n_kv: int, n_head_kv: int, dk: int, dv: int,
+                       cell_pos: np.ndarray, q_pos: np.ndarray, kq_scale: float, flash: bool,
+                       amb_bytes: int) -> np.ndarray:
+    """Attention of q (T, H, dk) over the first n_kv cells of a standard (K rows, V rows) layer cache."""
+    if flash:
+        from .flash_attn import flash_attn
+        return flash_attn(q, lc.k, lc.v, n_kv, n_head_kv, dk, dv, cell_pos[:n_kv], q_pos, kq_scale)
+    k = lc.k.read(n_kv).reshape(n_kv, n_head_kv, dk)
+    v = lc.v.read(n_kv).reshape(n_kv, n_head_kv, dv)
+    return causal_attention(q, k, v, cell_pos[:n_kv], q_pos, kq_scale, amb_bytes)
+
+
+def split_heads_for_decompression(n_head: int, kv_bytes: int, amb_bytes: int) -> int:
+    """Heads per step when decompressing the latent cache (ik's rule for -mla 2/3 prompt processing):
+    the smallest divisor `niter` of n_head with size / niter <= amb gives n_head / niter heads; else 1."""
+    if amb_bytes <= 0 or kv_bytes // MIB <= amb_bytes // MIB:
+        return n_head
+    size, amb = kv_bytes // MIB, amb_bytes // MIB
+    for niter in range(2, n_head):
+        if n_head % niter == 0 and size // niter <= amb:
+            return n_head // niter
+    return 1
+

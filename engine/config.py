@@ -18,8 +18,14 @@ class EngineConfig:
     n_threads: int = 0         # generation threads (0: all cores)
     n_threads_batch: int = 0   # prompt-processing threads (0: same as n_threads)
     seed: int = -1
-    mla: int = 0               # DeepSeek attention mode; only 0 (decompressed heads) so far
-    attn_max_batch_mib: int = 0  # cap on the K·Q scratch (0: only the engine's internal cap)
+    flash_attn: bool = True    # online-softmax attention; K*Q is never materialized
+    mla: int = 3               # DeepSeek attention mode 0..3 (forced to 0 for other models)
+    attn_max_batch_mib: int = 256  # -amb: cap on the K*Q (or decompressed K/V) scratch, MiB; 0 = no cap
+    type_k: str = "f16"        # KV cache types (llama.cpp names)
+    type_v: str = "f16"
+    fused_moe: bool = True     # gate+up+SiLU*mul of the selected experts in one pass
+    ser_min: int = -1          # -ser K,t: smart expert reduction (off when K <= 0 or t <= 0)
+    ser_thresh: float = 0.0
     verbose: bool = True
 
     def threads(self, batch: bool) -> int:

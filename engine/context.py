@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .arch.common import UBatch
-from .attention import DEFAULT_SCRATCH_BYTES
+from .arch.common import RunOptions, UBatch
 from .config import EngineConfig
-from .kv_cache import KVCache
+from .kv_cache import CACHE_TYPES, KVCache, cache_type_name
 from .model import Log, Model
 
 
@@ -16,55 +15,97 @@ def set_threads(n: int) -> None:
     set_num_threads(n)
 
 
+def padded_ctx(n_ctx: int, flash_attn: bool) -> int:
+    """llama.cpp pads the context to 256 cells with flash attention, 32 without."""
+    pad = 256 if flash_attn else 32
+    return (n_ctx + pad - 1) // pad * pad
+
+
 class Context:
     def __init__(self, model: Model, cfg: EngineConfig, log: Log | None = None) -> None:
         self.model = model
         self.cfg = cfg
-        self.n_ctx = cfg.n_ctx if cfg.n_ctx > 0 else model.hp.n_ctx_train
+        hp = model.hp
+        log = log or model.log
+        mla = cfg.mla if hp.arch == "deepseek2" else 0     # as in ik_llama.cpp: MLA models only
+        self.n_ctx = padded_ctx(cfg.n_ctx if cfg.n_ctx > 0 else hp.n_ctx_train, cfg.flash_attn)
         self.n_batch = min(cfg.n_batch, self.n_ctx)
         self.n_ubatch = min(cfg.n_ubatch, self.n_batch)
-        self.cache = KVCache(self.n_ctx, model.arch.cache_shapes())
-        self.scratch = cfg.attn_max_batch_mib * 1024 * 1024 if cfg.attn_max_batch_mib > 0 else DEFAULT_SCRATCH_BYTES
-        log = log or model.log
+        self.opts = RunOptions(flash_attn=cfg.flash_attn, mla=mla, amb_bytes=cfg.attn_max_batch_mib * 1024 * 1024,
+                               fused_moe=cfg.fused_moe, ser=(cfg.ser_min, cfg.ser_thresh))
+        type_k, type_v = CACHE_TYPES[cfg.type_k], CACHE_TYPES[cfg.type_v]
+        self.cache = model.arch.make_cache(self.n_ctx, self.opts, type_k, type_v)
+        p = "llama_init_from_model"
+        log(f"{p}: n_ctx         = {self.n_ctx}")
+        log(f"{p}: n_batch       = {self.n_batch}")
+        log(f"{p}: n_ubatch      = {self.n_ubatch}")
+        log(f"{p}: flash_attn    = {int(cfg.flash_attn)}")
+        if hp.arch == "deepseek2":
+            log(f"{p}: mla_attn      = {mla}")
+        log(f"{p}: attn_max_b    = {cfg.attn_max_batch_mib}")
+        log(f"{p}: fused_moe     = {int(cfg.fused_moe)}")
+        log(f"{p}: ser           = {cfg.ser_min}, {cfg.ser_thresh:g}")
+        log(f"{p}: freq_base     = {hp.rope_freq_base:.1f}")
+        log(f"{p}: freq_scale    = {hp.rope_freq_scale:g}")
+        self._log_kv_size(log)
+
+    def _log_kv_size(self, log: Log) -> None:
         kb, vb = self.cache.size_bytes()
-        log(f"llama_init_from_model: n_ctx         = {self.n_ctx}")
-        log(f"llama_init_from_model: n_batch       = {self.n_batch}")
-        log(f"llama_init_from_model: n_ubatch      = {self.n_ubatch}")
-        log("llama_init_from_model: flash_attn    = 0")
-        if model.hp.arch == "deepseek2":
-            log(f"llama_init_from_model: mla_attn      = {cfg.mla}")
-        log(f"llama_init_from_model: attn_max_b    = {cfg.attn_max_batch_mib}")
-        log(f"llama_init_from_model: freq_base     = {model.hp.rope_freq_base:.1f}")
-        log(f"llama_init_from_model: freq_scale    = {model.hp.rope_freq_scale:g}")
-        log(f"llama_kv_cache_init: {'CPU':>10s} KV buffer size = {(kb + vb) / 1024 ** 2:8.2f} MiB")
-        log(f"llama_init_from_model: KV self size  = {(kb + vb) / 1024 ** 2:7.2f} MiB, "
-            f"K ({self.cache.type_k}): {kb / 1024 ** 2:7.2f} MiB, V ({self.cache.type_v}): {vb / 1024 ** 2:7.2f} MiB")
+        mib = 1024 ** 2
+        log(f"llama_kv_cache_init: {'CPU':>10s} KV buffer size = {(kb + vb) / mib:8.2f} MiB")
+        L0 = self.cache.layers[0] if self.cache.layers else None
+        head = f"llama_init_from_model: KV self size  = {(kb + vb) / mib:7.2f} MiB, "
+        if L0 is None:
+            return
+        if self.cache.latent:
+            c = f"c^KV ({cache_type_name(L0.k.qtype)}): {kb / mib:7.2f} MiB"
+            if self.opts.flash_attn:
+                log(head + c + ", kv^T: not used")
+            else:
+                vt_type = L0.vt.qtype if L0.vt is not None else CACHE_TYPES[self.cfg.type_v]
+                log(head + c + f", kv^T ({cache_type_name(vt_type)}): {vb / mib:7.2f} MiB")
+        else:
+            log(head + f"K ({cache_type_name(L0.k.qtype)}): {kb / mib:7.2f} MiB, "
+                f"V ({cache_type_name(L0.v.qtype)}): {vb / mib:7.2f} MiB")
 
     @property
     def n_past(self) -> int:
+        """Cells in use."""
         return self.cache.n
 
     def clear(self) -> None:
         self.cache.clear()
 
-    def decode(self, tokens: np.ndarray, logits_from: int = 0) -> np.ndarray:
-        """Append `tokens` to the sequence; return logits (float32) of tokens[logits_from:]."""
-        tokens = np.asarray(tokens, dtype=np.int32)
+    def seq_rm(self, p0: int = 0, p1: int = -1) -> int:
+        """Remove the cached tokens with positions in [p0, p1) (p1 < 0: to the end)."""
+        return self.cache.seq_rm(p0, p1)
+
+    def decode(self, tokens: np.ndarray, logits_from: int = 0, pos0: int | None = None) -> np.ndarray:
+        """Append `tokens` at positions pos0, pos0+1, ... (default: after the last cached one).
+
+        Returns the logits (float32, (n - logits_from, n_vocab)) of tokens[logits_from:].
+        """
+        tokens = np.asarray(tokens, dtype=np.int32).reshape(-1)
         n = len(tokens)
-        pos0 = self.cache.n
-        if pos0 + n > self.n_ctx:
-            raise ValueError(f"context overflow: {pos0} + {n} tokens > n_ctx = {self.n_ctx}")
+        if self.cache.n + n > self.n_ctx:
+            raise ValueError(f"context overflow: {self.cache.n} cached + {n} new tokens > n_ctx = {self.n_ctx}")
         bad = (tokens < 0) | (tokens >= self.model.n_vocab)
         if bad.any():
             raise ValueError(f"token id {int(tokens[bad][0])} out of range [0, {self.model.n_vocab})")
+        if pos0 is None:
+            pos0 = self.cache.next_pos()
         set_threads(self.cfg.threads(batch=n > 1))
         out = np.empty((max(n - logits_from, 0), self.model.n_vocab), dtype=np.float32)
         for s in range(0, n, self.n_ubatch):
             e = min(n, s + self.n_ubatch)
             rows = np.arange(max(s, logits_from), e) - s
-            ub = UBatch(tokens[s:e], np.arange(pos0 + s, pos0 + e, dtype=np.int32), rows)
-            lg = self.model.arch.forward(ub, self.cache, self.scratch)
-            self.cache.n = pos0 + e
+            pos = np.arange(pos0 + s, pos0 + e, dtype=np.int32)
+            cell0 = self.cache.reserve(pos)
+            try:
+                lg = self.model.arch.forward(UBatch(tokens[s:e], pos, rows, cell0), self.cache, self.opts)
+            except BaseException:
+                self.cache.n = cell0          # the batch's cells hold nothing valid
+                raise
             if len(rows):
                 out[rows[0] + s - logits_from: e - logits_from] = lg
         return out

@@ -1,20 +1,31 @@
-"""Feed-forward blocks: SiLU-gated MLP and mixture-of-experts routing."""
+"""Feed-forward blocks: SiLU-gated MLP and mixture-of-experts routing.
+
+The MoE block works on (token, expert) pairs, as ggml's mul_mat_id does: one call per
+projection for all selected experts of all tokens (quant.matmul.matmul_id groups the pairs
+by expert).  fused=True (ik_llama.cpp's -fmoe) computes silu(gate . x) * (up . x) in one
+pass over activations quantized once (quant.matmul.moe_up_gate); fused=False multiplies
+gate and up separately and applies SiLU*mul in NumPy.  Both give the same result.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
 
-from quant.matmul import matmul
+from quant.matmul import matmul, matmul_id, moe_up_gate, up_gate
 from quant.tensor import QTensor
 
 from .hparams import GATING_SIGMOID
 from .ops import sigmoid, silu, softmax
 
 
-def ffn_silu(x: np.ndarray, gate: QTensor, up: QTensor, down: QTensor) -> np.ndarray:
-    h = silu(matmul(gate, x))
-    h *= matmul(up, x)
+def ffn_silu(x: np.ndarray, gate: QTensor, up: QTensor, down: QTensor, fused: bool = True) -> np.ndarray:
+    """down @ (silu(gate @ x) * (up @ x)); fused: the first half in one pass (x quantized once)."""
+    if fused:
+        h = up_gate(gate, up, x)
+    else:
+        h = silu(matmul(gate, x))
+        h *= matmul(up, x)
     return matmul(down, h)
 
 
@@ -28,12 +39,24 @@ class MoEWeights:
 
 
 def route(logits: np.ndarray, n_used: int, gating: int, bias: np.ndarray | None, norm_w: bool,
-          scale: float) -> tuple[np.ndarray, np.ndarray]:
-    """Expert ids (T, n_used) and their weights (T, n_used) from router logits (T, n_expert)."""
+          scale: float, ser_min: int = -1, ser_thresh: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """Expert ids (T, n_used) and their weights (T, n_used) from router logits (T, n_expert).
+
+    Smart Expert Reduction (ik_llama.cpp's -ser K,t; on when K > 0 and t > 0): of the experts
+    sorted by selection score (probs + bias), those at sorted position >= K whose score is
+    below t * (top score) are dropped: id -1, weight 0.  Normalization then divides by the
+    sum of the kept weights.  Each token is routed on its own, whatever the batch.
+    """
     probs = sigmoid(logits) if gating == GATING_SIGMOID else softmax(logits, axis=-1)
     sel = probs + bias if bias is not None else probs
     ids = np.argsort(-sel, axis=-1, kind="stable")[:, :n_used]
     w = np.take_along_axis(probs, ids, axis=-1)
+    if ser_min > 0 and ser_thresh > 0:
+        score = np.take_along_axis(sel, ids, axis=-1)
+        drop = score < score[:, :1] * np.float32(ser_thresh)   # f32 compare, as ggml
+        drop[:, :ser_min] = False
+        ids = np.where(drop, -1, ids)
+        w = np.where(drop, np.float32(0.0), w)
     if norm_w:
         w = w / np.sum(w, axis=-1, keepdims=True)
     if abs(scale - 1.0) > 1e-5:
@@ -41,13 +64,32 @@ def route(logits: np.ndarray, n_used: int, gating: int, bias: np.ndarray | None,
     return ids, w.astype(np.float32)
 
 
-def moe_ffn(x: np.ndarray, m: MoEWeights, n_used: int, gating: int, norm_w: bool, scale: float) -> np.ndarray:
-    """Weighted sum of the selected experts' SiLU-gated MLPs; only selected experts are touched."""
-    ids, w = route(matmul(m.router, x), n_used, gating, m.probs_bias, norm_w, scale)
+def moe_ffn(x: np.ndarray, m: MoEWeights, n_used: int, gating: int, norm_w: bool, scale: float,
+            fused: bool = True, ser: tuple[int, float] = (-1, 0.0)) -> np.ndarray:
+    """Weighted sum of the selected experts' SiLU-gated MLPs; only selected experts are touched.
+
+    ser = (K, t): Smart Expert Reduction (see route); dropped experts are not computed.
+    """
+    ids, w = route(matmul(m.router, x), n_used, gating, m.probs_bias, norm_w, scale, *ser)
+    keep = ids >= 0
+    pair_ids = ids[keep]                  # pairs in token order, then slot order
+    pair_rows = np.nonzero(keep)[0]
+    n_pairs = pair_ids.size
+    if fused:
+        par = moe_up_gate(m.gate, m.up, x, pair_ids, pair_rows)
+    else:
+        par = silu(matmul_id(m.gate, x, pair_ids, pair_rows))
+        par *= matmul_id(m.up, x, pair_ids, pair_rows)
+    y = matmul_id(m.down, par, pair_ids, np.arange(n_pairs))
+    y *= w[keep][:, None]
+    # sum over slots in slot order, the same for a token alone or in a batch
+    slot_pair = np.full(ids.shape, -1, dtype=np.int64)
+    slot_pair[keep] = np.arange(n_pairs)
     out = np.zeros((x.shape[0], m.down.shape[-2]), dtype=np.float32)
-    for e in np.unique(ids):
-        rows, slots = np.nonzero(ids == e)
-        xe = np.ascontiguousarray(x[rows])
-        y = ffn_silu(xe, m.gate[int(e)], m.up[int(e)], m.down[int(e)])
-        out[rows] += w[rows, slots][:, None] * y
+    for j in range(ids.shape[1]):
+        k = slot_pair[:, j]
+        if keep[:, j].all():
+            out += y[k]
+        else:
+            out[keep[:, j]] += y[k[keep[:, j]]]
     return out

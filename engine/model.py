@@ -142,7 +142,7 @@ def log_hparams(mf: ModelFile, hp: HParams, log: Log) -> None:
     log(f"{p}: general.name     = {mf.meta.get('general.name', '')}")
 
 
-def load_model(path: str, log: Log = stderr_log, mla: int = 0) -> Model:
+def load_model(path: str, log: Log = stderr_log, mla: int = 3) -> Model:
     """Open, validate and bind a GGUF model. Raises ModelFileError with a one-line message."""
     from .tokenizer import Tokenizer
 

@@ -14,7 +14,8 @@ def rms_norm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    return x / (1.0 + np.exp(-x))
+    with np.errstate(over="ignore"):          # exp(-x) = inf for very negative x gives the right 0
+        return x / (1.0 + np.exp(-x))
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -25,7 +26,8 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-x))
+    with np.errstate(over="ignore"):          # exp(-x) = inf for very negative x gives the right 0
+        return 1.0 / (1.0 + np.exp(-x))
 
 
 def log_softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:

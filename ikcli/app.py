@@ -6,6 +6,7 @@ import sys
 import typer
 
 from . import perplexity_cmd, tokenize_cmd
+from . import sweep_bench_cmd
 from .errors import CliError
 
 app = typer.Typer(
@@ -19,6 +20,8 @@ app = typer.Typer(
 app.command("perplexity", help="Perplexity (and KL-divergence) of a model over a text, llama-perplexity style.")(
     perplexity_cmd.perplexity)
 app.command("tokenize", help="Tokenize a text with a model's tokenizer, llama-tokenize style.")(tokenize_cmd.tokenize)
+app.command("sweep-bench", help="PP and TG speed across the context (N_KV = 0, ub, 2*ub, ...), llama-sweep-bench style.")(
+    sweep_bench_cmd.sweep_bench)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -27,7 +30,8 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:  # pragma: no cover - older Typer depends on Click
         import click
 
-    args = sys.argv[1:] if argv is None else argv
+    from .common import normalize_argv
+    args = normalize_argv(sys.argv[1:] if argv is None else list(argv))
     cmd = typer.main.get_command(app)
     try:
         cmd.main(args=args, prog_name="ikcli", standalone_mode=False)

@@ -15,7 +15,39 @@ UBatchOpt = typer.Option(512, "-ub", "--ubatch-size", help="physical maximum bat
 ThreadsOpt = typer.Option(0, "-t", "--threads", help="number of threads to use during generation (0 = all cores)")
 ThreadsBatchOpt = typer.Option(0, "-tb", "--threads-batch", help="threads for batch and prompt processing (default: same as --threads)")
 NglOpt = typer.Option(0, "-ngl", "--gpu-layers", "--n-gpu-layers", help="number of layers to store in VRAM")
-MlaOpt = typer.Option(0, "-mla", "--mla-use", help="DeepSeek attention mode (only 0 is available in this version)")
+MlaOpt = typer.Option(3, "-mla", "--mla-use", help="DeepSeek attention: 0 decompressed heads, 1 latent + kv^T, 2 latent cache only, 3 latent cache, FlashMLA generation")
+FaOpt = typer.Option("on", "-fa", "--flash-attn", help="flash attention: on|off|auto (also 1|0; -fa alone = on; -no-fa = off)")
+AmbOpt = typer.Option(256, "-amb", "--attention-max-batch", help="max. MiB for the K*Q (or decompressed K/V) scratch of one attention op; 0 = no limit")
+CtkOpt = typer.Option("f16", "-ctk", "--cache-type-k", help="KV cache type for K: f32, f16, bf16, q8_0, q4_0, q6_0")
+CtvOpt = typer.Option("f16", "-ctv", "--cache-type-v", help="KV cache type for V: f32, f16, bf16, q8_0, q4_0, q6_0 (quantized V needs -fa)")
+FmoeOpt = typer.Option("1", "-fmoe", "--fused-moe", help="fused MoE gate/up/SiLU (default on; -fmoe alone = on; -no-fmoe = off)")
+SerOpt = typer.Option(None, "-ser", "--smart-expert-reduction", help="K,t: run at least K experts, drop the others whose score < t * top score")
+
+# Options that take a value but may be written alone (users' scripts from every era): the
+# value they mean when alone, and the negative spellings that map onto them.
+OPTIONAL_VALUE = {"-fa": "on", "--flash-attn": "on", "-fmoe": "1", "--fused-moe": "1"}
+NEGATIONS = {"-no-fa": ("-fa", "off"), "--no-flash-attn": ("-fa", "off"),
+             "-no-fmoe": ("-fmoe", "0"), "--no-fused-moe": ("-fmoe", "0")}
+_BOOL_WORDS = {"on": True, "1": True, "true": True, "yes": True, "auto": True,
+               "off": False, "0": False, "false": False, "no": False}
+SUPPORTED_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q6_0")
+IK_ONLY_CACHE_TYPES = ("q4_1", "iq4_nl", "q5_0", "q5_1", "q8_kv")
+
+
+def normalize_argv(args: list[str]) -> list[str]:
+    """Rewrite `-fa`/`-fmoe` written without a value and the `-no-…` spellings for the parser."""
+    out: list[str] = []
+    for i, a in enumerate(args):
+        if a in NEGATIONS:
+            out += list(NEGATIONS[a])
+        elif a in OPTIONAL_VALUE:
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            out.append(a)
+            if nxt is None or nxt.startswith("-"):     # written alone: a value follows never starts with '-'
+                out.append(OPTIONAL_VALUE[a])
+        else:
+            out.append(a)
+    return out
 
 
 def log(msg: str) -> None:
@@ -32,6 +64,34 @@ def resolve_model(model: Optional[str]) -> str:
     return path
 
 
+def parse_bool(flag: str, value: str) -> bool:
+    v = str(value).strip().lower()
+    if v not in _BOOL_WORDS:
+        raise CliError(f"invalid value '{value}' for {flag}: use on, off, auto, 1 or 0")
+    return _BOOL_WORDS[v]
+
+
+def parse_cache_type(flag: str, value: str) -> str:
+    v = value.strip().lower()
+    if v in SUPPORTED_CACHE_TYPES:
+        return v
+    if v in IK_ONLY_CACHE_TYPES:
+        raise CliError(f"cache type '{value}' for {flag} is not available in ikcli; use one of {', '.join(SUPPORTED_CACHE_TYPES)}")
+    raise CliError(f"Invalid cache type: {value} (for {flag}; valid: {', '.join(SUPPORTED_CACHE_TYPES)})")
+
+
+def parse_ser(value: Optional[str]) -> tuple[int, float]:
+    if value is None:
+        return -1, 0.0
+    parts = value.split(",")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        return int(parts[0]), float(parts[1])
+    except ValueError:
+        raise CliError(f"invalid value '{value}' for -ser: expected K,t (e.g. -ser 6,1)") from None
+
+
 def check_common(n_ctx: int, n_batch: int, n_ubatch: int, n_threads: int, n_threads_batch: int, ngl: int, mla: int) -> None:
     if n_ctx < 0:
         raise CliError(f"-c/--ctx-size must be >= 0 (got {n_ctx})")
@@ -41,8 +101,26 @@ def check_common(n_ctx: int, n_batch: int, n_ubatch: int, n_threads: int, n_thre
         raise CliError("-t/-tb must be >= 0")
     if mla not in (0, 1, 2, 3):
         raise CliError(f"-mla must be 0, 1, 2 or 3 (got {mla})")
-    if mla != 0:
-        raise CliError(f"-mla {mla} is not available in this version of ikcli yet; use -mla 0")
     if ngl != 0:
         log("warning: not compiled with GPU offload support, --gpu-layers option will be ignored")
         log("warning: see the README for the CUDA status of ikcli")
+
+
+def engine_config(path: str, *, n_ctx: int, n_batch: int, n_ubatch: int, threads: int, threads_batch: int,
+                  mla: int, fa: str, amb: int, ctk: str, ctv: str, fmoe: str, ser: Optional[str], seed: int = -1):
+    """The EngineConfig for the engine flags every model-running tool shares (validated here)."""
+    from engine.config import EngineConfig
+    flash = parse_bool("-fa", fa)
+    type_k, type_v = parse_cache_type("-ctk", ctk), parse_cache_type("-ctv", ctv)
+    if not flash and type_v not in ("f32", "f16", "bf16"):
+        raise CliError("Quantized V cache cannot be used without flash attention")
+    if amb < 0:
+        raise CliError(f"-amb must be >= 0 (got {amb})")
+    if 0 < amb < 128:
+        log(f"XXXXXXXXXXXXXXXXXXXXXXXXXXXXXX amb = {amb} is too low. Changing to 128")
+        amb = 128
+    ser_min, ser_t = parse_ser(ser)
+    return EngineConfig(model_path=path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads,
+                        n_threads_batch=threads_batch, seed=seed, flash_attn=flash, mla=mla,
+                        attn_max_batch_mib=amb, type_k=type_k, type_v=type_v,
+                        fused_moe=parse_bool("-fmoe", fmoe), ser_min=ser_min, ser_thresh=ser_t)

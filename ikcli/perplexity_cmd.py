@@ -75,6 +75,12 @@ def perplexity(
                                 help="process escape sequences (\\n, \\t, \\xHH …) in the text, as llama.cpp does by default"),
     ngl: int = common.NglOpt,
     mla: int = common.MlaOpt,
+    fa: str = common.FaOpt,
+    amb: int = common.AmbOpt,
+    ctk: str = common.CtkOpt,
+    ctv: str = common.CtvOpt,
+    fmoe: str = common.FmoeOpt,
+    ser: Optional[str] = common.SerOpt,
 ) -> None:
     if ctx_size is None:
         ctx_size = 0 if model is None else 512  # the demo model is evaluated at its trained context
@@ -83,11 +89,13 @@ def perplexity(
         raise CliError("--kl-divergence needs --kl-divergence-base FILE (the base model's log-probabilities)")
     if ctx_size == 1:
         raise CliError("-c/--ctx-size must be at least 2 for perplexity")
-    from engine.config import EngineConfig
     from engine.context import Context
     from engine.model import load_model
 
     path = common.resolve_model(model)
+    cfg = common.engine_config(path, n_ctx=0, n_batch=batch_size, n_ubatch=ubatch_size, threads=threads,
+                               threads_batch=threads_batch, mla=mla, fa=fa, amb=amb, ctk=ctk, ctv=ctv, fmoe=fmoe,
+                               ser=ser, seed=seed)
     base = None
     if kl:
         from engine.perplexity import open_base_logits
@@ -103,8 +111,7 @@ def perplexity(
         common.log(f"warning: model was trained on only {m.hp.n_ctx_train} context tokens ({n_ctx} specified)")
     n_seq = max(1, batch_size // n_ctx)
     n_batch = min(batch_size, n_seq * n_ctx)
-    cfg = EngineConfig(model_path=path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=ubatch_size, n_threads=threads,
-                       n_threads_batch=threads_batch, seed=seed, mla=mla)
+    cfg.n_ctx, cfg.n_batch = n_seq * n_ctx, n_batch     # llama-perplexity's context: n_seq chunks
     ctx = Context(m, cfg, common.log)
     if base is not None:
         try:

@@ -1,10 +1,11 @@
-"""Numba kernels for the compute types F32, F16, BF16, Q8_0, Q4_0.
+"""Numba kernels for the compute types F32, F16, BF16, Q8_0, Q4_0 (and Q6_0 decoding, for KV caches).
 
 Calling convention shared by every weight kernel (quant.matmul builds these arguments):
 
     buf     read-only 1-D uint8 array (C layout) that starts at the first byte of row 0;
-            row r starts at byte r * stride.  Rows may be further apart than their length
-            (a view into a memory map), so nothing here assumes stride == row bytes.
+            row r starts at byte r * stride (of expert e: e * estride + r * stride).  Rows
+            may be further apart than their length (a view into a memory map), so nothing
+            here assumes stride == row bytes.
     qtype   GGML type id (ints below), branched on once per row, never per element.
     lut     F16_TO_F32: 65536-entry table that turns f16 bit patterns into f32 (block
             scales; whole F16 rows use the vectorizable f16_bits_to_f32 instead).
@@ -16,9 +17,14 @@ Activation side of the integer dot products: a row of f32 values is quantized on
 matmul into int8 values plus one scale per 32 (`quantize_act_q8`), with the rounding of the
 Q8_2 blocks ik_llama.cpp uses for the same purpose (bf16 scale, round half to even).
 
-matvec_q8_0 and matvec_q4_0 share their row loop on purpose: one generic loop over a
-per-type block dot (inlined, or passed as a first-class function) measured 1.9-5x slower
-for Q4_0 at n=1, 4096x4096 (the block loop stops vectorizing).
+The few-token kernels are one loop per type family: matvec_int (Q8_0, Q4_0) and
+matvec_float (F16, BF16, F32), each serving plain matmuls, expert-indexed pairs (mul_mat_id)
+and the fused SiLU gate/up product (see the section below).  The integer row dot is one
+inlined function that branches on the type once per row, outside the block loops: measured
+within 1-6 % of the former separate matvec_q8_0 / matvec_q4_0 (4096 x 4096, n = 1 and 4;
+the float family within 1-6 % of the former matvec_float).
+An earlier generic version (block dot inlined per block, or passed as a first-class
+function) was 1.9-5x slower for Q4_0: the block loop stopped vectorizing.
 
 Inner loops index slices with the bare loop counter (`wv[j]`, not `buf[o + j]`): numba
 must allow negative indices on `o + j`, and that wrap-around check blocks vectorization.
@@ -37,13 +43,18 @@ import os
 # on an idle box PASSIVE costs ~5 % (1.00 -> 1.05 ms) and halves the many-token path's time
 # (numba and OpenBLAS pools no longer spin against each other).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# ... but a short spin before sleeping: token generation runs ~10 small parallel kernels per
+# layer back to back, and waking sleeping threads costs ~58 us per kernel.  On the 1B test model
+# (2 cores, Q8_0) 1000 spins took generation from ~24-29 to ~36 tokens/s with prompt processing
+# unchanged (~195 t/s); 3000+ spins started to slow prompt processing (BLAS threads share the cores).
+os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 import math
 
 import numpy as np  # noqa: E402
 from numba import njit, prange  # noqa: E402
 
-F32_ID, F16_ID, Q4_0_ID, Q8_0_ID, BF16_ID = 0, 1, 2, 8, 30
+F32_ID, F16_ID, Q4_0_ID, Q8_0_ID, BF16_ID, Q6_0_ID = 0, 1, 2, 8, 30, 133
 QK = 32            # weights per block (Q8_0, Q4_0, activation q8)
 Q8_0_BYTES = 34    # f16 d + 32 x int8        (layouts; kernels derive them from qk)
 Q4_0_BYTES = 18    # f16 d + 16 bytes of nibbles
@@ -111,6 +122,21 @@ def decode_row(buf, qtype, base, cols, qk, lut, y):
                 v = np.int32(wv[j])
                 lo[j] = d * np.float32((v & 15) - 8)
                 hi[j] = d * np.float32((v >> 4) - 8)
+    elif qtype == Q6_0_ID:
+        h = qk // 2
+        e = qk // 4
+        for b in range(cols // qk):
+            o = base + b * (2 + e + h)
+            d = _f16_at(buf, o, lut)
+            hv = buf[o + 2:o + 2 + e]
+            wv = buf[o + 2 + e:o + 2 + e + h]
+            lo = y[b * qk:b * qk + h]
+            hi = y[b * qk + h:b * qk + qk]
+            for j in range(h):
+                v = np.int32(wv[j])
+                hb = np.int32(hv[j % e]) >> (4 * (j // e))
+                lo[j] = d * np.float32(((v & 15) | ((hb << 4) & 0x30)) - 32)
+                hi[j] = d * np.float32(((v >> 4) | ((hb << 2) & 0x30)) - 32)
     elif qtype == F16_ID:
         f16_bits_to_f32(buf.view(np.uint16)[base // 2:base // 2 + cols], y)
     elif qtype == BF16_ID:
@@ -136,98 +162,160 @@ def dequant_rows(buf, qtype, stride, row_ids, cols, qk, lut, out):
 # ----------------------------------------------------------------------------------------
 # activations -> int8 + f32 scale per block
 # ----------------------------------------------------------------------------------------
-@njit(parallel=True, cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz"})
+_qopts = dict(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz"})
+
+
+@njit(**_qopts)
+def _quantize_row_q8(xr, qk, qr, sr):
+    """One row: the rule of the Q8_2 activation blocks ik_llama.cpp multiplies Q8_0 / Q4_0
+    weights with: d = amax/127 rounded to bfloat16 (nearest even), q = x/d rounded to nearest
+    even and saturated to int8.  Matching it keeps perplexities within noise of the C++ tool."""
+    for b in range(xr.shape[0] // qk):
+        xv = xr[b * qk:b * qk + qk]
+        qv = qr[b * qk:b * qk + qk]
+        amax = np.float32(0.0)
+        for j in range(qk):
+            amax = max(amax, abs(xv[j]))
+        d = amax / np.float32(127.0)
+        if d > 0:
+            m, e = math.frexp(np.float64(d))          # bf16 keeps 8 significant bits
+            d = np.float32(math.ldexp(np.rint(m * 256.0) / 256.0, e))
+        inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+        sr[b] = d
+        for j in range(qk):
+            r = np.rint(xv[j] * inv)
+            qv[j] = np.int8(min(127.0, max(-128.0, r)))
+
+
+@njit(parallel=True, **_qopts)
 def quantize_act_q8(x, qk, q, s):
-    """x (n, cols) f32 -> q (n, cols) int8, s (n, cols//qk) f32 with x ~= q * s (per block).
+    """x (n, cols) f32 -> q (n, cols) int8, s (n, cols//qk) f32 with x ~= q * s (per block),
+    in parallel over rows."""
+    for t in prange(x.shape[0]):
+        _quantize_row_q8(x[t], qk, q[t], s[t])
 
-    The rule of the Q8_2 activation blocks ik_llama.cpp multiplies Q8_0 / Q4_0 weights with:
-    d = amax/127 rounded to bfloat16 (nearest even), q = x/d rounded to nearest even and
-    saturated to int8.  Matching it keeps perplexities within noise of the C++ tool.
-    """
-    n, cols = x.shape
-    nb = cols // qk
-    for t in prange(n):
+
+@njit(**_qopts)
+def quantize_act_q8_serial(x, qk, q, s):
+    """quantize_act_q8 on the calling thread: for a few rows, waking the pool costs more
+    (tens of microseconds with OMP_WAIT_POLICY=PASSIVE) than the work."""
+    for t in range(x.shape[0]):
+        _quantize_row_q8(x[t], qk, q[t], s[t])
+
+
+# ----------------------------------------------------------------------------------------
+# few-token matmuls: out[k, r] = dot(W_e[r], x[k]) for (expert e, activation row k) pairs
+# ----------------------------------------------------------------------------------------
+# Both kernel families take the pairs sorted by expert, in groups: pairs gb[g]:gb[g+1] use
+# expert ge[g]; pair k's activation row is row k of x (or of q, s), and its result goes to
+# out[k].  (quant.matmul gathers the activations into this order and scatters the results
+# back.  Indexing through pair -> row maps instead measured 3-10 % slower for F16 / BF16.)
+# The parallel loop runs over (group, run of ROW_RUN weight rows) items, so a weight row is
+# read once for all pairs of its expert.  A plain matmul is one group: expert 0, pairs =
+# tokens.  Expert e, row r of tensor a starts at byte e * esa + r * sa.
+#
+# fused=True adds a second tensor b ("up", same type and shape) and stores
+# silu(a_row . x) * (b_row . x) in out (outb: scratch of out's shape): the gate/up
+# projection of a SiLU MLP in one call over activations quantized once.  Each run of rows
+# is done for a, then for b, by one non-inlined run function: with the row dots inlined
+# into the kernel's own fused loops, LLVM compiled them 10-15 % slower than the plain loop
+# (Q4_0, measured), and reading a and b rows in turn cost ~10 % more.  This way the fused
+# kernel costs what the two separate products cost (within 3 %, SiLU included).
+ROW_RUN = 16
+
+
+@njit(cache=True, nogil=True)
+def _silu_mul(g, u):
+    """silu(g) * u in f32.  Not fastmath: exp(-g) may overflow to inf (silu -> -0)."""
+    return g / (np.float32(1.0) + np.exp(-g)) * u
+
+
+@njit(inline="always", **_opts)
+def _int_row_dot(qtype, buf, qw, base, nb, qk, lut, q, s, k):
+    """Dot of the Q8_0 / Q4_0 row at byte `base` with int8 activation row k of (q, s).
+    qw is buf viewed as int8; the type branch is outside the block loops."""
+    acc = np.float32(0.0)
+    if qtype == Q8_0_ID:
         for b in range(nb):
-            xv = x[t, b * qk:b * qk + qk]
-            qv = q[t, b * qk:b * qk + qk]
-            amax = np.float32(0.0)
-            for j in range(qk):
-                amax = max(amax, abs(xv[j]))
-            d = amax / np.float32(127.0)
-            if d > 0:
-                m, e = math.frexp(np.float64(d))          # bf16 keeps 8 significant bits
-                d = np.float32(math.ldexp(np.rint(m * 256.0) / 256.0, e))
-            inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
-            s[t, b] = d
-            for j in range(qk):
-                r = np.rint(xv[j] * inv)
-                qv[j] = np.int8(min(127.0, max(-128.0, r)))
+            o = base + b * (qk + 2)
+            wv = qw[o + 2:o + 2 + qk]
+            av = q[k, b * qk:b * qk + qk]
+            isum = np.int32(0)
+            for j in range(qk):   # |w*a| <= 127*128: int16 products, int32 sum
+                isum = np.int32(isum + np.int16(wv[j]) * np.int16(av[j]))
+            acc += _f16_at(buf, o, lut) * s[k, b] * np.float32(isum)
+    else:                         # Q4_0: int32 block sums of (nibble - 8) * a
+        h = qk // 2
+        for b in range(nb):
+            o = base + b * (h + 2)
+            wv = buf[o + 2:o + 2 + h]
+            al = q[k, b * qk:b * qk + h]        # elements 0..15 pair with low nibbles
+            ah = q[k, b * qk + h:b * qk + qk]   # elements 16..31 with high nibbles
+            isum = np.int32(0)
+            for j in range(h):
+                v = np.int32(wv[j])
+                isum = np.int32(isum + np.int16((v & 15) - 8) * np.int16(al[j])
+                                + np.int16((v >> 4) - 8) * np.int16(ah[j]))
+            acc += _f16_at(buf, o, lut) * s[k, b] * np.float32(isum)
+    return acc
 
 
-# ----------------------------------------------------------------------------------------
-# few-token matmuls: out[t, r] = dot(W[r], x[t]), parallel over rows r
-# ----------------------------------------------------------------------------------------
-@njit(parallel=True, **_opts)
-def matvec_q8_0(buf, stride, nrows, cols, qk, lut, q, s, out):
-    """Q8_0 weights . int8 activations (q, s from quantize_act_q8), int32 block sums."""
+@njit(**_opts)
+def _int_run(qtype, buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, out):
+    """out[k, r] = row r . activation k for rows r0:r1 (from byte ebase on), pairs k0:k1."""
     qw = buf.view(np.int8)
-    n = q.shape[0]
-    nb = cols // qk
-    for r in prange(nrows):
-        base = r * stride
-        for t in range(n):
+    for r in range(r0, r1):
+        base = ebase + r * stride
+        for k in range(k0, k1):
+            out[k, r] = _int_row_dot(qtype, buf, qw, base, nb, qk, lut, q, s, k)
+
+
+@njit(**_opts)
+def _f32_run(qtype, buf, ebase, stride, r0, r1, k0, k1, cols, qk, lut, x, y, out):
+    """The same for any type: each row decoded once into the f32 scratch y, then f32 dots."""
+    for r in range(r0, r1):
+        decode_row(buf, qtype, ebase + r * stride, cols, qk, lut, y)
+        for k in range(k0, k1):
+            xv = x[k]
             acc = np.float32(0.0)
-            for b in range(nb):
-                o = base + b * (qk + 2)
-                wv = qw[o + 2:o + 2 + qk]
-                av = q[t, b * qk:b * qk + qk]
-                isum = np.int32(0)
-                for j in range(qk):   # |w*a| <= 127*128: int16 products, int32 sum
-                    isum = np.int32(isum + np.int16(wv[j]) * np.int16(av[j]))
-                acc += _f16_at(buf, o, lut) * s[t, b] * np.float32(isum)
-            out[t, r] = acc
+            for j in range(cols):
+                acc += y[j] * xv[j]
+            out[k, r] = acc
+
+
+@njit(**_opts)
+def _silu_mul_run(r0, r1, k0, k1, out, outb):
+    for k in range(k0, k1):
+        for r in range(r0, r1):
+            out[k, r] = _silu_mul(out[k, r], outb[k, r])
 
 
 @njit(parallel=True, **_opts)
-def matvec_q4_0(buf, stride, nrows, cols, qk, lut, q, s, out):
-    """Q4_0 weights . int8 activations, int32 block sums of (nibble - 8) * a."""
-    n = q.shape[0]
+def matvec_int(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut, q, s, ge, gb, out, outb):
+    """Q8_0 / Q4_0 weights . int8 activations (q, s from quantize_act_q8, one row per pair),
+    int32 block sums.  out, outb: (n_pairs, nrows)."""
     nb = cols // qk
-    h = qk // 2
-    for r in prange(nrows):
-        base = r * stride
-        for t in range(n):
-            acc = np.float32(0.0)
-            for b in range(nb):
-                o = base + b * (h + 2)
-                wv = buf[o + 2:o + 2 + h]
-                al = q[t, b * qk:b * qk + h]        # elements 0..15 pair with low nibbles
-                ah = q[t, b * qk + h:b * qk + qk]   # elements 16..31 with high nibbles
-                isum = np.int32(0)
-                for j in range(h):
-                    v = np.int32(wv[j])
-                    isum = np.int32(isum + np.int16((v & 15) - 8) * np.int16(al[j])
-                                    + np.int16((v >> 4) - 8) * np.int16(ah[j]))
-                acc += _f16_at(buf, o, lut) * s[t, b] * np.float32(isum)
-            out[t, r] = acc
+    nrun = (nrows + ROW_RUN - 1) // ROW_RUN
+    for i in prange(ge.shape[0] * nrun):
+        g = i // nrun
+        r0 = (i - g * nrun) * ROW_RUN
+        r1 = min(nrows, r0 + ROW_RUN)
+        _int_run(qtype, bufa, ge[g] * esa, sa, r0, r1, gb[g], gb[g + 1], nb, qk, lut, q, s, out)
+        if fused:
+            _int_run(qtype, bufb, ge[g] * esb, sb, r0, r1, gb[g], gb[g + 1], nb, qk, lut, q, s, outb)
+            _silu_mul_run(r0, r1, gb[g], gb[g + 1], out, outb)
 
 
 @njit(parallel=True, **_opts)
-def matvec_float(buf, qtype, stride, nrows, cols, qk, lut, x, out, nchunks):
-    """Any type: decode each row once into a per-chunk f32 scratch, then f32 dots with x.
-
-    Rows are split into `nchunks` runs (a few per thread) so each run allocates one scratch.
-    """
-    n = x.shape[0]
-    nchunks = max(1, min(nrows, nchunks))
-    per = (nrows + nchunks - 1) // nchunks
-    for c in prange(nchunks):
+def matvec_float(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut, x, ge, gb, out, outb):
+    """Any type . f32 activations (one row per pair), rows decoded to f32 one at a time."""
+    nrun = (nrows + ROW_RUN - 1) // ROW_RUN
+    for i in prange(ge.shape[0] * nrun):
+        g = i // nrun
+        r0 = (i - g * nrun) * ROW_RUN
+        r1 = min(nrows, r0 + ROW_RUN)
         y = np.empty(cols, dtype=np.float32)
-        for r in range(c * per, min(nrows, (c + 1) * per)):
-            decode_row(buf, qtype, r * stride, cols, qk, lut, y)
-            for t in range(n):
-                xv = x[t]
-                acc = np.float32(0.0)
-                for j in range(cols):
-                    acc += y[j] * xv[j]
-                out[t, r] = acc
+        _f32_run(qtype, bufa, ge[g] * esa, sa, r0, r1, gb[g], gb[g + 1], cols, qk, lut, x, y, out)
+        if fused:
+            _f32_run(qtype, bufb, ge[g] * esb, sb, r0, r1, gb[g], gb[g + 1], cols, qk, lut, x, y, outb)
+            _silu_mul_run(r0, r1, gb[g], gb[g + 1], out, outb)

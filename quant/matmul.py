@@ -26,8 +26,20 @@ OMP_WAIT_POLICY to PASSIVE for numba's OpenMP pool (for 512 x 4096 x 4096 Q8_0 o
 that took the many-token path from 228 to 104 ms), which only works if quant is imported
 before numba runs its first parallel function.  TILE_DEQUANT_THREADS can also cap the
 numba threads used for tile decoding.
+
+Mixture-of-experts entry points (ggml's mul_mat_id and ik_llama.cpp's fused moe_up_gate):
+matmul_id(w, x, ids, x_rows) multiplies a 3-D expert tensor with P (expert, activation row)
+pairs and moe_up_gate(gate, up, ...) returns silu(gate . x) * (up . x) for such pairs, each
+in one call for all pairs.  Pairs are grouped by expert; an expert with fewer than
+many_tokens(type) pairs goes to one integer/float kernel call shared by all such experts
+(the weight row base depends on the pair's expert), the others go expert by expert through
+the tile + BLAS path.  Activation rows are quantized once, whatever the number of pairs
+and tensors using them.  up_gate(gate, up, x) is the same fused op for 2-D (dense) weights.
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, NamedTuple
 
 import numba
 import numpy as np
@@ -73,28 +85,71 @@ def _check(qtype: int) -> None:
         raise NotImplementedError(f"no kernels for tensor type {type_info(qtype).name}")
 
 
-def _rows_view(w: QTensor) -> tuple[np.ndarray, int, int, int]:
-    """(buf, stride, rows, cols) in the kernels' calling convention, without copying the data
-    unless its rows are not laid out as contiguous byte runs at a regular spacing."""
+class _View(NamedTuple):
+    """A weight tensor in the kernels' calling convention: expert e, row r starts at byte
+    e * estride + r * stride of buf (estride = 0 for a 2-D tensor)."""
+    buf: np.ndarray
+    estride: int
+    stride: int
+    n_expert: int
+    rows: int
+    cols: int
+    row_bytes: int
+    qtype: int
+
+
+def _view(w: QTensor) -> _View:
+    """A 2-D (rows, row_bytes) or 3-D (expert, rows, row_bytes) tensor as one byte buffer, not
+    copied unless a row is not one contiguous run of bytes, or a spacing is negative or
+    misaligned for the type's elements."""
     _check(w.qtype)
     data = w.data
-    if data.ndim != 2:
-        raise ValueError(f"expected a 2-D weight (rows, row_bytes), got data of shape {data.shape}; "
-                         "select an expert first (w[i])")
+    if data.ndim not in (2, 3):
+        raise ValueError(f"expected weights of shape (rows, row_bytes) or (experts, rows, row_bytes), "
+                         f"got data of shape {data.shape}")
     if data.dtype != np.uint8:
         data = data.view(np.uint8)
-    rows, rb = data.shape
+    d3 = data if data.ndim == 3 else data[None]
+    ne, rows, rb = d3.shape
     cols = w.cols
     if rb != type_info(w.qtype).row_bytes(cols):
         raise ValueError(f"row of {rb} bytes does not hold {cols} {type_info(w.qtype).name} values")
-    stride = data.strides[0] if rows > 1 else rb
-    if data.strides[1] != 1 or stride < rb or stride % _ELEM[w.qtype] or \
-            data.__array_interface__["data"][0] % _ELEM[w.qtype]:
-        data = np.ascontiguousarray(data)
-        stride = rb
-    span = (rows - 1) * stride + rb if rows else 0
-    buf = np.lib.stride_tricks.as_strided(data, shape=(span,), strides=(1,), writeable=False)
-    return buf, int(stride), int(rows), int(cols)
+    el = _ELEM[w.qtype]
+    es = d3.strides[0] if ne > 1 else 0
+    stride = d3.strides[1] if rows > 1 else rb
+    if d3.strides[2] != 1 or stride < rb or es < 0 or stride % el or es % el or \
+            d3.__array_interface__["data"][0] % el:
+        d3 = np.ascontiguousarray(d3)
+        es, stride = (rows * rb if ne > 1 else 0), rb
+    span = (ne - 1) * es + (rows - 1) * stride + rb if rows and ne else 0
+    if d3.flags.c_contiguous:        # the usual case, ~10x cheaper than as_strided
+        buf = d3.reshape(-1)
+        if buf.flags.writeable:      # the kernels are compiled for read-only buffers
+            buf = buf.view()
+            buf.flags.writeable = False
+    else:
+        buf = np.lib.stride_tricks.as_strided(d3, shape=(span,), strides=(1,), writeable=False)
+    return _View(buf, int(es), int(stride), int(ne), int(rows), int(cols), int(rb), int(w.qtype))
+
+
+def _expert(v: _View, e: int) -> _View:
+    """Expert e of a view as a 2-D view (a slice of the same buffer)."""
+    o = e * v.estride
+    span = (v.rows - 1) * v.stride + v.row_bytes if v.rows else 0
+    return v._replace(buf=v.buf[o:o + span], estride=0, n_expert=1)
+
+
+def _need_2d(w: QTensor) -> None:
+    if w.data.ndim != 2:
+        raise ValueError(f"expected a 2-D weight (rows, row_bytes), got data of shape {w.data.shape}; "
+                         "select an expert first (w[i])")
+
+
+def _rows_view(w: QTensor) -> tuple[np.ndarray, int, int, int]:
+    """(buf, stride, rows, cols) of a 2-D weight tensor in the kernels' calling convention."""
+    _need_2d(w)
+    v = _view(w)
+    return v.buf, v.stride, v.rows, v.cols
 
 
 def _as_act(x: np.ndarray, cols: int) -> np.ndarray:
@@ -118,77 +173,207 @@ def tile_rows(cols: int, rows: int) -> int:
 
 def matmul(w: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """x @ W.T for x of shape (n, cols): returns (n, rows) f32 (written into `out` if given)."""
-    buf, stride, rows, cols = _rows_view(w)
-    x = _as_act(x, cols)
+    _need_2d(w)
+    v = _view(w)
+    x = _as_act(x, v.cols)
     n = x.shape[0]
     if out is None:
-        out = np.empty((n, rows), dtype=np.float32)
-    elif out.shape != (n, rows) or out.dtype != np.float32:
-        raise ValueError(f"out must be float32 of shape {(n, rows)}, got {out.dtype} {out.shape}")
-    if n == 0 or rows == 0:
+        out = np.empty((n, v.rows), dtype=np.float32)
+    elif out.shape != (n, v.rows) or out.dtype != np.float32:
+        raise ValueError(f"out must be float32 of shape {(n, v.rows)}, got {out.dtype} {out.shape}")
+    if n == 0 or v.rows == 0:
         return out
-    target = out if out.flags.c_contiguous else np.empty((n, rows), dtype=np.float32)
+    target = out if out.flags.c_contiguous else np.empty((n, v.rows), dtype=np.float32)
 
-    qt = w.qtype
-    if qt == F32:
-        wf = np.lib.stride_tricks.as_strided(buf.view(np.float32), shape=(rows, cols),
-                                             strides=(stride, 4), writeable=False)
-        np.matmul(x, wf.T, out=target)
-    elif n < many_tokens(qt):
-        _few_tokens(buf, qt, stride, rows, cols, x, target)
+    if v.qtype == F32:
+        np.matmul(x, _f32_matrix(v).T, out=target)
+    elif n < many_tokens(v.qtype):
+        _few_pairs(v, None, _act(v.qtype, x), _ONE_GROUP, np.array([0, n], np.int64), target)
     else:
-        _many_tokens(buf, qt, stride, rows, cols, x, target)
+        with _tile_threads():
+            _tiles(v, _round_act(v.qtype, x), target)
     if target is not out:
         out[...] = target
     return out
+
+
+_ONE_GROUP = np.zeros(1, dtype=np.int64)   # ge of a plain matmul: every pair uses expert 0
+
+
+def _f32_matrix(v: _View) -> np.ndarray:
+    """An F32 tensor's (single expert) rows as a strided f32 matrix view of the bytes."""
+    return np.lib.stride_tricks.as_strided(v.buf.view(np.float32), shape=(v.rows, v.cols),
+                                           strides=(v.stride, 4), writeable=False)
 
 
 def _quantize_act(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """x (n, cols) -> int8 values and one scale per 32, ik_llama.cpp's Q8_2 rule (see kernels)."""
     q = np.empty(x.shape, dtype=np.int8)
     s = np.empty((x.shape[0], x.shape[1] // K.QK), dtype=np.float32)
-    K.quantize_act_q8(x, K.QK, q, s)
+    (K.quantize_act_q8 if x.shape[0] >= 16 else K.quantize_act_q8_serial)(x, K.QK, q, s)
     return q, s
 
 
-def _few_tokens(buf, qt, stride, rows, cols, x, out) -> None:
-    if qt == Q8_0 or qt == Q4_0:
-        q, s = _quantize_act(x)
-        kern = K.matvec_q8_0 if qt == Q8_0 else K.matvec_q4_0
-        kern(buf, stride, rows, cols, K.QK, K.F16_TO_F32, q, s, out)
-    else:
-        K.matvec_float(buf, qt, stride, rows, cols, K.QK, K.F16_TO_F32, x, out, 8 * numba.get_num_threads())
+def _act(qt: int, x: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The few-pair kernels' activations: (q, s) for Q8_0 / Q4_0, (x,) for float types."""
+    return _quantize_act(x) if qt in (Q8_0, Q4_0) else (x,)
 
 
-def _q8_rounded(x: np.ndarray) -> np.ndarray:
-    """x after a round trip through the Q8 activation blocks of the few-token path.
+def _round_act(qt: int, x: np.ndarray, act: tuple[np.ndarray, ...] = ()) -> np.ndarray:
+    """The tile path's activations: Q8-rounded for Q8_0 / Q4_0 (see _q8_rounded; act: x's
+    _act, if already computed), else x."""
+    return _q8_rounded(x, act or None) if qt in (Q8_0, Q4_0) else x
+
+
+def _few_pairs(va: _View, vb: _View | None, act: tuple[np.ndarray, ...], ge: np.ndarray,
+               gb: np.ndarray, out: np.ndarray) -> None:
+    """Integer / float dot kernels for pairs gb[g]:gb[g+1] of expert ge[g]; act and out have
+    one row per pair (vb given: out = silu(a . x) * (b . x))."""
+    fused = vb is not None
+    vb = vb if fused else va
+    outb = np.empty_like(out) if fused else out     # the kernels' scratch for b's products
+    geo = (va.buf, va.estride, va.stride, vb.buf, vb.estride, vb.stride, fused, va.rows, va.cols,
+           K.QK, K.F16_TO_F32)
+    kern = K.matvec_int if va.qtype in (Q8_0, Q4_0) else K.matvec_float
+    kern(va.qtype, *geo, *act, ge, gb, out, outb)
+
+
+def _q8_rounded(x: np.ndarray, qs: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """x after a round trip through the Q8 activation blocks of the few-token path
+    (qs: x already quantized).
 
     GGML multiplies Q8_0 / Q4_0 weights with activations quantized this way; doing the same
     before BLAS makes a token's result independent of the batch it came in. Measured with it:
     perplexities within 0.2% of ik_llama.cpp's (-mla 0) on the random Q8_0/Q4_0 models of
     scripts/compare_perplexity.py, except the chaotic 26-layer Lite one (1.8%, README).
     """
-    q, s = _quantize_act(x)
+    q, s = _quantize_act(x) if qs is None else qs
     return (q.reshape(x.shape[0], -1, K.QK).astype(np.float32) * s[:, :, None]).reshape(x.shape)
 
 
-def _many_tokens(buf, qt, stride, rows, cols, x, out) -> None:
-    if qt == Q8_0 or qt == Q4_0:
-        x = _q8_rounded(x)
-    tr = tile_rows(cols, rows)
-    tile = np.empty((tr, cols), dtype=np.float32)
-    ids = np.arange(rows, dtype=np.int64)
+@contextmanager
+def _tile_threads() -> Iterator[None]:
+    """Numba threads for tile decoding (TILE_DEQUANT_THREADS) while the block runs."""
     nt = numba.get_num_threads()
-    dq_threads = nt if TILE_DEQUANT_THREADS is None else max(1, min(nt, TILE_DEQUANT_THREADS))
     try:
-        numba.set_num_threads(dq_threads)
-        for r0 in range(0, rows, tr):
-            r1 = min(rows, r0 + tr)
-            t = tile[:r1 - r0]
-            K.dequant_rows(buf, qt, stride, ids[r0:r1], cols, K.QK, K.F16_TO_F32, t)
-            np.matmul(x, t.T, out=out[:, r0:r1])
+        numba.set_num_threads(nt if TILE_DEQUANT_THREADS is None else max(1, min(nt, TILE_DEQUANT_THREADS)))
+        yield
     finally:
         numba.set_num_threads(nt)
+
+
+def _tiles(v: _View, x: np.ndarray, out: np.ndarray) -> None:
+    """out = x @ W.T for a single-expert view, W decoded tile by tile (x already rounded)."""
+    tr = tile_rows(v.cols, v.rows)
+    tile = np.empty((tr, v.cols), dtype=np.float32)
+    ids = np.arange(v.rows, dtype=np.int64)
+    for r0 in range(0, v.rows, tr):
+        r1 = min(v.rows, r0 + tr)
+        t = tile[:r1 - r0]
+        K.dequant_rows(v.buf, v.qtype, v.stride, ids[r0:r1], v.cols, K.QK, K.F16_TO_F32, t)
+        np.matmul(x, t.T, out=out[:, r0:r1])
+
+
+def _silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """silu(g) * u in place of g, the same f32 operations as engine.ops.silu then *=."""
+    with np.errstate(over="ignore"):       # exp(-g) -> inf for g < -88: silu -> -0
+        g /= np.float32(1.0) + np.exp(-g)
+    g *= u
+    return g
+
+
+def matmul_id(w: QTensor, x: np.ndarray, ids: np.ndarray, x_rows: np.ndarray) -> np.ndarray:
+    """Pair p of (expert ids[p], activation row x_rows[p]): out[p] = W[ids[p]] @ x[x_rows[p]].
+
+    w: (n_expert, rows, cols) (a 2-D tensor counts as one expert); x: (n_x, cols) f32;
+    returns (P, rows) f32.  Only experts that appear in ids are read.
+    """
+    return _mul_id(_view(w), None, x, ids, x_rows)
+
+
+def moe_up_gate(gate: QTensor, up: QTensor, x: np.ndarray, ids: np.ndarray,
+                x_rows: np.ndarray) -> np.ndarray:
+    """silu(gate[ids[p]] @ x[x_rows[p]]) * (up[ids[p]] @ x[x_rows[p]]) for every pair p, in one
+    call: activations quantized once; on the kernel path a work item computes a run of gate
+    rows and the same up rows for its pairs and applies SiLU*mul itself; on the tile path
+    each expert's gate and up products share the gathered activations.
+
+    Same values as matmul_id(gate, ...) and matmul_id(up, ...) combined with NumPy's silu
+    (bitwise on the tile path and for F32; within an ulp of exp on the kernel path).
+    Falls back to the two separate products when gate and up differ in type.
+    """
+    vg, vu = _view(gate), _view(up)
+    if vg.qtype != vu.qtype:
+        return _silu_mul(_mul_id(vg, None, x, ids, x_rows), _mul_id(vu, None, x, ids, x_rows))
+    if (vg.n_expert, vg.rows, vg.cols) != (vu.n_expert, vu.rows, vu.cols):
+        raise ValueError(f"gate {gate.shape} and up {up.shape} differ in shape")
+    return _mul_id(vg, vu, x, ids, x_rows)
+
+
+def up_gate(gate: QTensor, up: QTensor, x: np.ndarray) -> np.ndarray:
+    """silu(x @ G.T) * (x @ U.T) for 2-D weights (a dense SiLU MLP's first half), fused as in
+    moe_up_gate."""
+    n = np.asarray(x).shape[0]
+    return moe_up_gate(gate, up, x, np.zeros(n, np.int64), np.arange(n, dtype=np.int64))
+
+
+def _pair_ids(a: np.ndarray, limit: int, what: str) -> np.ndarray:
+    a = np.ascontiguousarray(a, dtype=np.int64).reshape(-1)
+    if a.size and (a.min() < 0 or a.max() >= limit):
+        raise IndexError(f"{what} out of range 0..{limit - 1}")
+    return a
+
+
+def _mul_id(va: _View, vb: _View | None, x: np.ndarray, ids: np.ndarray,
+            x_rows: np.ndarray) -> np.ndarray:
+    """matmul_id (vb None) or the fused up/gate product (vb: up) for pairs (ids, x_rows)."""
+    x = _as_act(x, va.cols)
+    ids = _pair_ids(ids, va.n_expert, "expert id")
+    x_rows = _pair_ids(x_rows, x.shape[0], "activation row")
+    if ids.shape != x_rows.shape:
+        raise ValueError(f"{ids.size} expert ids but {x_rows.size} activation rows")
+    P = ids.size
+    out = np.empty((P, va.rows), dtype=np.float32)
+    if P == 0 or va.rows == 0:
+        return out
+    order = np.argsort(ids, kind="stable")          # pairs grouped by expert
+    counts = np.bincount(ids, minlength=va.n_expert)
+    ends = np.cumsum(counts)
+    # F32 goes to BLAS straight on the bytes whatever the count; other types by pair count
+    many = counts > 0 if va.qtype == F32 else counts >= many_tokens(va.qtype)
+    act_x = () if va.qtype == F32 else _act(va.qtype, x)   # every activation row quantized once
+    few = ~many[ids[order]]
+    if few.any():
+        po = order[few]                             # the few-pair pairs, still grouped by expert
+        ge = np.flatnonzero((counts > 0) & ~many)
+        gb = np.concatenate(([0], np.cumsum(counts[ge]))).astype(np.int64)
+        rows = x_rows[po]
+        act = act_x
+        if rows.size != x.shape[0] or not np.array_equal(rows, np.arange(rows.size)):
+            act = tuple(np.ascontiguousarray(a[rows]) for a in act)   # one row per pair
+        identity = po.size == P and np.array_equal(po, np.arange(P))
+        res = out if identity else np.empty((po.size, va.rows), dtype=np.float32)
+        _few_pairs(va, vb, act, ge, gb, res)
+        if not identity:
+            out[po] = res
+    if many.any():
+        xr = _round_act(va.qtype, x, act_x)
+        with _tile_threads():
+            for e in np.flatnonzero(many):
+                pe = order[ends[e] - counts[e]:ends[e]]
+                xe = xr[x_rows[pe]]
+                y = _product(_expert(va, e), xe)
+                out[pe] = y if vb is None else _silu_mul(y, _product(_expert(vb, e), xe))
+    return out
+
+
+def _product(v: _View, x: np.ndarray) -> np.ndarray:
+    """x @ W.T for one expert on the BLAS side: F32 directly, other types tile by tile."""
+    if v.qtype == F32:
+        return x @ _f32_matrix(v).T
+    y = np.empty((x.shape[0], v.rows), dtype=np.float32)
+    _tiles(v, x, y)
+    return y
 
 
 def get_rows(w: QTensor, ids: np.ndarray) -> np.ndarray:

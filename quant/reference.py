@@ -13,16 +13,21 @@ reference quantizers (quantize_row_*_ref) bit for bit:
           d = m / -8 stored as f16, q = min(15, trunc(x / d + 8.5)); byte j of the block
           holds element j in its low nibble and element j+16 in its high nibble.
           Value = (q - 8) * d.
+* Q6_0  — (ik_llama.cpp) blocks of 32: 6-bit q = trunc(x / d + 32.5) capped at 63 with
+          d = m / -32 from the largest-magnitude element, then d is refitted by weighted least
+          squares (weights (x/d)^2, sums in element order).  Bytes: f16 d, 8 bytes qh, 16 bytes
+          qs; qs[j] holds the low nibbles of elements j and j+16, and qh[j % 8] holds their two
+          high bits at bit 4*(j // 8) (element j) and 4*(j // 8) + 2 (element j+16).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .types import BF16, F16, F32, Q4_0, Q8_0, type_info
+from .types import BF16, F16, F32, Q4_0, Q6_0, Q8_0, type_info
 
 QK = 32  # weights per block of Q8_0 and Q4_0
 
-REFERENCE_TYPES = frozenset({F32, F16, BF16, Q8_0, Q4_0})
+REFERENCE_TYPES = frozenset({F32, F16, BF16, Q8_0, Q4_0, Q6_0})
 
 
 def round_half_away(v: np.ndarray) -> np.ndarray:
@@ -86,6 +91,8 @@ def quantize(x: np.ndarray, qtype: int) -> np.ndarray:
         out[:, :2] = d.astype(np.float16).view(np.uint8)
         out[:, 2:] = q[:, :16] | (q[:, 16:] << 4)
         return out.reshape(-1)
+    if qtype == Q6_0:
+        return _quantize_q6_0(_blocks(x))
     raise NotImplementedError(f"reference quantize: type {type_info(qtype).name} not supported")
 
 
@@ -113,4 +120,40 @@ def dequantize(raw: np.ndarray, qtype: int, n: int) -> np.ndarray:
         qs = b[:, 2:]
         q = np.concatenate([qs & 15, qs >> 4], axis=1).astype(np.float32) - 8
         return (q * d).reshape(-1)
+    if qtype == Q6_0:
+        b = raw.reshape(-1, 26)
+        d = b[:, :2].copy().view(np.float16).astype(np.float32)
+        qh, qs = b[:, 2:10].astype(np.int32), b[:, 10:].astype(np.int32)
+        j = np.arange(16)
+        h = qh[:, j % 8] >> (4 * (j // 8))
+        lo = ((qs & 15) | ((h << 4) & 0x30)) - 32
+        hi = ((qs >> 4) | ((h << 2) & 0x30)) - 32
+        return (np.concatenate([lo, hi], axis=1).astype(np.float32) * d).reshape(-1)
     raise NotImplementedError(f"reference dequantize: type {ti.name} not supported")
+
+
+def _quantize_q6_0(b: np.ndarray) -> np.ndarray:
+    imax = np.abs(b).argmax(axis=1)[:, None]
+    d = (np.take_along_axis(b, imax, axis=1)[:, 0] / np.float32(-32)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+    xs = b * inv[:, None]                                     # scaled values, f32
+    q = np.minimum(63, np.trunc(xs + np.float32(32.5)).astype(np.int32))
+    qf = (q - 32).astype(np.float32)
+    w = xs * xs
+    sumqx = np.zeros(len(b), dtype=np.float32)
+    sumq2 = np.zeros(len(b), dtype=np.float32)
+    for j in range(16):                                       # C's summation order
+        a, c = j, j + 16
+        sumqx = (sumqx + w[:, a] * b[:, a] * qf[:, a] + w[:, c] * b[:, c] * qf[:, c]).astype(np.float32)
+        sumq2 = (sumq2 + w[:, a] * qf[:, a] * qf[:, a] + w[:, c] * qf[:, c] * qf[:, c]).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        dd = np.where(sumq2 > 0, sumqx / np.where(sumq2 > 0, sumq2, 1), d).astype(np.float32)
+    out = np.zeros((len(b), 26), dtype=np.uint8)
+    out[:, :2] = dd.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    lo, hi = q[:, :16], q[:, 16:]
+    out[:, 10:] = ((lo & 15) | ((hi & 15) << 4)).astype(np.uint8)
+    h = (lo >> 4) | ((hi >> 4) << 2)
+    for j in range(16):
+        out[:, 2 + j % 8] |= (h[:, j] << (4 * (j // 8))).astype(np.uint8)
+    return out.reshape(-1)

@@ -46,12 +46,13 @@ _TYPES = [
     TypeInfo("I32", 26, 1, 4),
     TypeInfo("F64", 28, 1, 8),
     TypeInfo("BF16", 30, 1, 2),
+    TypeInfo("Q6_0", 133, 32, 26),      # ik_llama.cpp: f16 d, 8 bytes of high bits, 16 of nibbles
 ]
 
 BY_ID: dict[int, TypeInfo] = {t.id: t for t in _TYPES}
 BY_NAME: dict[str, TypeInfo] = {t.name.lower(): t for t in _TYPES}
 
-F32, F16, Q4_0, Q8_0, BF16 = 0, 1, 2, 8, 30
+F32, F16, Q4_0, Q8_0, BF16, Q6_0 = 0, 1, 2, 8, 30, 133
 
 # Types the engine can compute with (matmul kernels exist). Grows with the type library.
 COMPUTE_TYPES = frozenset({F32, F16, BF16, Q8_0, Q4_0})

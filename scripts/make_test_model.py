@@ -70,6 +70,9 @@ PRESETS = {
     # DeepSeek's real latent sizes (576/512, rope 64): ik_llama.cpp accepts the new-mainline MLA
     # layout only with these
     "tiny-mla576": Shape(kv_lora_rank=512, qk_rope=64, qk_nope=32, v_head=32),
+    # V2-Lite-like at the real latent sizes (ik_llama.cpp runs every mode on it; quantized caches fit)
+    "tiny-lite576": Shape(q_lora_rank=0, n_layer=26, n_embd=32, n_expert=4, n_ff_exp=32, n_ff=64, kv_lora_rank=512,
+                          qk_nope=32, qk_rope=64, v_head=32),
     # ~1B parameters, DeepSeek-shaped (for benchmarks)
     "1b": Shape(n_embd=1024, n_layer=10, n_head=16, n_ff=4096, n_ctx=4096, q_lora_rank=384, kv_lora_rank=512,
                 qk_nope=128, qk_rope=64, v_head=128, n_expert=64, n_expert_used=6, n_expert_shared=2,

@@ -103,6 +103,11 @@ def test_short_text_is_a_clear_error(make_model, tmp_path, capsys):
     (["perplexity", "--bogus"], "No such option"),
     (["perplexity", "-c", "x"], "ctx-size"),
     (["perplexity", "-mla", "7"], "-mla must be"),
+    (["perplexity", "-fa", "none"], "invalid value 'none' for -fa"),
+    (["perplexity", "-ctk", "q9_0"], "Invalid cache type: q9_0"),
+    (["perplexity", "-ctk", "q8_KV"], "not available in ikcli"),
+    (["perplexity", "-ser", "6"], "invalid value '6' for -ser"),
+    (["perplexity", "-fa", "off", "-ctv", "q8_0"], "Quantized V cache cannot be used without flash attention"),
     (["tokenize", "-m", "/no/such.gguf", "-p", "x"], "no such file"),
 ])
 def test_bad_input_one_line(args, needle, capsys):
@@ -129,3 +134,19 @@ def test_help_does_not_import_numba():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "perplexity" in r.stdout and "tokenize" in r.stdout
+
+
+@pytest.mark.parametrize("flags,echo", [
+    ([], {"flash_attn": "1", "mla_attn": "3", "fused_moe": "1", "attn_max_b": "256", "ser": "-1, 0"}),
+    (["-fa", "-fmoe", "-mla", "2"], {"flash_attn": "1", "mla_attn": "2", "fused_moe": "1"}),
+    (["-fa", "0", "-no-fmoe", "-mla", "1"], {"flash_attn": "0", "mla_attn": "1", "fused_moe": "0"}),
+    (["-no-fa", "-fmoe", "1", "-amb", "64"], {"flash_attn": "0", "fused_moe": "1", "attn_max_b": "128"}),
+    (["-fa", "off", "--fused-moe", "0", "-ser", "6,1", "-mla", "0"],
+     {"flash_attn": "0", "fused_moe": "0", "ser": "6, 1", "mla_attn": "0"}),
+])
+def test_engine_flag_spellings_and_startup_echo(flags, echo, capsys):
+    code, out, err = cli(capsys, "perplexity", "-c", "64", "--chunks", "1", "-t", "2", *flags)
+    assert code == 0, err[-2000:]
+    for key, val in echo.items():
+        assert f"llama_init_from_model: {key:<13s} = {val}\n" in err, (key, val)
+    assert "Final estimate: PPL" in out

@@ -18,6 +18,17 @@ class UBatch:
     tokens: np.ndarray      # int32 (T,)
     pos: np.ndarray         # int32 (T,) positions in the sequence
     out_rows: np.ndarray    # indices into tokens whose logits are wanted
+    cell0: int = 0          # KV cache cells [cell0, cell0 + T) are this batch's
+
+
+@dataclass
+class RunOptions:
+    """How to compute (results agree across these within float tolerance)."""
+    flash_attn: bool = True
+    mla: int = 0                 # DeepSeek attention mode (0 for other architectures)
+    amb_bytes: int = 0           # K*Q / decompressed K,V scratch cap (0: no user cap)
+    fused_moe: bool = True
+    ser: tuple[int, float] = (-1, 0.0)
 
 
 class Head:

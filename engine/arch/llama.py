@@ -5,14 +5,14 @@ import numpy as np
 
 from quant.matmul import matmul
 
-from ..attention import causal_attention
+from ..attention import standard_attention
 from ..ffn import MoEWeights, ffn_silu, moe_ffn
 from ..gguf_file import ModelFileError
 from ..hparams import GATING_SOFTMAX, HParams, yarn_kq_scale, rope_attn_factor
 from ..kv_cache import KVCache
 from ..ops import rms_norm
 from ..rope import apply_rope
-from .common import Head, UBatch, rope_tables
+from .common import Head, RunOptions, UBatch, rope_tables
 
 
 class LlamaArch:
@@ -47,17 +47,17 @@ class LlamaArch:
         self.kq_scale = yarn_kq_scale(hp)
         self.attn_factor = rope_attn_factor(hp)
 
-    def cache_shapes(self) -> list[tuple[int, int, int]]:
+    def make_cache(self, n_ctx: int, opts: RunOptions, type_k: int, type_v: int) -> KVCache:
         hp = self.hp
-        return [(hp.n_head_kv, hp.n_embd_head_k, hp.n_embd_head_v)] * hp.n_layer
+        return KVCache.standard(n_ctx, [(hp.n_head_kv, hp.n_embd_head_k, hp.n_embd_head_v)] * hp.n_layer,
+                                type_k, type_v)
 
-    def forward(self, ub: UBatch, cache: KVCache, scratch_bytes: int) -> np.ndarray:
+    def forward(self, ub: UBatch, cache: KVCache, opts: RunOptions) -> np.ndarray:
         hp = self.hp
         T = len(ub.tokens)
         cos, sin = rope_tables(hp, ub.pos, self.attn_factor, self.freq_factors)
         x = self.head.embed(ub.tokens)
-        pos0 = int(ub.pos[0])
-        n_kv = pos0 + T
+        n_kv = cache.n
         for il, L in enumerate(self.layers):
             h = rms_norm(x, L["attn_norm"], hp.rms_eps)
             q = matmul(L["wq"], h).reshape(T, hp.n_head, hp.n_embd_head_k)
@@ -65,14 +65,17 @@ class LlamaArch:
             v = matmul(L["wv"], h).reshape(T, hp.n_head_kv, hp.n_embd_head_v)
             apply_rope(q, cos, sin, hp.rope_neox)
             apply_rope(k, cos, sin, hp.rope_neox)
-            cache.store(il, pos0, k, v)
-            kc, vc = cache.view(il, n_kv)
-            a = causal_attention(q, kc, vc, ub.pos, self.kq_scale, scratch_bytes)
+            lc = cache.layers[il]
+            lc.k.write(ub.cell0, k.reshape(T, -1))
+            lc.v.write(ub.cell0, v.reshape(T, -1))
+            a = standard_attention(q, lc, n_kv, hp.n_head_kv, hp.n_embd_head_k, hp.n_embd_head_v, cache.pos,
+                                   ub.pos, self.kq_scale, opts.flash_attn, opts.amb_bytes)
             x = x + matmul(L["wo"], a.reshape(T, -1))
             h = rms_norm(x, L["ffn_norm"], hp.rms_eps)
             if "moe" in L:
                 # Mixtral-style: softmax, top-k, weights renormalised, no scale
-                x = x + moe_ffn(h, L["moe"], hp.n_expert_used, GATING_SOFTMAX, True, 1.0)
+                x = x + moe_ffn(h, L["moe"], hp.n_expert_used, GATING_SOFTMAX, True, 1.0,
+                                fused=opts.fused_moe, ser=opts.ser)
             else:
                 x = x + ffn_silu(h, L["gate"], L["up"], L["down"])
         return self.head.logits(x, ub.out_rows)

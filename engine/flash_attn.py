@@ -1,0 +1,564 @@
+"""Flash attention over a KV cache kept in its stored type (f32/f16/bf16/q8_0/q4_0/q6_0).
+
+flash_attn(q, k, v, ...) computes softmax(scale * q·k) · v over the visible cells with an
+online softmax over blocks of cells: no (queries x cells) matrix is held for the whole
+cache, scratch is bounded by the block sizes.  Two paths, picked by `use_kernel_path`
+(multiply-adds per cache cell):
+
+* few queries (token generation): a Numba kernel reads the cache rows in place.  Work items
+  are (block of query rows, range of cells) - split-K / flash-decoding - each with its own
+  running max / sum / accumulator, merged at the end.  An item walks its cells BLOCK at a
+  time; per kv head it decodes the block into an L1-sized f32 scratch and uses it for every
+  query row of that head (all 16..128 heads of an MLA cache share one row, and V, the
+  first dv values of the row, is read from the same scratch).  Scores and probabilities
+  come from 4 rows x 4 cells register-blocked loops; scores are kept in the log2 domain (q
+  is pre-scaled by scale*log2(e)) so the softmax needs only a vectorizable exp2.
+* many queries (prompt processing): tiles of cells are decoded to f32 once per query tile
+  and every kv head is updated with two batched BLAS products (scores, P·V) around one
+  Numba pass for the masked online softmax; tiles no query of the query tile sees are
+  skipped.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from llvmlite.binding import llvm_version_info
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from quant.kernels import F16_TO_F32, QK, decode_row
+
+from .kv_cache import RowStore
+
+F32_ID, F16_ID, Q4_0_ID, Q8_0_ID, BF16_ID = 0, 1, 2, 8, 30
+LOG2E = 1.4426950408889634
+
+BLOCK = 8              # cells decoded per step of the kernel path (multiple of 8)
+ROW_BLOCK = 32         # query rows per work item of the kernel path
+MIN_SPLIT_CELLS = 256  # cells per work item at least (split-K)
+SPLITS_PER_THREAD = 2  # work items per thread (measured faster than 3, 4 or 6)
+# kernel path while T * H * (dk + dv), the multiply-adds per cache cell, is at most this:
+# the measured crossover on 2 Zen 4 cores (n_kv 4096, f16) was T 8..12 for H=16 latent
+# (dk+dv 1088), T 1..2 for H=128 latent and T 32..64 for H=16 standard heads (dk+dv 320)
+KERNEL_MAX_WORK = 200_000
+Q_TILE_ROWS = 8192     # queries x heads per query tile of the BLAS path
+CELL_TILE = 512        # cells per tile of the BLAS path (flash_attn's `block`)
+
+# fast-math without nnan/ninf: the kernels compare with -inf (masked cells, empty rows),
+# which LLVM folds away under ninf; reassoc + contract are what vectorize the dots
+_opts = dict(cache=True, fastmath={"reassoc", "contract", "nsz", "arcp", "afn"}, nogil=True)
+_fast = dict(cache=True, fastmath=True, nogil=True)     # inf-free inner loops (~5 % faster)
+
+
+# ----------------------------------------------------------------------------------------
+# scalar bit casts (numba has no float16 type; with these LLVM emits vcvtph2ps and
+# vectorizes the loops around them)
+# ----------------------------------------------------------------------------------------
+@intrinsic
+def _half_to_f32(typingctx, h):
+    if h != types.uint16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _bits_to_f32(typingctx, u):
+    """The f32 whose bit pattern is the low 32 bits of integer u."""
+    if not isinstance(u, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        x = args[0]
+        if u.bitwidth > 32:
+            x = builder.trunc(x, ir.IntType(32))
+        elif u.bitwidth < 32:
+            x = builder.zext(x, ir.IntType(32))
+        return builder.bitcast(x, ir.FloatType())
+    return types.float32(u), codegen
+
+
+# the intrinsic's name carries the pointer type: opaque pointers from LLVM 15 on
+_PREFETCH = "llvm.prefetch.p0" if llvm_version_info[0] >= 15 else "llvm.prefetch.p0i8"
+
+
+@intrinsic
+def _prefetch(typingctx, arr, idx):
+    """Prefetch the cache line holding arr[idx] (1-D array) into L2 (prefetcht1)."""
+    if not isinstance(arr, types.Array) or not isinstance(idx, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = builder.gep(context.make_array(sig.args[0])(context, builder, args[0]).data, [args[1]])
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            _PREFETCH)
+        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+    return types.none(arr, idx), codegen
+
+
+@njit(**_opts)
+def _prefetch_rows(buf, r0, n, stride):
+    for i in range(r0 * stride, (r0 + n) * stride, 64):
+        _prefetch(buf, i)
+
+
+@njit(**_opts)
+def _exp2(t):
+    """2**t for t <= 0 (relative error ~2e-7); t < -126 gives ~1e-38, callers zero masked cells."""
+    t = max(t, np.float32(-126.0))
+    ri = np.rint(t)
+    f = (t - ri) * np.float32(0.6931471805599453)           # e**f, |f| <= ln2/2
+    p = np.float32(1.0) + f * (np.float32(1.0) + f * (np.float32(0.5) + f * (np.float32(1.0 / 6) + f * (
+        np.float32(1.0 / 24) + f * (np.float32(1.0 / 120) + f * np.float32(1.0 / 720))))))
+    return p * _bits_to_f32(np.uint32(np.int32(ri) + np.int32(127)) << np.uint32(23))
+
+
+@njit(**_fast)
+def _decode_rows(buf, qtype, base, stride, n, cols, lut, y):
+    """y[i, :cols] = the row at byte base + i * stride as f32, i < n.
+
+    One call per block, not per row (a call per row cost ~25 ns, as much as decoding 576
+    f16 values).  All but q6_0 are decoded inline: quant.kernels.decode_row took 4x (q8_0)
+    and 2.3x (q4_0) longer.  Scales are f16 at even byte offsets (blocks
+    of 34 / 18 bytes), read through the uint16 view."""
+    hv = buf.view(np.uint16)
+    if qtype == F16_ID or qtype == BF16_ID:
+        for i in range(n):
+            o = (base + i * stride) // 2
+            src = hv[o:o + cols]
+            dst = y[i]
+            if qtype == F16_ID:
+                for j in range(cols):
+                    dst[j] = _half_to_f32(src[j])
+            else:          # bf16 bits are the top half of an f32
+                for j in range(cols):
+                    dst[j] = _bits_to_f32(np.uint32(src[j]) << np.uint32(16))
+    elif qtype == F32_ID:
+        fv = buf.view(np.float32)
+        for i in range(n):
+            o = (base + i * stride) // 4
+            src = fv[o:o + cols]
+            dst = y[i]
+            for j in range(cols):
+                dst[j] = src[j]
+    elif qtype == Q8_0_ID:
+        qs = buf.view(np.int8)
+        for i in range(n):
+            for b in range(cols // QK):
+                o = base + i * stride + b * (QK + 2)
+                d = _half_to_f32(hv[o // 2])
+                wv = qs[o + 2:o + 2 + QK]
+                yv = y[i, b * QK:b * QK + QK]
+                for j in range(yv.shape[0]):
+                    yv[j] = d * np.float32(wv[j])
+    elif qtype == Q4_0_ID:
+        h = QK // 2
+        for i in range(n):
+            for b in range(cols // QK):
+                o = base + i * stride + b * (h + 2)
+                d = _half_to_f32(hv[o // 2])
+                wv = buf[o + 2:o + 2 + h]
+                lo = y[i, b * QK:b * QK + h]
+                hi = y[i, b * QK + h:b * QK + QK]
+                for j in range(lo.shape[0]):
+                    v = np.int32(wv[j])
+                    lo[j] = d * np.float32((v & 15) - 8)
+                    hi[j] = d * np.float32((v >> 4) - 8)
+    else:
+        for i in range(n):
+            decode_row(buf, qtype, base + i * stride, cols, QK, lut, y[i])
+
+
+@njit(parallel=True, **_opts)
+def decode_rows(buf, qtype, stride, r0, cols, lut, out, nchunks):
+    """out[i, :cols] = row r0 + i of a store (buf: its bytes, flat) as f32, in `nchunks` parallel runs."""
+    n = out.shape[0]
+    nchunks = max(1, min(n, nchunks))
+    for c in prange(nchunks):
+        i0, i1 = c * n // nchunks, (c + 1) * n // nchunks
+        _decode_rows(buf, qtype, (r0 + i0) * stride, stride, i1 - i0, cols, lut, out[i0:i1])
+
+
+# ----------------------------------------------------------------------------------------
+# register-blocked micro kernels: 4 query rows x 4 cells share each load.
+# Scores / probabilities are stored S[cell, row] so the softmax vectorizes over rows.
+# ----------------------------------------------------------------------------------------
+@njit(**_fast)
+def _scores4x4(Q, r, kb, b, dk, S):
+    q0 = Q[r]
+    q1 = Q[r + 1]
+    q2 = Q[r + 2]
+    q3 = Q[r + 3]
+    k0 = kb[b]
+    k1 = kb[b + 1]
+    k2 = kb[b + 2]
+    k3 = kb[b + 3]
+    s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = np.float32(0)
+    s20 = s21 = s22 = s23 = s30 = s31 = s32 = s33 = np.float32(0)
+    for j in range(dk):
+        a0 = q0[j]
+        a1 = q1[j]
+        a2 = q2[j]
+        a3 = q3[j]
+        c0 = k0[j]
+        c1 = k1[j]
+        c2 = k2[j]
+        c3 = k3[j]
+        s00 += a0 * c0
+        s01 += a0 * c1
+        s02 += a0 * c2
+        s03 += a0 * c3
+        s10 += a1 * c0
+        s11 += a1 * c1
+        s12 += a1 * c2
+        s13 += a1 * c3
+        s20 += a2 * c0
+        s21 += a2 * c1
+        s22 += a2 * c2
+        s23 += a2 * c3
+        s30 += a3 * c0
+        s31 += a3 * c1
+        s32 += a3 * c2
+        s33 += a3 * c3
+    S[b, r], S[b + 1, r], S[b + 2, r], S[b + 3, r] = s00, s01, s02, s03
+    S[b, r + 1], S[b + 1, r + 1], S[b + 2, r + 1], S[b + 3, r + 1] = s10, s11, s12, s13
+    S[b, r + 2], S[b + 1, r + 2], S[b + 2, r + 2], S[b + 3, r + 2] = s20, s21, s22, s23
+    S[b, r + 3], S[b + 1, r + 3], S[b + 2, r + 3], S[b + 3, r + 3] = s30, s31, s32, s33
+
+
+@njit(**_fast)
+def _scores1x4(Q, r, kb, b, dk, S):
+    q0 = Q[r]
+    k0 = kb[b]
+    k1 = kb[b + 1]
+    k2 = kb[b + 2]
+    k3 = kb[b + 3]
+    s0 = s1 = s2 = s3 = np.float32(0)
+    for j in range(dk):
+        a = q0[j]
+        s0 += a * k0[j]
+        s1 += a * k1[j]
+        s2 += a * k2[j]
+        s3 += a * k3[j]
+    S[b, r], S[b + 1, r], S[b + 2, r], S[b + 3, r] = s0, s1, s2, s3
+
+
+@njit(**_fast)
+def _pv4x4(P, r, vb, b, dv, acc):
+    a0 = acc[r]
+    a1 = acc[r + 1]
+    a2 = acc[r + 2]
+    a3 = acc[r + 3]
+    v0 = vb[b]
+    v1 = vb[b + 1]
+    v2 = vb[b + 2]
+    v3 = vb[b + 3]
+    p00, p01, p02, p03 = P[b, r], P[b + 1, r], P[b + 2, r], P[b + 3, r]
+    p10, p11, p12, p13 = P[b, r + 1], P[b + 1, r + 1], P[b + 2, r + 1], P[b + 3, r + 1]
+    p20, p21, p22, p23 = P[b, r + 2], P[b + 1, r + 2], P[b + 2, r + 2], P[b + 3, r + 2]
+    p30, p31, p32, p33 = P[b, r + 3], P[b + 1, r + 3], P[b + 2, r + 3], P[b + 3, r + 3]
+    for d in range(dv):
+        x0 = v0[d]
+        x1 = v1[d]
+        x2 = v2[d]
+        x3 = v3[d]
+        a0[d] += (p00 * x0 + p01 * x1) + (p02 * x2 + p03 * x3)
+        a1[d] += (p10 * x0 + p11 * x1) + (p12 * x2 + p13 * x3)
+        a2[d] += (p20 * x0 + p21 * x1) + (p22 * x2 + p23 * x3)
+        a3[d] += (p30 * x0 + p31 * x1) + (p32 * x2 + p33 * x3)
+
+
+@njit(**_fast)
+def _pv1x8(P, r, vb, b, dv, acc):
+    a0 = acc[r]
+    v0 = vb[b]
+    v1 = vb[b + 1]
+    v2 = vb[b + 2]
+    v3 = vb[b + 3]
+    v4 = vb[b + 4]
+    v5 = vb[b + 5]
+    v6 = vb[b + 6]
+    v7 = vb[b + 7]
+    p0, p1, p2, p3 = P[b, r], P[b + 1, r], P[b + 2, r], P[b + 3, r]
+    p4, p5, p6, p7 = P[b + 4, r], P[b + 5, r], P[b + 6, r], P[b + 7, r]
+    for d in range(dv):
+        a0[d] += ((p0 * v0[d] + p1 * v1[d]) + (p2 * v2[d] + p3 * v3[d])) + \
+                 ((p4 * v4[d] + p5 * v5[d]) + (p6 * v6[d] + p7 * v7[d]))
+
+
+# ----------------------------------------------------------------------------------------
+# kernel path
+# ----------------------------------------------------------------------------------------
+@njit(**_opts)
+def _attend_range(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, c0, c1, dk, dv,
+                  cell_pos, qg, rpos, r0, r1, s, B, lut, acc, m, l):
+    """Online softmax of rows r0..r1 of every kv head (qg (Hkv, R, dk), log2 domain) over
+    cells [c0, c1) into acc[g, s, r0:r1] / m / l.
+
+    The kv-head loop is inside the cell-block loop so that the rows of a block are read
+    whole while they are cached: one kv head per work item walked 6 KB rows 384 bytes at a
+    time and ran several times slower on a standard 16-head f16 cache.  Decoding to f32
+    goes to an L1-sized scratch: a block of 8 full 16-head rows (96 KB) decoded at a third
+    of the speed."""
+    hkv = qg.shape[0]
+    R = r1 - r0
+    R4 = R - R % 4
+    kb = np.zeros((B, dk), dtype=np.float32)
+    vb = kb if v_is_k else np.zeros((B, dv), dtype=np.float32)
+    S = np.empty((B, R), dtype=np.float32)
+    mnew = np.empty(R, dtype=np.float32)
+    rp = rpos[r0:r1]
+    maxpos = rp.max()
+    for g in range(hkv):
+        m[g, s, r0:r1] = -np.inf
+        l[g, s, r0:r1] = 0.0
+        acc[g, s, r0:r1] = 0.0
+    for j0 in range(c0, c1, B):
+        nb = min(B, c1 - j0)
+        cp = cell_pos[j0:j0 + nb]
+        if cp.min() > maxpos:
+            continue                      # no row sees any of these cells
+        if hkv > 1:                       # the heads' slices of a row are read far apart in
+            nn = min(B, c1 - j0 - B)      # time, which the hardware prefetchers miss (~15 %)
+            if nn > 0:
+                _prefetch_rows(kbuf, j0 + B, nn, kstride)
+                if not v_is_k:
+                    _prefetch_rows(vbuf, j0 + B, nn, vstride)
+        for g in range(hkv):
+            Q = qg[g, r0:r1]
+            a = acc[g, s, r0:r1]
+            mg = m[g, s, r0:r1]
+            lg = l[g, s, r0:r1]
+            _decode_rows(kbuf, kqt, g * khead + j0 * kstride, kstride, nb, dk, lut, kb)
+            if not v_is_k:
+                _decode_rows(vbuf, vqt, g * vhead + j0 * vstride, vstride, nb, dv, lut, vb)
+            if nb < B:                    # stale rows could hold inf; their p is 0 anyway
+                kb[nb:] = 0.0
+                vb[nb:] = 0.0
+            for r in range(0, R4, 4):
+                for b in range(0, B, 4):
+                    _scores4x4(Q, r, kb, b, dk, S)
+            for r in range(R4, R):
+                for b in range(0, B, 4):
+                    _scores1x4(Q, r, kb, b, dk, S)
+            for r in range(R):
+                mnew[r] = mg[r]
+            for b in range(nb):
+                sb = S[b]
+                cb = cp[b]
+                for r in range(R):
+                    if cb <= rp[r]:
+                        mnew[r] = max(mnew[r], sb[r])
+            for r in range(R):
+                if mnew[r] > mg[r]:       # rescale only when the running max moved (rare)
+                    alpha = _exp2(mg[r] - mnew[r]) if mg[r] > -np.inf else np.float32(0.0)
+                    lg[r] *= alpha
+                    ar = a[r]
+                    for d in range(dv):
+                        ar[d] *= alpha
+                    mg[r] = mnew[r]
+            for b in range(nb):
+                sb = S[b]
+                cb = cp[b]
+                for r in range(R):        # rows that saw nothing yet (m = -inf) add nothing
+                    p = _exp2(sb[r] - mg[r]) if cb <= rp[r] and mg[r] > -np.inf else np.float32(0.0)
+                    sb[r] = p
+                    lg[r] += p
+            S[nb:] = 0.0
+            for r in range(0, R4, 4):
+                for b in range(0, B, 4):
+                    _pv4x4(S, r, vb, b, dv, a)
+            for r in range(R4, R):
+                for b in range(0, B, 8):
+                    _pv1x8(S, r, vb, b, dv, a)
+
+
+@njit(parallel=True, **_opts)
+def _fa_kernel(kbuf, kqt, kstride, khead, vbuf, vqt, vstride, vhead, v_is_k, n_kv, dk, dv, cell_pos,
+               qg, rpos, B, RB, nsplit, lut, acc, m, l):
+    """qg (Hkv, R, dk); acc (Hkv, nsplit, R, dv), m / l (Hkv, nsplit, R): one work item per
+    (block of query rows, range of cells)."""
+    R = qg.shape[1]
+    nrb = (R + RB - 1) // RB
+    per = (n_kv + nsplit - 1) // nsplit
+    per = (per + B - 1) // B * B
+    for it in prange(nrb * nsplit):
+        rb, s = it // nsplit, it % nsplit
+        r0, r1 = rb * RB, min(R, rb * RB + RB)
+        c0, c1 = s * per, min(n_kv, s * per + per)
+        _attend_range(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, c0, c1, dk, dv,
+                      cell_pos, qg, rpos, r0, r1, s, B, lut, acc, m, l)
+
+
+@njit(**_opts)
+def _combine(acc, m, l, out):
+    """out (Hkv, R, dv) = merged splits; rows that saw nothing get zeros."""
+    hkv, nsplit, R, dv = acc.shape
+    for g in range(hkv):
+        for r in range(R):
+            mx = -np.inf
+            for s in range(nsplit):
+                mx = max(mx, m[g, s, r])
+            o = out[g, r]
+            o[:] = 0.0
+            if mx == -np.inf:
+                continue
+            tot = np.float32(0.0)
+            for s in range(nsplit):
+                if m[g, s, r] == -np.inf:
+                    continue
+                w = _exp2(m[g, s, r] - mx)
+                tot += w * l[g, s, r]
+                a = acc[g, s, r]
+                for d in range(dv):
+                    o[d] += w * a[d]
+            inv = np.float32(1.0) / tot
+            for d in range(dv):
+                o[d] *= inv
+
+
+@njit(parallel=True, **_opts)
+def _softmax_tile(s, cp, qp, G, m, l, acc):
+    """BLAS path: scores s (Hkv, rows, cells), row t * G + i -> probabilities in place, with the
+    online-softmax update of m / l (Hkv, rows) and the rescaling of acc (Hkv, rows, dv); one
+    pass instead of ~8 NumPy ones."""
+    hkv, rows = s.shape[0], s.shape[1]
+    for it in prange(hkv * rows):
+        g, r = it // rows, it % rows
+        pos = qp[r // G]
+        sr = s[g, r]
+        mx = m[g, r]
+        for j in range(sr.shape[0]):
+            if cp[j] <= pos:
+                mx = max(mx, sr[j])
+        if mx == -np.inf:
+            sr[:] = 0.0
+            continue
+        tot = np.float32(0.0)
+        for j in range(sr.shape[0]):
+            p = _exp2(sr[j] - mx) if cp[j] <= pos else np.float32(0.0)
+            sr[j] = p
+            tot += p
+        if mx > m[g, r]:
+            alpha = _exp2(m[g, r] - mx) if m[g, r] > -np.inf else np.float32(0.0)
+            l[g, r] *= alpha
+            a = acc[g, r]
+            for d in range(a.shape[0]):
+                a[d] *= alpha
+            m[g, r] = mx
+        l[g, r] += tot
+
+
+# ----------------------------------------------------------------------------------------
+# public entry points
+# ----------------------------------------------------------------------------------------
+def use_kernel_path(n_tokens: int, n_head: int, dk: int, dv: int) -> bool:
+    """True when flash_attn takes the Numba kernel path (little work per cache cell)."""
+    return n_tokens * n_head * (dk + dv) <= KERNEL_MAX_WORK
+
+
+def _head_bytes(store: RowStore, n_head_kv: int) -> int:
+    return store.data.shape[1] // n_head_kv
+
+
+def flash_attn(q: np.ndarray, k: RowStore, v: RowStore | None, n_kv: int, n_head_kv: int, dk: int, dv: int,
+               cell_pos: np.ndarray, q_pos: np.ndarray, scale: float, block: int | None = None,
+               path: str | None = None) -> np.ndarray:
+    """softmax(scale * q·k) · v over cells 0..n_kv-1 of the cache; query t sees cell j iff
+    cell_pos[j] <= q_pos[t].
+
+    q (T, H, dk) f32 -> (T, H, dv) f32.  k rows hold n_head_kv heads of dk values (head-major),
+    v rows n_head_kv heads of dv values; v None: V is the first dv values of each K head
+    (MLA latent cache).  Query head h uses kv head h // (H // n_head_kv).  A query that sees
+    no cell gets zeros.  block: cells per tile of the BLAS path (default CELL_TILE); path:
+    None (choose by size with use_kernel_path), "kernel" or "blas".
+    """
+    q = np.asarray(q, dtype=np.float32)
+    T, H, _ = q.shape
+    if H % n_head_kv or q.shape[2] != dk:
+        raise ValueError(f"flash_attn: q {q.shape} does not fit {n_head_kv} kv heads of {dk} values")
+    if path is None:
+        path = "kernel" if use_kernel_path(T, H, dk, dv) else "blas"
+    cell_pos = np.ascontiguousarray(cell_pos[:n_kv], dtype=np.int64)
+    q_pos = np.ascontiguousarray(q_pos, dtype=np.int64)
+    if n_kv == 0 or T == 0:
+        return np.zeros((T, H, dv), dtype=np.float32)
+    if path == "kernel":
+        return _flash_kernel(q, k, v, n_kv, n_head_kv, dk, dv, cell_pos, q_pos, scale)
+    if path == "blas":
+        return _flash_blas(q, k, v, n_kv, n_head_kv, dk, dv, cell_pos, q_pos, scale, block or CELL_TILE)
+    raise ValueError(f"flash_attn: unknown path {path!r}")
+
+
+def _flash_kernel(q, k, v, n_kv, hkv, dk, dv, cell_pos, q_pos, scale):
+    T, H, _ = q.shape
+    G = H // hkv
+    R = T * G
+    # rows of kv head g: (t, i) -> t * G + i, pre-scaled into the log2 domain
+    qg = np.ascontiguousarray((q.reshape(T, hkv, G, dk) * np.float32(scale * LOG2E)).transpose(1, 0, 2, 3)
+                              .reshape(hkv, R, dk), dtype=np.float32)
+    rpos = np.repeat(q_pos, G)
+    nrb = -(-R // ROW_BLOCK)
+    nth = numba.get_num_threads()
+    # enough cell ranges for SPLITS_PER_THREAD items per thread, none shorter than MIN_SPLIT_CELLS
+    nsplit = max(1, min(-(-SPLITS_PER_THREAD * nth // nrb), n_kv // MIN_SPLIT_CELLS))
+    acc = np.empty((hkv, nsplit, R, dv), dtype=np.float32)
+    m = np.empty((hkv, nsplit, R), dtype=np.float32)
+    l = np.empty((hkv, nsplit, R), dtype=np.float32)
+    kbuf = k.data.reshape(-1)
+    vs = k if v is None else v
+    _fa_kernel(kbuf, k.qtype, k.data.shape[1], _head_bytes(k, hkv), vs.data.reshape(-1), vs.qtype,
+               vs.data.shape[1], _head_bytes(vs, hkv), v is None, n_kv, dk, dv, cell_pos, qg, rpos,
+               BLOCK, ROW_BLOCK, nsplit, F16_TO_F32, acc, m, l)
+    out = np.empty((hkv, R, dv), dtype=np.float32)
+    _combine(acc, m, l, out)
+    return out.reshape(hkv, T, G, dv).transpose(1, 0, 2, 3).reshape(T, H, dv)
+
+
+def _read_tile(store: RowStore, c0: int, c1: int, out: np.ndarray) -> np.ndarray:
+    """Rows [c0, c1) of the store (all heads) as f32 (c1 - c0, width)."""
+    if store.qtype == F32_ID:
+        return store.data[c0:c1].view(np.float32)
+    o = out[:c1 - c0]
+    decode_rows(store.data.reshape(-1), store.qtype, store.data.shape[1], c0, store.width, F16_TO_F32, o,
+                4 * numba.get_num_threads())
+    return o
+
+
+def _flash_blas(q, k, v, n_kv, hkv, dk, dv, cell_pos, q_pos, scale, block):
+    T, H, _ = q.shape
+    G = H // hkv
+    tq = max(1, Q_TILE_ROWS // H)                  # queries per tile
+    kt = np.empty((block, k.width), dtype=np.float32)
+    vt = None if v is None else np.empty((block, v.width), dtype=np.float32)
+    qs = q * np.float32(scale * LOG2E)
+    out = np.empty((T, H, dv), dtype=np.float32)
+    for t0 in range(0, T, tq):
+        t1 = min(T, t0 + tq)
+        rows = (t1 - t0) * G                       # row (t, i) of kv head g: query t0 + t, head g*G + i
+        qt = np.ascontiguousarray(qs[t0:t1].reshape(t1 - t0, hkv, G, dk).transpose(1, 0, 2, 3))
+        qt = qt.reshape(hkv, rows, dk)
+        qp = q_pos[t0:t1]
+        m = np.full((hkv, rows), -np.inf, dtype=np.float32)
+        lsum = np.zeros((hkv, rows), dtype=np.float32)
+        acc = np.zeros((hkv, rows, dv), dtype=np.float32)
+        for c0 in range(0, n_kv, block):
+            c1 = min(n_kv, c0 + block)
+            cp = cell_pos[c0:c1]
+            if cp.min() > qp.max():
+                continue                           # nobody in this query tile sees these cells
+            kf = _read_tile(k, c0, c1, kt).reshape(c1 - c0, hkv, dk)
+            vf = kf[:, :, :dv] if v is None else _read_tile(v, c0, c1, vt).reshape(c1 - c0, hkv, dv)
+            s = np.matmul(qt, kf.transpose(1, 2, 0))   # (hkv, rows, cells), log2 domain
+            _softmax_tile(s, cp, qp, G, m, lsum, acc)
+            acc += np.matmul(s, vf.transpose(1, 0, 2))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            res = np.where(lsum[:, :, None] > 0, acc / lsum[:, :, None], np.float32(0.0))
+        out[t0:t1] = res.reshape(hkv, t1 - t0, G, dv).transpose(1, 0, 2, 3).reshape(t1 - t0, H, dv)
+    return out
