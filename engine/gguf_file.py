@@ -46,7 +46,8 @@ class TensorEntry:
         return int(self.raw.nbytes)
 
     def qtensor(self) -> QTensor:
-        return QTensor.from_raw(self.raw, self.qtype, self.shape)
+        # a plain ndarray view: slicing np.memmap subclasses costs ~10 us per slice in the hot loop
+        return QTensor.from_raw(self.raw.view(np.ndarray), self.qtype, self.shape)
 
     def as_f32(self) -> np.ndarray:
         """Small tensors (norms, biases) as float32 NumPy arrays."""
