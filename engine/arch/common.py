@@ -14,11 +14,26 @@ from ..rope import rope_cos_sin
 
 
 @dataclass
+class Segment:
+    """Tokens [t0, t1) of a micro-batch belong to the sequence cached in `cache`, cells cell0..."""
+    cache: object           # KVCache
+    cell0: int
+    t0: int
+    t1: int
+
+
+@dataclass
 class UBatch:
     tokens: np.ndarray      # int32 (T,)
     pos: np.ndarray         # int32 (T,) positions in the sequence
     out_rows: np.ndarray    # indices into tokens whose logits are wanted
     cell0: int = 0          # KV cache cells [cell0, cell0 + T) are this batch's
+    # several sequences in one batch (the server's slots): matmuls run over all tokens, the
+    # cache writes and attention per segment.  None: one sequence, the forward's `cache`.
+    segments: list[Segment] | None = None
+
+    def segs(self, cache) -> list[Segment]:
+        return self.segments if self.segments is not None else [Segment(cache, self.cell0, 0, len(self.tokens))]
 
 
 @dataclass

@@ -162,7 +162,7 @@ class DeepSeek2Arch:
         return KVCache.mla(n_ctx, hp.n_layer, hp.kv_lora_rank, hp.n_rot, row_type, vt_type)
 
     # ---- forward -----------------------------------------------------------------------
-    def attention(self, L: dict, h: np.ndarray, ub: UBatch, cos, sin, cache: KVCache, lc: LayerCache,
+    def attention(self, L: dict, h: np.ndarray, ub: UBatch, cos, sin, cache: KVCache, il: int,
                   opts: RunOptions) -> np.ndarray:
         hp = self.hp
         T, H = h.shape[0], hp.n_head
@@ -179,27 +179,33 @@ class DeepSeek2Arch:
         apply_rope(q_pe, cos, sin, False)
         apply_rope(k_pe, cos, sin, False)
         q[:, :, nope:] = q_pe
-        n_kv = cache.n
+        a = np.empty((T, H, dv), dtype=np.float32)
         if opts.mla == 0:
             kv = matmul(L["wkv_b"], c).reshape(T, H, nope + dv)
             k = np.empty((T, H, dk), dtype=np.float32)
             k[:, :, :nope] = kv[:, :, :nope]
             k[:, :, nope:] = k_pe
-            lc.k.write(ub.cell0, k.reshape(T, -1))
-            lc.v.write(ub.cell0, kv[:, :, nope:].reshape(T, -1))
-            a = standard_attention(q, lc, n_kv, H, dk, dv, cache.pos, ub.pos, self.kq_scale,
-                                   opts.flash_attn, opts.amb_bytes)
+            v = kv[:, :, nope:].reshape(T, -1)
+            for sg in ub.segs(cache):
+                lc, sl = sg.cache.layers[il], slice(sg.t0, sg.t1)
+                lc.k.write(sg.cell0, k[sl].reshape(sg.t1 - sg.t0, -1))
+                lc.v.write(sg.cell0, v[sl])
+                a[sl] = standard_attention(np.ascontiguousarray(q[sl]), lc, sg.cache.n, H, dk, dv, sg.cache.pos,
+                                           ub.pos[sl], self.kq_scale, opts.flash_attn, opts.amb_bytes)
         else:
             row = np.empty((T, lora + rope), dtype=np.float32)
             row[:, :lora] = c
             row[:, lora:] = k_pe.reshape(T, rope)
-            lc.k.write(ub.cell0, row)
-            if lc.vt is not None:
-                lc.vt.write(ub.cell0, c)
-            if opts.mla >= 2 and opts.flash_attn and T >= PP_DECOMPRESS_MIN_TOKENS:
-                a = self._attend_decompressed(L, q, lc, n_kv, cache.pos, ub.pos, opts)
-            else:
-                a = self._attend_latent(L, q, lc, n_kv, cache.pos, ub.pos, opts)
+            for sg in ub.segs(cache):
+                lc, sl, n = sg.cache.layers[il], slice(sg.t0, sg.t1), sg.t1 - sg.t0
+                lc.k.write(sg.cell0, row[sl])
+                if lc.vt is not None:
+                    lc.vt.write(sg.cell0, c[sl])
+                qs = np.ascontiguousarray(q[sl])
+                if opts.mla >= 2 and opts.flash_attn and n >= PP_DECOMPRESS_MIN_TOKENS:
+                    a[sl] = self._attend_decompressed(L, qs, lc, sg.cache.n, sg.cache.pos, ub.pos[sl], opts)
+                else:
+                    a[sl] = self._attend_latent(L, qs, lc, sg.cache.n, sg.cache.pos, ub.pos[sl], opts)
         return matmul(L["wo"], a.reshape(T, H * dv))
 
     def _attend_decompressed(self, L: dict, q: np.ndarray, lc: LayerCache, n_kv: int, cell_pos: np.ndarray,
@@ -255,7 +261,7 @@ class DeepSeek2Arch:
         x = self.head.embed(ub.tokens)
         for il, L in enumerate(self.layers):
             h = rms_norm(x, L["attn_norm"], hp.rms_eps)
-            x = x + self.attention(L, h, ub, cos, sin, cache, cache.layers[il], opts)
+            x = x + self.attention(L, h, ub, cos, sin, cache, il, opts)
             h = rms_norm(x, L["ffn_norm"], hp.rms_eps)
             if "moe" in L:
                 y = moe_ffn(h, L["moe"], hp.n_expert_used, hp.expert_gating_func, hp.expert_weights_norm,

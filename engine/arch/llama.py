@@ -57,7 +57,6 @@ class LlamaArch:
         T = len(ub.tokens)
         cos, sin = rope_tables(hp, ub.pos, self.attn_factor, self.freq_factors)
         x = self.head.embed(ub.tokens)
-        n_kv = cache.n
         for il, L in enumerate(self.layers):
             h = rms_norm(x, L["attn_norm"], hp.rms_eps)
             q = matmul(L["wq"], h).reshape(T, hp.n_head, hp.n_embd_head_k)
@@ -65,11 +64,14 @@ class LlamaArch:
             v = matmul(L["wv"], h).reshape(T, hp.n_head_kv, hp.n_embd_head_v)
             apply_rope(q, cos, sin, hp.rope_neox)
             apply_rope(k, cos, sin, hp.rope_neox)
-            lc = cache.layers[il]
-            lc.k.write(ub.cell0, k.reshape(T, -1))
-            lc.v.write(ub.cell0, v.reshape(T, -1))
-            a = standard_attention(q, lc, n_kv, hp.n_head_kv, hp.n_embd_head_k, hp.n_embd_head_v, cache.pos,
-                                   ub.pos, self.kq_scale, opts.flash_attn, opts.amb_bytes)
+            a = np.empty((T, hp.n_head, hp.n_embd_head_v), dtype=np.float32)
+            for sg in ub.segs(cache):
+                lc, sl = sg.cache.layers[il], slice(sg.t0, sg.t1)
+                lc.k.write(sg.cell0, k[sl].reshape(sg.t1 - sg.t0, -1))
+                lc.v.write(sg.cell0, v[sl].reshape(sg.t1 - sg.t0, -1))
+                a[sl] = standard_attention(np.ascontiguousarray(q[sl]), lc, sg.cache.n, hp.n_head_kv, hp.n_embd_head_k,
+                                           hp.n_embd_head_v, sg.cache.pos, ub.pos[sl], self.kq_scale,
+                                           opts.flash_attn, opts.amb_bytes)
             x = x + matmul(L["wo"], a.reshape(T, -1))
             h = rms_norm(x, L["ffn_norm"], hp.rms_eps)
             if "moe" in L:

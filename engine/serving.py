@@ -1,0 +1,299 @@
+"""Serving: parallel slots sharing one model, continuous batching, streamed token events.
+
+`-c` is split across `--parallel N` slots (each slot has its own KV cache of n_ctx / N
+cells, as llama.cpp's server does).  Requests wait in a FIFO queue until a slot is free.
+One engine thread runs the loop: every step builds one micro-batch from all busy slots —
+the next token of each generating slot plus prompt tokens of slots still reading their
+prompt — and runs a single forward pass over it (matmuls over all tokens, attention per
+slot), then samples one token for every slot whose logits came out.  So slots are decoded
+together, not one after another.
+
+Results leave the engine thread through the job's `on_event` callback: text is released
+only when it is valid UTF-8 and cannot be the start of a stop string.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from .arch.common import Segment, UBatch
+from .config import EngineConfig
+from .context import padded_ctx, set_threads
+from .kv_cache import CACHE_TYPES
+from .model import Log, Model
+from .sampling import Sampler, SamplingParams
+
+
+@dataclass
+class Timings:
+    prompt_n: int
+    prompt_ms: float
+    predicted_n: int
+    predicted_ms: float
+
+
+@dataclass
+class Event:
+    text: str                     # text added since the previous event
+    token: int | None
+    done: bool
+    finish_reason: str | None     # "stop" | "length" | "cancelled" on the final event
+    stopping_word: str
+    n_prompt: int
+    n_generated: int
+    timings: Timings | None = None
+
+
+@dataclass
+class Job:
+    prompt: list[int]
+    params: SamplingParams
+    n_predict: int
+    stop: list[str]
+    on_event: Callable[[Event], None]
+    id_slot: int = -1
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        """Thread-safe: the engine frees the slot at its next step and sends a final event."""
+        self.cancelled = True
+
+
+@dataclass
+class _Slot:
+    id: int
+    cache: object
+    job: Job | None = None
+    sampler: Sampler | None = None
+    n_fed: int = 0                                  # prompt tokens already in the cache
+    generated: list[int] = field(default_factory=list)
+    pending: int | None = None                      # sampled, not yet in the cache
+    text_bytes: bytearray = field(default_factory=bytearray)
+    n_sent: int = 0                                 # characters of the text already sent
+    t_start: float = 0.0
+    t_prompt_done: float = 0.0
+
+
+class ServingEngine:
+    def __init__(self, model: Model, cfg: EngineConfig, n_parallel: int, log: Log) -> None:
+        from .context import Context
+        if n_parallel < 1:
+            raise ValueError("--parallel must be >= 1")
+        self.model, self.cfg, self.log = model, cfg, log
+        self.n_parallel = n_parallel
+        # a Context for the logs and the run options; its cache is slot 0's
+        n_ctx = padded_ctx(cfg.n_ctx if cfg.n_ctx > 0 else model.hp.n_ctx_train, cfg.flash_attn)
+        self.n_ctx_slot = n_ctx // n_parallel
+        ctx = Context(model, cfg, log)
+        self.opts = ctx.opts
+        self.n_batch = ctx.n_batch
+        self.n_ubatch = ctx.n_ubatch
+        tk, tv = CACHE_TYPES[cfg.type_k], CACHE_TYPES[cfg.type_v]
+        self.slots = [_Slot(i, model.arch.make_cache(self.n_ctx_slot, self.opts, tk, tv)) for i in range(n_parallel)]
+        ctx.cache = None
+        self.queue: collections.deque[Job] = collections.deque()
+        self.cv = threading.Condition()
+        self.thread: threading.Thread | None = None
+        self.running = False
+        log(f"srv init: {n_parallel} slots, n_ctx_slot = {self.n_ctx_slot}")
+
+    # ---- public, any thread ---------------------------------------------------------------
+    def start(self) -> None:
+        self.running = True
+        self.thread = threading.Thread(target=self._loop, name="ikcli-engine", daemon=True)
+        self.thread.start()
+
+    def shutdown(self) -> None:
+        with self.cv:
+            self.running = False
+            self.cv.notify_all()
+        if self.thread:
+            self.thread.join(timeout=30)
+
+    def submit(self, prompt: list[int], params: SamplingParams, n_predict: int, stop: list[str],
+               on_event: Callable[[Event], None]) -> Job:
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt if t < 0 or t >= self.model.n_vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of range [0, {self.model.n_vocab})")
+        if len(prompt) >= self.n_ctx_slot:
+            raise ValueError(f"the prompt has {len(prompt)} tokens, more than the slot's context of "
+                             f"{self.n_ctx_slot} tokens allows (-c {self.n_ctx_slot * self.n_parallel} "
+                             f"split over {self.n_parallel} slots)")
+        job = Job(prompt, params, int(n_predict), [s for s in stop if s], on_event)
+        with self.cv:
+            self.queue.append(job)
+            self.cv.notify_all()
+        return job
+
+    def tokenize(self, text: str, add_special: bool) -> list[int]:
+        return self.model.tokenizer.encode(text, add_special=add_special, parse_special=True)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return self.model.tokenizer.decode([int(t) for t in tokens])
+
+    def slots_info(self) -> list[dict]:
+        return [{"id": s.id, "is_processing": s.job is not None, "n_ctx": self.n_ctx_slot} for s in self.slots]
+
+    def queued(self) -> int:
+        return len(self.queue)
+
+    # ---- engine thread --------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self.cv:
+                while self.running and not self.queue and not any(s.job for s in self.slots):
+                    self.cv.wait()
+                if not self.running:
+                    for s in self.slots:
+                        if s.job:
+                            self._finish(s, "cancelled")
+                    return
+                for s in self.slots:
+                    if s.job is None and self.queue:
+                        self._assign(s, self.queue.popleft())
+            try:
+                self._step()
+            except Exception as e:  # a bug must not kill the server: end the jobs, keep serving
+                self.log(f"srv  error: {type(e).__name__}: {e}")
+                for s in self.slots:
+                    if s.job:
+                        self._finish(s, "cancelled")
+
+    def _assign(self, s: _Slot, job: Job) -> None:
+        s.job, job.id_slot = job, s.id
+        s.sampler = Sampler(job.params, self.model.n_vocab)
+        s.cache.clear()
+        s.n_fed, s.generated, s.pending = 0, [], None
+        s.text_bytes, s.n_sent = bytearray(), 0
+        s.t_start = time.perf_counter()
+        s.t_prompt_done = 0.0
+
+    def _step(self) -> None:
+        for s in self.slots:
+            if s.job is not None and s.job.cancelled:
+                self._finish(s, "cancelled")
+        busy = [s for s in self.slots if s.job is not None]
+        if not busy:
+            return
+        # generating slots first (one token each), then prompt chunks while the batch has room
+        tokens, pos, segs, wants = [], [], [], []
+        budget = self.n_ubatch
+        for s in sorted(busy, key=lambda s: s.pending is None):
+            if s.pending is not None:
+                take = [s.pending]
+            else:
+                take = s.job.prompt[s.n_fed:s.n_fed + max(budget, 0)]
+            if not take:
+                continue
+            p0 = s.cache.next_pos()
+            cell0 = s.cache.reserve(np.arange(p0, p0 + len(take), dtype=np.int32))
+            t0 = len(tokens)
+            tokens += take
+            pos += range(p0, p0 + len(take))
+            segs.append(Segment(s.cache, cell0, t0, len(tokens)))
+            done_prompt = s.pending is not None or s.n_fed + len(take) == len(s.job.prompt)
+            wants.append((s, len(tokens) - 1 if done_prompt else -1, len(take)))
+            budget -= len(take)
+            if budget <= 0:
+                break
+        out_rows = np.array([w[1] for w in wants if w[1] >= 0], dtype=np.int64)
+        ub = UBatch(np.asarray(tokens, dtype=np.int32), np.asarray(pos, dtype=np.int32), out_rows, 0, segs)
+        set_threads(self.cfg.threads(batch=len(tokens) > 1))
+        try:
+            logits = self.model.arch.forward(ub, None, self.opts)
+        except BaseException:
+            for sg in segs:
+                sg.cache.n = sg.cell0
+            raise
+        now = time.perf_counter()
+        li = 0
+        for s, row, n in wants:
+            if s.pending is not None:
+                s.pending = None
+            else:
+                s.n_fed += n
+            if row < 0:
+                continue
+            lg = logits[li]
+            li += 1
+            if not s.t_prompt_done:
+                s.t_prompt_done = now
+            self._on_logits(s, lg)
+
+    def _on_logits(self, s: _Slot, logits: np.ndarray) -> None:
+        job = s.job
+        tok = s.sampler.sample(logits, job.prompt + s.generated)
+        tk = self.model.tokenizer
+        if tk.is_eog(tok):
+            self._finish(s, "stop")
+            return
+        s.generated.append(tok)
+        s.text_bytes += tk.token_to_bytes(tok, special=False)
+        text = bytes(s.text_bytes[:self._utf8_cut(s.text_bytes)]).decode("utf-8", errors="replace")
+        # a stop string ends the job; text that might start one is held back
+        for w in job.stop:
+            i = text.find(w, max(0, s.n_sent - len(w)))
+            if i >= 0:
+                self._emit(s, text[s.n_sent:i], tok, False)
+                self._finish(s, "stop", w)
+                return
+        hold = max((k for w in job.stop for k in range(1, len(w)) if text.endswith(w[:k])), default=0)
+        upto = len(text) - hold
+        self._emit(s, text[s.n_sent:upto], tok, False)
+        if len(s.generated) >= job.n_predict >= 0 or s.cache.n + 1 >= self.n_ctx_slot:
+            self._finish(s, "length")
+            return
+        s.pending = tok
+
+    @staticmethod
+    def _utf8_cut(b: bytearray) -> int:
+        """Length of the longest prefix of b that does not end inside a multi-byte character."""
+        n = len(b)
+        for back in range(1, min(4, n) + 1):
+            c = b[n - back]
+            if c & 0xC0 != 0x80:                       # a lead byte (or ASCII)
+                need = 1 if c < 0x80 else 2 if c >> 5 == 6 else 3 if c >> 4 == 14 else 4
+                return n if back >= need else n - back
+        return n
+
+    def _emit(self, s: _Slot, text: str, tok: int | None, done: bool) -> None:
+        s.n_sent += len(text)
+        if text or done:
+            self._send(s, Event(text, tok, done, None, "", len(s.job.prompt), len(s.generated)))
+
+    def _send(self, s: _Slot, ev: Event) -> None:
+        try:
+            s.job.on_event(ev)
+        except Exception as e:          # a broken client callback must not stop the engine
+            self.log(f"srv  callback error: {e}")
+            s.job.cancelled = True
+
+    def _finish(self, s: _Slot, reason: str, word: str = "") -> None:
+        job = s.job
+        now = time.perf_counter()
+        t_p = ((s.t_prompt_done or now) - s.t_start) * 1e3
+        t_g = (now - s.t_prompt_done) * 1e3 if s.t_prompt_done else 0.0
+        n_p, n_g = s.n_fed, len(s.generated)
+        if reason != "stop" or not word:
+            text = bytes(s.text_bytes).decode("utf-8", errors="replace")
+            rest = text[s.n_sent:] if reason != "cancelled" else ""
+        else:
+            rest = ""
+        tm = Timings(n_p, t_p, n_g, t_g)
+        self._send(s, Event(rest, None, True, reason, word, len(job.prompt), n_g, tm))
+        self.log(f"slot print_timings: id {s.id:2d} | \n"
+                 f"prompt eval time = {t_p:10.2f} ms / {n_p:5d} tokens ({t_p / max(n_p, 1):8.2f} ms per token, "
+                 f"{1e3 * n_p / t_p if t_p > 0 else 0.0:8.2f} tokens per second)\n"
+                 f"       eval time = {t_g:10.2f} ms / {n_g:5d} tokens ({t_g / max(n_g, 1):8.2f} ms per token, "
+                 f"{1e3 * n_g / t_g if t_g > 0 else 0.0:8.2f} tokens per second)\n"
+                 f"      total time = {t_p + t_g:10.2f} ms / {n_p + n_g:5d} tokens")
+        s.job = None
+        s.cache.clear()
