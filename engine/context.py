@@ -22,7 +22,9 @@ def padded_ctx(n_ctx: int, flash_attn: bool) -> int:
 
 
 class Context:
-    def __init__(self, model: Model, cfg: EngineConfig, log: Log | None = None) -> None:
+    def __init__(self, model: Model, cfg: EngineConfig, log: Log | None = None, n_seq: int = 1) -> None:
+        """n_seq > 1: that many KV caches of n_ctx / n_seq cells each (the server's slots, as
+        llama.cpp splits -c); `cache` is the first."""
         self.model = model
         self.cfg = cfg
         hp = model.hp
@@ -34,7 +36,8 @@ class Context:
         self.opts = RunOptions(flash_attn=cfg.flash_attn, mla=mla, amb_bytes=cfg.attn_max_batch_mib * 1024 * 1024,
                                fused_moe=cfg.fused_moe, ser=(cfg.ser_min, cfg.ser_thresh))
         type_k, type_v = CACHE_TYPES[cfg.type_k], CACHE_TYPES[cfg.type_v]
-        self.cache = model.arch.make_cache(self.n_ctx, self.opts, type_k, type_v)
+        self.caches = [model.arch.make_cache(self.n_ctx // n_seq, self.opts, type_k, type_v) for _ in range(n_seq)]
+        self.cache = self.caches[0]
         p = "llama_init_from_model"
         log(f"{p}: n_ctx         = {self.n_ctx}")
         log(f"{p}: n_batch       = {self.n_batch}")
@@ -50,7 +53,8 @@ class Context:
         self._log_kv_size(log)
 
     def _log_kv_size(self, log: Log) -> None:
-        kb, vb = self.cache.size_bytes()
+        kb = sum(c.size_bytes()[0] for c in self.caches)
+        vb = sum(c.size_bytes()[1] for c in self.caches)
         mib = 1024 ** 2
         log(f"llama_kv_cache_init: {'CPU':>10s} KV buffer size = {(kb + vb) / mib:8.2f} MiB")
         L0 = self.cache.layers[0] if self.cache.layers else None

@@ -23,8 +23,7 @@ import numpy as np
 
 from .arch.common import Segment, UBatch
 from .config import EngineConfig
-from .context import padded_ctx, set_threads
-from .kv_cache import CACHE_TYPES
+from .context import set_threads
 from .model import Log, Model
 from .sampling import Sampler, SamplingParams
 
@@ -86,16 +85,12 @@ class ServingEngine:
             raise ValueError("--parallel must be >= 1")
         self.model, self.cfg, self.log = model, cfg, log
         self.n_parallel = n_parallel
-        # a Context for the logs and the run options; its cache is slot 0's
-        n_ctx = padded_ctx(cfg.n_ctx if cfg.n_ctx > 0 else model.hp.n_ctx_train, cfg.flash_attn)
-        self.n_ctx_slot = n_ctx // n_parallel
-        ctx = Context(model, cfg, log)
+        ctx = Context(model, cfg, log, n_seq=n_parallel)     # the slots' caches, run options, logs
+        self.n_ctx_slot = ctx.n_ctx // n_parallel
         self.opts = ctx.opts
         self.n_batch = ctx.n_batch
         self.n_ubatch = ctx.n_ubatch
-        tk, tv = CACHE_TYPES[cfg.type_k], CACHE_TYPES[cfg.type_v]
-        self.slots = [_Slot(i, model.arch.make_cache(self.n_ctx_slot, self.opts, tk, tv)) for i in range(n_parallel)]
-        ctx.cache = None
+        self.slots = [_Slot(i, c) for i, c in enumerate(ctx.caches)]
         self.queue: collections.deque[Job] = collections.deque()
         self.cv = threading.Condition()
         self.thread: threading.Thread | None = None
