@@ -150,17 +150,28 @@ class ServingEngine:
                     for s in self.slots:
                         if s.job:
                             self._finish(s, "cancelled")
+                    while self.queue:
+                        self._refuse(self.queue.popleft())
                     return
+                starting = []
                 for s in self.slots:
                     if s.job is None and self.queue:
-                        self._assign(s, self.queue.popleft())
+                        starting.append((s, self.queue.popleft()))
             try:
+                for s, job in starting:
+                    self._assign(s, job)
                 self._step()
             except Exception as e:  # a bug must not kill the server: end the jobs, keep serving
                 self.log(f"srv  error: {type(e).__name__}: {e}")
                 for s in self.slots:
                     if s.job:
                         self._finish(s, "cancelled")
+
+    def _refuse(self, job: Job) -> None:
+        try:
+            job.on_event(Event("", None, True, "cancelled", "", len(job.prompt), 0, Timings(0, 0.0, 0, 0.0)))
+        except Exception:
+            pass
 
     def _assign(self, s: _Slot, job: Job) -> None:
         s.job, job.id_slot = job, s.id
@@ -225,6 +236,9 @@ class ServingEngine:
 
     def _on_logits(self, s: _Slot, logits: np.ndarray) -> None:
         job = s.job
+        if job.n_predict == 0:                  # llama.cpp: read the prompt, generate nothing
+            self._finish(s, "length")
+            return
         tok = s.sampler.sample(logits, job.prompt + s.generated)
         tk = self.model.tokenizer
         if tk.is_eog(tok):

@@ -7,6 +7,7 @@ import typer
 
 from . import perplexity_cmd, tokenize_cmd
 from . import sweep_bench_cmd
+from . import server_cmd
 from .errors import CliError
 
 app = typer.Typer(
@@ -22,6 +23,8 @@ app.command("perplexity", help="Perplexity (and KL-divergence) of a model over a
 app.command("tokenize", help="Tokenize a text with a model's tokenizer, llama-tokenize style.")(tokenize_cmd.tokenize)
 app.command("sweep-bench", help="PP and TG speed across the context (N_KV = 0, ub, 2*ub, ...), llama-sweep-bench style.")(
     sweep_bench_cmd.sweep_bench)
+app.command("server", help="An HTTP server with llama-server's API (OpenAI chat/completions, /completion, /tokenize ...).")(
+    server_cmd.server)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -34,7 +37,10 @@ def main(argv: list[str] | None = None) -> None:
     args = normalize_argv(sys.argv[1:] if argv is None else list(argv))
     cmd = typer.main.get_command(app)
     try:
-        cmd.main(args=args, prog_name="ikcli", standalone_mode=False)
+        rc = cmd.main(args=args, prog_name="ikcli", standalone_mode=False)
+        if isinstance(rc, int) and rc == 130:    # Typer returns 130 for Ctrl-C outside standalone mode
+            print("ikcli: interrupted", file=sys.stderr)
+            sys.exit(130)
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except typer.Abort:

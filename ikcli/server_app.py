@@ -1,0 +1,814 @@
+"""The HTTP layer of `ikcli server`: a FastAPI app with llama.cpp's (ik_llama.cpp's) endpoints.
+
+The app never computes: it parses and checks requests, hands token lists to a serving engine
+(`engine.serving.ServingEngine`, which runs the model on its own thread) and turns the engine's
+events into JSON or server-sent events.  Events cross from the engine thread into the event loop
+with `loop.call_soon_threadsafe` into one asyncio.Queue per request, so the loop is never blocked.
+
+Endpoints: POST /completion (llama.cpp's own), POST /v1/completions, POST /v1/chat/completions
+(OpenAI), GET /v1/models, GET /health, GET /props, GET /slots, POST /tokenize, POST /detokenize.
+Errors are JSON in OpenAI's shape: {"error": {"code": 400, "message": "...", "type": "..."}}.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import json
+import os
+import secrets
+import string
+import sys
+import threading
+import time
+from typing import Any, AsyncIterator, Callable, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+# ---------------------------------------------------------------------------------------- logging
+
+
+def server_log(level: str, function: str, message: str, extra: Optional[dict] = None, out=None) -> None:
+    """One log line as ik_llama.cpp's server prints them (on stdout, keys sorted as nlohmann's json):
+    `INFO [                    main] HTTP server listening | hostname="127.0.0.1" port="8080" ...`"""
+    items = {"tid": str(threading.get_ident()), "timestamp": int(time.time())}
+    items.update(extra or {})
+    line = f"{level:>4} [{function:>24}] {message} |" + "".join(
+        f" {k}={json.dumps(items[k], ensure_ascii=False, separators=(',', ':'))}" for k in sorted(items))
+    stream = out or sys.stdout
+    try:
+        stream.write(line + "\n")
+        stream.flush()
+    except (OSError, ValueError):   # closed or broken stdout: logging must never take a request down
+        pass
+
+
+# ----------------------------------------------------------------------------------------- errors
+
+class ApiError(Exception):
+    """An error answered as {"error": {"code", "message", "type", ...}} with HTTP status `code`."""
+
+    def __init__(self, code: int, message: str, type_: str = "invalid_request_error", **extra: Any) -> None:
+        super().__init__(message)
+        self.code, self.message, self.type, self.extra = code, message, type_, extra
+
+    def as_json(self) -> dict:
+        return {"code": self.code, "message": self.message, "type": self.type, **self.extra}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": self.as_json()}, status_code=self.code)
+
+
+def error_response(code: int, message: str, type_: str, **extra: Any) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message, "type": type_, **extra}}, status_code=code)
+
+
+def bad_request(message: str) -> ApiError:
+    return ApiError(400, message, "invalid_request_error")
+
+
+_HTTP_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                     501: "not_supported_error", 503: "unavailable_error"}
+
+
+# ---------------------------------------------------------------------------- request field checks
+
+_MISSING = object()
+
+
+def _field(body: dict, name: str, default: Any = _MISSING) -> Any:
+    v = body.get(name, None)
+    if v is None:   # absent or JSON null: the default (OpenAI clients send null for "unset")
+        return default
+    return v
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def get_int(body: dict, name: str, default: int, lo: Optional[int] = None) -> int:
+    v = _field(body, name)
+    if v is _MISSING:
+        return default
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not _is_int(v):
+        raise bad_request(f"'{name}' must be an integer (got {json.dumps(v)[:40]})")
+    if lo is not None and v < lo:
+        raise bad_request(f"'{name}' must be >= {lo} (got {v})")
+    return v
+
+
+def get_bool(body: dict, name: str, default: bool) -> bool:
+    v = _field(body, name)
+    if v is _MISSING:
+        return default
+    if not isinstance(v, bool):
+        raise bad_request(f"'{name}' must be a boolean (got {json.dumps(v)[:40]})")
+    return v
+
+
+def get_stop(body: dict) -> list[str]:
+    v = _field(body, "stop")
+    if v is _MISSING:
+        return []
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise bad_request("'stop' must be a string or a list of strings")
+    return [s for s in v if s]
+
+
+def _token_list(v: Any, n_vocab: Optional[int], what: str) -> list[int]:
+    if not isinstance(v, list) or not all(_is_int(t) for t in v):
+        raise bad_request(f"'{what}' must be a list of integer token ids")
+    if n_vocab is not None:
+        bad = [t for t in v if t < 0 or t >= n_vocab]
+        if bad:
+            raise bad_request(f"invalid token id {bad[0]} in '{what}' (the vocabulary has {n_vocab} tokens)")
+    return list(v)
+
+
+def _rand_id(prefix: str) -> str:
+    return prefix + "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(32))
+
+
+# -------------------------------------------------------------------- engine events -> the event loop
+
+class Generation:
+    """The engine jobs of one request.  The engine calls on_event on its own thread; the events are
+    put into this request's asyncio.Queue on the loop's thread (call_soon_threadsafe)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.jobs: list = []
+        self.prompts: list[list[int]] = []
+        self.finished: set[int] = set()
+        self.cancelled = False
+
+    def _callback(self, index: int) -> Callable:
+        loop, queue = self.loop, self.queue
+
+        def on_event(ev) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, (index, ev))
+            except RuntimeError:   # the loop is closed (server shutting down): nobody is listening
+                pass
+        return on_event
+
+    def submit(self, engine, prompts: list[list[int]], params, n_predict: int, stop: list[str]) -> None:
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                self.cancel()
+                raise bad_request("empty prompt: the prompt tokenizes to no tokens")
+            try:
+                job = engine.submit(prompt, copy.deepcopy(params), n_predict, list(stop), self._callback(i))
+            except ValueError as e:
+                self.cancel()
+                n_ctx = int(getattr(engine, "n_ctx_slot", 0) or 0)
+                if n_ctx and len(prompt) >= n_ctx:
+                    raise ApiError(400, f"the request exceeds the available context size: {e}",
+                                   "exceed_context_size_error", n_prompt_tokens=len(prompt), n_ctx=n_ctx) from None
+                raise bad_request(str(e)) from None
+            except RuntimeError as e:   # the engine is stopped
+                self.cancel()
+                raise ApiError(503, f"the server cannot take requests now: {e}", "unavailable_error") from None
+            self.jobs.append(job)
+            self.prompts.append(prompt)
+
+    def cancel(self) -> None:
+        """Cancel the jobs that have not finished (frees their slots; safe to call more than once)."""
+        for i, job in enumerate(self.jobs):
+            if i not in self.finished:
+                self.cancelled = True
+                try:
+                    job.cancel()
+                except Exception:  # noqa: BLE001 - cancelling must never raise into a request
+                    pass
+
+    def engine_failed(self, ev) -> bool:
+        """A job ended as "cancelled" that this request did not cancel: the engine failed or stopped."""
+        return ev.done and ev.finish_reason == "cancelled" and not self.cancelled
+
+    async def events(self) -> AsyncIterator[tuple[int, Any]]:
+        while len(self.finished) < len(self.jobs):
+            index, ev = await self.queue.get()
+            if ev.done:
+                self.finished.add(index)
+            yield index, ev
+
+
+async def _cancel_on_disconnect(request: Request, gen: Generation) -> None:
+    """Wait for the client to go away (http.disconnect) and cancel the request's jobs then."""
+    try:
+        while True:
+            message = await request.receive()
+            if message.get("type") == "http.disconnect":
+                gen.cancel()
+                return
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # noqa: BLE001 - a broken receive channel means the client is gone
+        gen.cancel()
+
+
+class EventStream(Response):
+    """text/event-stream from an async iterator of `data: ...` strings.  A task listens for the
+    client's disconnect; when it comes, or the stream ends in any way, `on_close` runs at once."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, chunks: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        self.chunks, self.on_close = chunks, on_close
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        stop = asyncio.Event()
+
+        async def stream() -> None:
+            try:
+                await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+                async for chunk in self.chunks:
+                    await send({"type": "http.response.body", "body": chunk.encode("utf-8"), "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except (asyncio.CancelledError, OSError):
+                raise
+            except Exception as e:  # noqa: BLE001 - a bug: log it; the client sees the stream end
+                server_log("ERR", "stream_response", "exception while streaming",
+                           {"error": f"{type(e).__name__}: {e}"}, out=sys.stderr)
+                raise
+            finally:
+                stop.set()
+
+        async def listen() -> None:
+            try:
+                while True:
+                    message = await receive()
+                    if message.get("type") == "http.disconnect":
+                        return
+            finally:
+                stop.set()
+
+        tasks = [asyncio.ensure_future(stream()), asyncio.ensure_future(listen())]
+        try:
+            await stop.wait()
+        finally:
+            self.on_close()
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                try:
+                    await t
+                except (asyncio.CancelledError, OSError):
+                    pass
+                except Exception:  # noqa: BLE001 - the client went away while we wrote
+                    pass
+            try:
+                await self.chunks.aclose()   # type: ignore[attr-defined]
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def engine_failed_error() -> ApiError:
+    return ApiError(500, "the engine stopped this generation (see the server log)", "server_error")
+
+
+def sse(obj: Any) -> str:
+    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+# ------------------------------------------------------------------------------- response pieces
+
+def _div(a: float, b: float) -> Optional[float]:
+    # C++ gives inf/nan for x/0, which nlohmann's json writes as null
+    return a / b if b else None
+
+
+def timings_json(t, n_ctx: int, n_past: int) -> dict:
+    if t is None:
+        return {"prompt_n": 0, "prompt_ms": 0.0, "prompt_per_token_ms": None, "prompt_per_second": None,
+                "predicted_n": 0, "predicted_ms": 0.0, "predicted_per_token_ms": None, "predicted_per_second": None,
+                "n_ctx": n_ctx, "n_past": n_past}
+    return {
+        "prompt_n": t.prompt_n, "prompt_ms": t.prompt_ms,
+        "prompt_per_token_ms": _div(t.prompt_ms, t.prompt_n),
+        "prompt_per_second": _div(1e3 * t.prompt_n, t.prompt_ms),
+        "predicted_n": t.predicted_n, "predicted_ms": t.predicted_ms,
+        "predicted_per_token_ms": _div(t.predicted_ms, t.predicted_n),
+        "predicted_per_second": _div(1e3 * t.predicted_n, t.predicted_ms),
+        "n_ctx": n_ctx, "n_past": n_past,
+    }
+
+
+def stop_type(ev) -> str:
+    if ev.finish_reason == "length":
+        return "limit"
+    if ev.finish_reason == "stop":
+        return "word" if ev.stopping_word else "eos"
+    return "none"
+
+
+def oai_finish_reason(ev) -> str:
+    return "length" if ev.finish_reason == "length" else "stop"
+
+
+def usage_json(n_prompt: int, n_gen: int) -> dict:
+    return {"completion_tokens": n_gen, "prompt_tokens": n_prompt, "total_tokens": n_prompt + n_gen}
+
+
+# ------------------------------------------------------------------------------------------- app
+
+class _AccessLogAndAuth:
+    """Pure ASGI middleware (streams pass straight through): the API key check and ik_llama.cpp's
+    per-request log line (`request | method=... path=... status=...`)."""
+
+    PUBLIC = {"/health", "/v1/health", "/models", "/v1/models"}
+
+    def __init__(self, app, api_key: Optional[str], log_requests: bool) -> None:
+        self.app, self.api_key, self.log_requests = app, api_key, log_requests
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        status = {"code": 500}   # unless a response starts: an exception went past the handlers
+
+        async def send_wrapper(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            if self.api_key and scope.get("method") != "OPTIONS" and path not in self.PUBLIC:
+                headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+                auth = headers.get("authorization", "")
+                given = auth[7:].strip() if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
+                if not secrets.compare_digest(given.encode(), self.api_key.encode()):
+                    await error_response(401, "Invalid API Key", "authentication_error")(scope, receive, send_wrapper)
+                    return
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            if self.log_requests and path not in ("/v1/health", "/v1/completions"):   # as ik_llama.cpp skips them
+                client = scope.get("client") or ("", 0)
+                query = scope.get("query_string", b"").decode("latin-1")
+                params = dict(p.split("=", 1) if "=" in p else (p, "") for p in query.split("&") if p)
+                server_log("INFO", "log_server_request", "request",
+                           {"remote_addr": client[0], "remote_port": client[1], "status": status["code"],
+                            "method": scope.get("method", ""), "path": path, "params": params})
+
+
+def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str] = None,
+               params_from_request: Optional[Callable[[dict], Any]] = None,
+               render_chat: Optional[Callable] = None, chat_template: Optional[str] = None,
+               api_key: Optional[str] = None, default_n_predict: int = -1, default_seed: int = -1,
+               log_requests: bool = True) -> FastAPI:
+    """The FastAPI app serving `engine` (a started ServingEngine or anything with its interface).
+
+    model: the loaded model (tokenizer, GGUF metadata); default `engine.model`.
+    params_from_request / render_chat: default engine.sampling.SamplingParams.from_request and
+    engine.chat_template.render_chat (injectable so the HTTP layer can be tested on its own).
+    chat_template: a Jinja template that replaces the GGUF's tokenizer.chat_template.
+    default_n_predict: -n of the command line (also a cap on what a request may ask for, when > 0).
+    """
+    if model is None:
+        model = getattr(engine, "model", None)
+    if params_from_request is None:
+        from engine.sampling import SamplingParams
+        params_from_request = SamplingParams.from_request
+    if render_chat is None:
+        from engine.chat_template import render_chat as _render
+        render_chat = _render
+    alias = alias or (os.path.basename(model_path) if model_path else "unknown")
+    tok = getattr(model, "tokenizer", None)
+    meta = getattr(getattr(model, "file", None), "meta", None) or {}
+    template = chat_template if chat_template is not None else meta.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        template = None
+    n_vocab = getattr(tok, "n_vocab", None)
+    bos_id = getattr(tok, "bos_id", None)
+    eos_id = getattr(tok, "eos_id", None)
+    add_bos = bool(getattr(tok, "add_bos", False))
+
+    def piece(tid: Optional[int]) -> str:
+        if tid is None or tok is None:
+            return ""
+        try:
+            return tok.token_to_piece(tid, True)
+        except Exception:  # noqa: BLE001
+            return ""
+
+    bos_token, eos_token = piece(bos_id), piece(eos_id)
+    try:
+        chat_format = render_chat([{"role": "user", "content": "hi"}], template, bos_token, eos_token, True)[1]
+    except Exception:  # noqa: BLE001 - a broken template shows up on the first chat request
+        chat_format = "unknown"
+    n_ctx_slot = int(getattr(engine, "n_ctx_slot", 0) or 0)
+    n_parallel = int(getattr(engine, "n_parallel", 1) or 1)
+
+    app = FastAPI(title="ikcli server", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.engine = engine
+    app.add_middleware(_AccessLogAndAuth, api_key=api_key, log_requests=log_requests)
+    # browsers' web UIs on other origins may call the API, as llama.cpp's server allows (outermost:
+    # CORS preflights are answered before the API key check)
+    app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
+
+    # --------------------------------------------------------------------------- error handlers
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            return error_response(404, "File Not Found", "not_found_error")
+        if exc.status_code == 405:
+            return error_response(405, f"Method {request.method} is not allowed for {request.url.path}",
+                                  "invalid_request_error")
+        return error_response(exc.status_code, str(exc.detail), _HTTP_ERROR_TYPES.get(exc.status_code, "invalid_request_error"))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        return error_response(400, str(exc), "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def _server_error(request: Request, exc: Exception):
+        server_log("ERR", "exception_handler", "unhandled exception", {"error": f"{type(exc).__name__}: {exc}"},
+                   out=sys.stderr)
+        return error_response(500, f"{type(exc).__name__}: {exc}", "server_error")
+
+    # --------------------------------------------------------------------------------- helpers
+    async def read_json(request: Request) -> dict:
+        raw = await request.body()
+        if not raw.strip():
+            raise bad_request("the request body is empty: expected a JSON object")
+        try:
+            text = raw.decode("utf-8-sig")
+        except UnicodeDecodeError:
+            raise bad_request("the request body is not valid UTF-8 JSON") from None
+        try:
+            body = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise bad_request(f"invalid JSON in the request body: {e.msg} at line {e.lineno} column {e.colno}") from None
+        except RecursionError:
+            raise bad_request("invalid JSON in the request body: nested too deeply") from None
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object")
+        return body
+
+    def sampling_params(body: dict):
+        data = {k: v for k, v in body.items() if v is not None}
+        if default_seed != -1 and "seed" not in data:
+            data["seed"] = default_seed
+        try:
+            return params_from_request(data)
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        except TypeError as e:
+            raise bad_request(f"invalid sampling parameters: {e}") from None
+
+    def n_predict_of(body: dict, *names: str) -> int:
+        n = default_n_predict
+        for name in names:
+            if _field(body, name) is not _MISSING:
+                n = get_int(body, name, -1, lo=-1)
+                break
+        if default_n_predict > 0 and (n < 0 or n > default_n_predict):
+            n = default_n_predict   # the server's -n caps what a request asks for, as in llama.cpp
+        return n
+
+    async def tokenize(text: str, add_special: bool) -> list[int]:
+        return await asyncio.to_thread(engine.tokenize, text, add_special)
+
+    async def tokenize_prompt(p: Any) -> list[int]:
+        """A prompt: a string, a list of token ids, or a list mixing strings and ids (llama.cpp's
+        tokenize_mixed: only the first string piece gets the BOS)."""
+        if isinstance(p, str):
+            return await tokenize(p, True)
+        if isinstance(p, list) and all(_is_int(t) or isinstance(t, str) for t in p):
+            out: list[int] = []
+            for i, part in enumerate(p):
+                if isinstance(part, str):
+                    out += await tokenize(part, i == 0)
+                else:
+                    out += _token_list([part], n_vocab, "prompt")
+            return out
+        raise bad_request("'prompt' must be a string, a list of token ids, or a list of those")
+
+    def split_prompts(p: Any) -> list[Any]:
+        """One prompt or several (llama.cpp's rules): a string, or a list holding a token id, is one
+        prompt; a list of strings and/or lists is several."""
+        if p is _MISSING:
+            raise bad_request("'prompt' is required")
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p, list):
+            if not p:
+                raise bad_request("'prompt' is empty")
+            if any(_is_int(x) for x in p):
+                return [p]
+            if all(isinstance(x, (str, list)) for x in p):
+                return list(p)
+        raise bad_request("'prompt' must be a string, a list of token ids, or a list of those")
+
+    async def prompts_of(body: dict) -> tuple[list[Any], list[list[int]]]:
+        raw = split_prompts(_field(body, "prompt"))
+        return raw, [await tokenize_prompt(p) for p in raw]
+
+    async def chat_prompt(body: dict) -> list[int]:
+        messages = _field(body, "messages")
+        if messages is _MISSING:
+            raise bad_request("'messages' is required")
+        tools = _field(body, "tools")
+        if tools is not _MISSING and tools != []:
+            raise bad_request("'tools' are not supported by this server")
+        try:
+            prompt, _kind = await asyncio.to_thread(render_chat, messages, template, bos_token, eos_token, True)
+        except ValueError as e:
+            raise bad_request(f"cannot apply the chat template: {e}") from None
+        tokens = await tokenize(prompt, True)
+        if add_bos and bos_id is not None and len(tokens) >= 2 and tokens[0] == tokens[1] == bos_id:
+            tokens = tokens[1:]   # the template wrote the BOS and the tokenizer added one too
+        return tokens
+
+    def generation_settings(params, n_predict: int, stop: list[str], stream: bool) -> dict:
+        if dataclasses.is_dataclass(params):
+            sp = dataclasses.asdict(params)
+        else:
+            sp = {k: v for k, v in vars(params).items() if not k.startswith("_")} if hasattr(params, "__dict__") else {}
+        return {"n_ctx": n_ctx_slot, "n_predict": default_n_predict, "model": alias, **sp, "stop": stop,
+                "max_tokens": n_predict, "stream": stream}
+
+    async def collect(request: Request, gen: Generation) -> dict[int, dict]:
+        """Run the jobs to the end (non-streaming); a client that goes away cancels them."""
+        watcher = asyncio.ensure_future(_cancel_on_disconnect(request, gen))
+        results: dict[int, dict] = {i: {"text": [], "final": None} for i in range(len(gen.jobs))}
+        try:
+            async for i, ev in gen.events():
+                if ev.text:
+                    results[i]["text"].append(ev.text)
+                if ev.done:
+                    results[i]["final"] = ev
+        finally:
+            watcher.cancel()
+            gen.cancel()
+        if any(r["final"] is None or gen.engine_failed(r["final"]) for r in results.values()):
+            raise engine_failed_error()
+        return results
+
+    def stream_response(gen: Generation, chunks: AsyncIterator[str]) -> EventStream:
+        return EventStream(chunks, gen.cancel)
+
+    def counts(gen: Generation, i: int, ev) -> tuple[int, int]:
+        return (ev.n_prompt if ev.n_prompt else len(gen.prompts[i])), ev.n_generated
+
+    # ------------------------------------------------------------------------ simple endpoints
+    @app.get("/health")
+    @app.get("/v1/health")
+    async def health():
+        slots = engine.slots_info()
+        busy = sum(1 for s in slots if s.get("is_processing"))
+        return {"status": "ok", "slots_idle": len(slots) - busy, "slots_processing": busy}
+
+    @app.get("/slots")
+    async def slots():
+        return [{"n_ctx": n_ctx_slot, **s} for s in engine.slots_info()]
+
+    @app.get("/props")
+    async def props():
+        params = sampling_params({})
+        return {
+            "system_prompt": "",
+            "model_alias": alias,
+            "model_path": model_path,
+            "default_generation_settings": generation_settings(params, default_n_predict, [], False),
+            "total_slots": n_parallel,
+            "model_name": os.path.splitext(os.path.basename(model_path))[0] if model_path else alias,
+            "chat_template": template or "",
+            "chat_format": chat_format,
+            "bos_token": bos_token,
+            "eos_token": eos_token,
+            "modalities": {"vision": False, "audio": False},
+            "n_ctx": n_ctx_slot * n_parallel,
+        }
+
+    @app.get("/v1/models")
+    @app.get("/models")
+    async def models():
+        info: dict[str, Any] = {}
+        try:
+            vocab_type = {"llama": 1, "gpt2": 2, "bert": 3, "t5": 4, "rwkv": 5}.get(meta.get("tokenizer.ggml.model"), 0)
+            info = {"vocab_type": vocab_type, "n_vocab": n_vocab, "n_ctx_train": model.hp.n_ctx_train,
+                    "n_embd": getattr(model.hp, "n_embd", None), "n_params": model.n_params(),
+                    "size": model.size_bytes()}
+        except Exception:  # noqa: BLE001 - a fake or partial model: fewer facts
+            info = {"n_vocab": n_vocab}
+        return {"object": "list",
+                "data": [{"id": alias, "object": "model", "created": int(time.time()), "owned_by": "llamacpp",
+                          "meta": info, "max_model_len": n_ctx_slot * n_parallel}]}
+
+    @app.post("/tokenize")
+    async def tokenize_endpoint(request: Request):
+        body = await read_json(request)
+        content = _field(body, "content")
+        add_special = get_bool(body, "add_special", False)
+        with_pieces = get_bool(body, "with_pieces", False)
+        if content is _MISSING:
+            return {"tokens": []}
+        if not isinstance(content, str):
+            raise bad_request("'content' must be a string")
+        tokens = await tokenize(content, add_special)
+        if not with_pieces:
+            return {"tokens": tokens}
+        out = []
+        for t in tokens:
+            b = tok.token_to_bytes(t, True) if tok is not None else engine.detokenize([t]).encode("utf-8")
+            try:
+                p: Any = b.decode("utf-8")
+            except UnicodeDecodeError:
+                p = list(b)
+            out.append({"id": t, "piece": p})
+        return {"tokens": out}
+
+    @app.post("/detokenize")
+    async def detokenize_endpoint(request: Request):
+        body = await read_json(request)
+        tokens = _field(body, "tokens")
+        if tokens is _MISSING:
+            return {"content": ""}
+        tokens = _token_list(tokens, n_vocab, "tokens")
+        try:
+            content = await asyncio.to_thread(engine.detokenize, tokens)
+        except (ValueError, IndexError, KeyError) as e:
+            raise bad_request(f"cannot detokenize: {e}") from None
+        return {"content": content}
+
+    # ---------------------------------------------------------------- llama.cpp's /completion
+    @app.post("/completion")
+    @app.post("/completions")
+    async def completion(request: Request):
+        body = await read_json(request)
+        stream = get_bool(body, "stream", False)
+        stop = get_stop(body)
+        n_predict = n_predict_of(body, "n_predict", "max_tokens")
+        params = sampling_params(body)
+        raw_prompts, prompts = await prompts_of(body)
+        gen = Generation()
+        gen.submit(engine, prompts, params, n_predict, stop)
+        settings = generation_settings(params, n_predict, stop, stream)
+
+        def final(i: int, ev, content: str) -> dict:
+            n_prompt, n_gen = counts(gen, i, ev)
+            return {
+                "content": content, "id_slot": getattr(gen.jobs[i], "id_slot", -1), "stop": True, "model": alias,
+                "tokens_predicted": n_gen, "tokens_evaluated": n_prompt, "generation_settings": settings,
+                "prompt": raw_prompts[i], "truncated": False,
+                "stopped_eos": stop_type(ev) == "eos", "stopped_word": stop_type(ev) == "word",
+                "stopped_limit": stop_type(ev) == "limit", "stop_type": stop_type(ev),
+                "stopping_word": ev.stopping_word or "", "tokens_cached": n_prompt + n_gen,
+                "timings": timings_json(ev.timings, n_ctx_slot, n_prompt + n_gen),
+                "index": i,
+            }
+
+        if not stream:
+            results = await collect(request, gen)
+            out = []
+            for i in range(len(prompts)):
+                ev = results[i]["final"]
+                out.append(final(i, ev, "".join(results[i]["text"])))
+            return out[0] if len(out) == 1 else out
+
+        async def chunks() -> AsyncIterator[str]:
+            async for i, ev in gen.events():
+                if ev.text:
+                    yield sse({"content": ev.text, "stop": False, "id_slot": getattr(gen.jobs[i], "id_slot", -1),
+                               "multimodal": False, "index": i})
+                if gen.engine_failed(ev):
+                    yield sse({"error": engine_failed_error().as_json()})
+                    return
+                if ev.done:
+                    yield sse(final(i, ev, ""))
+
+        return stream_response(gen, chunks())
+
+    # --------------------------------------------------------------------- OpenAI completions
+    @app.post("/v1/completions")
+    async def oai_completions(request: Request):
+        body = await read_json(request)
+        stream = get_bool(body, "stream", False)
+        stop = get_stop(body)
+        n_predict = n_predict_of(body, "max_tokens", "n_predict")
+        n = get_int(body, "n", 1)
+        if n != 1:
+            raise bad_request("Only one completion choice is allowed")
+        if get_bool(body, "echo", False):
+            raise bad_request("'echo' is not supported by this server")
+        params = sampling_params(body)
+        _raw, prompts = await prompts_of(body)
+        gen = Generation()
+        gen.submit(engine, prompts, params, n_predict, stop)
+        cmpl_id, created = _rand_id("cmpl-"), int(time.time())
+
+        def head() -> dict:
+            return {"id": cmpl_id, "object": "text_completion", "created": created, "model": alias}
+
+        if not stream:
+            results = await collect(request, gen)
+            choices, n_prompt_total, n_gen_total = [], 0, 0
+            last_timings = None
+            for i in range(len(prompts)):
+                ev = results[i]["final"]
+                n_prompt, n_gen = counts(gen, i, ev)
+                n_prompt_total += n_prompt
+                n_gen_total += n_gen
+                last_timings = timings_json(ev.timings, n_ctx_slot, n_prompt + n_gen)
+                choices.append({"text": "".join(results[i]["text"]), "index": i, "logprobs": None,
+                                "finish_reason": oai_finish_reason(ev)})
+            return {**head(), "choices": choices, "usage": usage_json(n_prompt_total, n_gen_total),
+                    "timings": last_timings}
+
+        async def chunks() -> AsyncIterator[str]:
+            async for i, ev in gen.events():
+                if ev.text:
+                    yield sse({**head(), "choices": [{"text": ev.text, "index": i, "logprobs": None,
+                                                      "finish_reason": None}]})
+                if gen.engine_failed(ev):
+                    yield sse({"error": engine_failed_error().as_json()})
+                    return
+                if ev.done:
+                    n_prompt, n_gen = counts(gen, i, ev)
+                    yield sse({**head(), "choices": [{"text": "", "index": i, "logprobs": None,
+                                                      "finish_reason": oai_finish_reason(ev)}],
+                               "usage": usage_json(n_prompt, n_gen),
+                               "timings": timings_json(ev.timings, n_ctx_slot, n_prompt + n_gen)})
+            yield "data: [DONE]\n\n"
+
+        return stream_response(gen, chunks())
+
+    # ------------------------------------------------------------------------- OpenAI chat
+    @app.post("/v1/chat/completions")
+    @app.post("/chat/completions")
+    async def oai_chat(request: Request):
+        body = await read_json(request)
+        stream = get_bool(body, "stream", False)
+        stop = get_stop(body)
+        n_predict = n_predict_of(body, "max_completion_tokens", "max_tokens", "n_predict")
+        n = get_int(body, "n", 1)
+        if n != 1:
+            raise bad_request("Only one completion choice is allowed")
+        stream_options = _field(body, "stream_options", {})
+        if not isinstance(stream_options, dict):
+            raise bad_request("'stream_options' must be an object")
+        include_usage = get_bool(stream_options, "include_usage", False)
+        params = sampling_params(body)
+        prompt = await chat_prompt(body)
+        gen = Generation()
+        gen.submit(engine, [prompt], params, n_predict, stop)
+        cmpl_id, created = _rand_id("chatcmpl-"), int(time.time())
+
+        def head() -> dict:
+            return {"id": cmpl_id, "object": "chat.completion.chunk" if stream else "chat.completion",
+                    "created": created, "model": alias}
+
+        if not stream:
+            results = await collect(request, gen)
+            ev = results[0]["final"]
+            n_prompt, n_gen = counts(gen, 0, ev)
+            return {**head(), "choices": [{"index": 0, "finish_reason": oai_finish_reason(ev),
+                                           "message": {"role": "assistant", "content": "".join(results[0]["text"])}}],
+                    "usage": usage_json(n_prompt, n_gen),
+                    "timings": timings_json(ev.timings, n_ctx_slot, n_prompt + n_gen)}
+
+        async def chunks() -> AsyncIterator[str]:
+            yield sse({**head(), "choices": [{"index": 0, "finish_reason": None,
+                                              "delta": {"role": "assistant", "content": None}}]})
+            async for _i, ev in gen.events():
+                if ev.text:
+                    yield sse({**head(), "choices": [{"index": 0, "finish_reason": None,
+                                                      "delta": {"content": ev.text}}]})
+                if gen.engine_failed(ev):
+                    yield sse({"error": engine_failed_error().as_json()})
+                    return
+                if ev.done:
+                    n_prompt, n_gen = counts(gen, 0, ev)
+                    usage = usage_json(n_prompt, n_gen)
+                    timings = timings_json(ev.timings, n_ctx_slot, n_prompt + n_gen)
+                    last = {**head(), "choices": [{"index": 0, "finish_reason": oai_finish_reason(ev), "delta": {}}],
+                            "usage": usage}
+                    if include_usage:   # OpenAI: a last chunk with empty choices carries the usage
+                        yield sse(last)
+                        last = {**head(), "choices": [], "usage": usage}
+                    yield sse({**last, "timings": timings})
+            yield "data: [DONE]\n\n"
+
+        return stream_response(gen, chunks())
+
+    return app

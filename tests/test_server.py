@@ -1,0 +1,727 @@
+"""`ikcli server`: the HTTP layer on a fake engine, then the real server over HTTP.
+
+The first half serves `ikcli.server_app.create_app` with a small fake of engine.serving's
+ServingEngine (bytes as tokens, a fixed answer, a thread per job) with uvicorn on a free loopback
+port: request checking, response shapes, streaming, stop strings, errors, cancellation on
+disconnect.  The second half starts `ikcli server` on the embedded demo model (and, for the
+disconnect checks, the real ServingEngine in-process) and talks to it with httpx and the official
+openai client.  Those skip when engine.serving cannot be imported.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+
+from ikcli.server_app import create_app  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ============================================================================ serving helper
+
+class ServerThread:
+    """uvicorn serving `app` on a free 127.0.0.1 port from a background thread."""
+
+    def __init__(self, app) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(128)
+        self.port = self.sock.getsockname()[1]
+        self.base = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=1)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        t0 = time.time()
+        while not self.server.started:
+            if time.time() - t0 > 10 or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()
+
+
+def sse_events(lines) -> list:
+    """The `data:` payloads of a server-sent event stream ('[DONE]' kept as a string)."""
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            payload = line[6:]
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+def stream_post(base: str, path: str, body: dict) -> list:
+    with httpx.stream("POST", base + path, json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return sse_events(r.iter_lines())
+
+
+def assert_error(r, code: int, type_: str = "invalid_request_error", contains: str = "") -> dict:
+    assert r.status_code == code, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert err["code"] == code and err["type"] == type_, err
+    assert isinstance(err["message"], str) and err["message"]
+    assert contains.lower() in err["message"].lower(), err["message"]
+    return err
+
+
+def wait_until(pred, timeout: float = 5.0, what: str = "condition") -> None:
+    t0 = time.time()
+    while not pred():
+        if time.time() - t0 > timeout:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+# ============================================================================ the fake engine
+
+@dataclass
+class FakeTimings:
+    prompt_n: int
+    prompt_ms: float
+    predicted_n: int
+    predicted_ms: float
+
+
+@dataclass
+class FakeEvent:
+    text: str
+    token: int | None
+    done: bool
+    finish_reason: str | None
+    stopping_word: str
+    n_prompt: int
+    n_generated: int
+    timings: FakeTimings | None = None
+
+
+class FakeJob:
+    def __init__(self) -> None:
+        self.cancelled = threading.Event()
+        self.id_slot = -1
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+FAKE_ANSWER = "Hello from the fake engine."
+FAKE_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+BOS, EOS = 1, 2
+
+
+class FakeTokenizer:
+    n_vocab, bos_id, eos_id, add_bos = 259, BOS, EOS, True
+
+    def token_to_bytes(self, t: int, special: bool = True) -> bytes:
+        return {BOS: b"<s>", EOS: b"</s>"}.get(t, bytes([t - 3]) if t >= 3 else b"")
+
+    def token_to_piece(self, t: int, special: bool = True) -> str:
+        return self.token_to_bytes(t, special).decode("utf-8", errors="replace")
+
+
+class FakeEngine:
+    """engine.serving.ServingEngine's interface: a byte is a token (id = byte + 3), every job answers
+    `answer` one character per token (then EOS), stop strings are held back and cut as the real one."""
+
+    def __init__(self, n_parallel: int = 2, n_ctx_slot: int = 96, delay: float = 0.001, answer: str = FAKE_ANSWER,
+                 fail_after: int = -1):
+        self.n_parallel, self.n_ctx_slot, self.delay, self.answer = n_parallel, n_ctx_slot, delay, answer
+        self.fail_after = fail_after      # >= 0: the "engine" gives up after that many tokens
+        self.slots: list = [None] * n_parallel
+        self.cv = threading.Condition()
+        self.finals: "queue.Queue[FakeEvent]" = queue.Queue()
+        self.submitted: list = []
+        self.model = SimpleNamespace(tokenizer=FakeTokenizer(),
+                                     file=SimpleNamespace(meta={"tokenizer.chat_template": FAKE_TEMPLATE}))
+
+    def start(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+    def tokenize(self, text: str, add_special: bool) -> list[int]:
+        return ([BOS] if add_special else []) + [b + 3 for b in text.encode("utf-8")]
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return b"".join(FakeTokenizer().token_to_bytes(t) for t in tokens if t >= 3).decode("utf-8", errors="replace")
+
+    def slots_info(self) -> list[dict]:
+        with self.cv:
+            return [{"id": i, "is_processing": j is not None} for i, j in enumerate(self.slots)]
+
+    def submit(self, prompt, params, n_predict, stop, on_event) -> FakeJob:
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if len(prompt) >= self.n_ctx_slot:
+            raise ValueError(f"the prompt has {len(prompt)} tokens, more than the slot's context of "
+                             f"{self.n_ctx_slot} tokens allows")
+        job = FakeJob()
+        self.submitted.append((list(prompt), params, n_predict, list(stop)))
+        threading.Thread(target=self._run, args=(job, prompt, n_predict, stop, on_event), daemon=True).start()
+        return job
+
+    def _run(self, job, prompt, n_predict, stop, on_event) -> None:
+        with self.cv:
+            while None not in self.slots:
+                self.cv.wait()
+            slot = self.slots.index(None)
+            self.slots[slot], job.id_slot = job, slot
+        t0 = time.perf_counter()
+        text, sent, reason, word, n = "", 0, None, "", 0
+        try:
+            while reason is None:
+                if job.cancelled.is_set() or n == self.fail_after:
+                    reason = "cancelled"
+                elif n >= len(self.answer):
+                    reason = "stop"            # EOS
+                elif 0 <= n_predict <= n or len(prompt) + n + 1 >= self.n_ctx_slot:
+                    reason = "length"
+                else:
+                    text += self.answer[n]
+                    n += 1
+                    hit = [(text.find(w), w) for w in stop if w in text]
+                    if hit:
+                        i, word = min(hit)
+                        if text[sent:i]:
+                            on_event(FakeEvent(text[sent:i], n + 3, False, None, "", len(prompt), n))
+                        sent, reason = len(text), "stop"
+                        break
+                    hold = max((k for w in stop for k in range(1, len(w)) if text.endswith(w[:k])), default=0)
+                    on_event(FakeEvent(text[sent:len(text) - hold], n + 3, False, None, "", len(prompt), n))
+                    sent = len(text) - hold
+                    time.sleep(self.delay)
+            rest = "" if reason == "cancelled" else text[sent:]
+            ms = 1e3 * (time.perf_counter() - t0)
+            ev = FakeEvent(rest, None, True, reason, word, len(prompt), n, FakeTimings(len(prompt), 1.0, n, ms))
+            self.finals.put(ev)
+            on_event(ev)
+        finally:
+            with self.cv:
+                self.slots[slot] = None
+                self.cv.notify_all()
+
+
+def _fake_app(engine: FakeEngine, **kw):
+    return create_app(engine, model_path="/models/fake-model.gguf", **kw)
+
+
+@pytest.fixture(scope="module")
+def fake():
+    eng = FakeEngine()
+    srv = ServerThread(_fake_app(eng, log_requests=False))
+    yield SimpleNamespace(engine=eng, base=srv.base)
+    srv.stop()
+
+
+# ============================================================================ fake-engine tests
+
+def test_health_props_models_slots(fake):
+    r = httpx.get(fake.base + "/health")
+    assert r.status_code == 200 and r.json() == {"status": "ok", "slots_idle": 2, "slots_processing": 0}
+    props = httpx.get(fake.base + "/props").json()
+    assert props["total_slots"] == 2 and props["model_path"] == "/models/fake-model.gguf"
+    assert props["chat_template"] == FAKE_TEMPLATE and props["chat_format"] == "gguf"
+    dgs = props["default_generation_settings"]
+    assert dgs["n_ctx"] == 96 and {"temperature", "top_k", "top_p", "min_p", "seed", "stop"} <= set(dgs)
+    models = httpx.get(fake.base + "/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "fake-model.gguf"
+    assert models["data"][0]["object"] == "model"
+    assert [s["id"] for s in httpx.get(fake.base + "/slots").json()] == [0, 1]
+
+
+def test_completion_non_stream_and_stream(fake):
+    body = {"prompt": "Hi", "n_predict": 64, "temperature": 0.5, "seed": 42}
+    r = httpx.post(fake.base + "/completion", json=body)
+    assert r.status_code == 200, r.text
+    d = r.json()
+    assert d["content"] == FAKE_ANSWER and d["stop"] is True
+    assert d["stop_type"] == "eos" and d["stopped_eos"] and d["stopping_word"] == ""
+    assert d["tokens_predicted"] == len(FAKE_ANSWER) and d["tokens_evaluated"] == 3
+    assert d["prompt"] == "Hi" and d["model"] == "fake-model.gguf" and d["id_slot"] in (0, 1)
+    t = d["timings"]
+    assert t["prompt_n"] == 3 and t["predicted_n"] == len(FAKE_ANSWER)
+    assert set(t) >= {"prompt_ms", "prompt_per_token_ms", "prompt_per_second", "predicted_ms",
+                      "predicted_per_token_ms", "predicted_per_second"}
+    assert d["generation_settings"]["temperature"] == 0.5 and d["generation_settings"]["seed"] == 42
+    prompt, params, n_predict, stop = fake.engine.submitted[-1]
+    assert prompt == [BOS, ord("H") + 3, ord("i") + 3] and n_predict == 64 and stop == []
+    assert params.temperature == 0.5 and params.seed == 42
+
+    events = stream_post(fake.base, "/completion", {**body, "stream": True})
+    assert "[DONE]" not in events                       # llama.cpp's /completion ends without it
+    parts, final = events[:-1], events[-1]
+    assert all(e["stop"] is False for e in parts) and final["stop"] is True and final["content"] == ""
+    assert "".join(e["content"] for e in parts) == FAKE_ANSWER
+    assert final["stop_type"] == "eos" and final["tokens_predicted"] == len(FAKE_ANSWER)
+
+
+def test_limits_and_stop_strings(fake):
+    d = httpx.post(fake.base + "/completion", json={"prompt": "x", "n_predict": 5}).json()
+    assert d["content"] == "Hello" and d["stop_type"] == "limit" and d["stopped_limit"]
+    d = httpx.post(fake.base + "/completion", json={"prompt": "x", "stop": ["fake", "zzz"]}).json()
+    assert d["content"] == "Hello from the " and d["stop_type"] == "word" and d["stopping_word"] == "fake"
+    events = stream_post(fake.base, "/completion", {"prompt": "x", "stop": "engine", "stream": True})
+    assert "".join(e["content"] for e in events) == "Hello from the fake "
+    assert events[-1]["stopping_word"] == "engine"
+    # OpenAI: a stop string or EOS is "stop", the token limit "length"
+    c = httpx.post(fake.base + "/v1/completions", json={"prompt": "x", "max_tokens": 3}).json()
+    assert c["choices"][0]["text"] == "Hel" and c["choices"][0]["finish_reason"] == "length"
+    c = httpx.post(fake.base + "/v1/completions", json={"prompt": "x", "stop": "from"}).json()
+    assert c["choices"][0]["text"] == "Hello " and c["choices"][0]["finish_reason"] == "stop"
+    assert c["usage"] == {"completion_tokens": 10, "prompt_tokens": 2, "total_tokens": 12}
+
+
+def test_prompt_forms(fake):
+    # token ids, mixed pieces (BOS only before the first string), several prompts
+    d = httpx.post(fake.base + "/completion", json={"prompt": [BOS, 50, 51], "n_predict": 1}).json()
+    assert d["tokens_evaluated"] == 3 and d["prompt"] == [BOS, 50, 51]
+    httpx.post(fake.base + "/completion", json={"prompt": ["ab", 7, "c"], "n_predict": 1}).raise_for_status()
+    assert fake.engine.submitted[-1][0] == [BOS, ord("a") + 3, ord("b") + 3, 7, ord("c") + 3]
+    r = httpx.post(fake.base + "/completion", json={"prompt": ["one", "two"], "n_predict": 2})
+    assert [x["content"] for x in r.json()] == ["He", "He"] and [x["index"] for x in r.json()] == [0, 1]
+    c = httpx.post(fake.base + "/v1/completions", json={"prompt": ["a", [BOS, 9]], "max_tokens": 4}).json()
+    assert [ch["index"] for ch in c["choices"]] == [0, 1] and all(ch["text"] == "Hell" for ch in c["choices"])
+    assert c["usage"]["prompt_tokens"] == 4 and c["usage"]["completion_tokens"] == 8
+    events = stream_post(fake.base, "/v1/completions", {"prompt": ["a", "b"], "max_tokens": 4, "stream": True})
+    assert events[-1] == "[DONE]"
+    for i in (0, 1):
+        ch = [e["choices"][0] for e in events[:-1] if e["choices"][0]["index"] == i]
+        assert "".join(x["text"] for x in ch) == "Hell" and ch[-1]["finish_reason"] == "length"
+
+
+def test_chat_template_usage_and_stream(fake):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    r = httpx.post(fake.base + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 5, "model": "whatever"})
+    assert r.status_code == 200, r.text
+    d = r.json()
+    assert d["object"] == "chat.completion" and d["id"].startswith("chatcmpl-") and d["model"] == "fake-model.gguf"
+    assert d["choices"][0]["message"] == {"role": "assistant", "content": "Hello"}
+    assert d["choices"][0]["finish_reason"] == "length"
+    rendered = "<system>Be brief.\n<user>Hi\n<assistant>"
+    assert fake.engine.submitted[-1][0] == fake.engine.tokenize(rendered, True)
+    assert d["usage"] == {"prompt_tokens": 1 + len(rendered), "completion_tokens": 5, "total_tokens": 6 + len(rendered)}
+    assert d["timings"]["predicted_n"] == 5
+
+    events = stream_post(fake.base, "/v1/chat/completions",
+                         {"messages": msgs, "stream": True, "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == FAKE_ANSWER
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == len(FAKE_ANSWER)
+    assert "timings" in chunks[-1]
+
+
+def test_openai_client_on_fake(fake):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=fake.base + "/v1", api_key="sk-none", max_retries=0, timeout=30)
+    out = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}], max_tokens=8)
+    assert out.choices[0].message.content == FAKE_ANSWER[:8] and out.usage.completion_tokens == 8
+    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="x", messages=[{"role": "user", "content": "Hi"}], stream=True) if c.choices)
+    assert text == FAKE_ANSWER
+
+
+BAD_REQUESTS = [
+    ("/completion", b"{not json", "invalid json"),
+    ("/completion", b"", "empty"),
+    ("/completion", b"\xff\xfe", "utf-8"),
+    ("/completion", b"[1, 2]", "json object"),
+    ("/completion", {"n_predict": 3}, "prompt"),
+    ("/completion", {"prompt": {"a": 1}}, "prompt"),
+    ("/completion", {"prompt": [1, [2]]}, "prompt"),
+    ("/completion", {"prompt": []}, "prompt"),
+    ("/completion", {"prompt": "x", "n_predict": "ten"}, "n_predict"),
+    ("/completion", {"prompt": "x", "n_predict": -5}, "n_predict"),
+    ("/completion", {"prompt": "x", "stream": "yes"}, "stream"),
+    ("/completion", {"prompt": "x", "stop": 5}, "stop"),
+    ("/completion", {"prompt": "x", "stop": ["a", 1]}, "stop"),
+    ("/completion", {"prompt": "x", "temperature": "hot"}, "temperature"),
+    ("/completion", {"prompt": "x", "top_k": True}, "top_k"),
+    ("/completion", {"prompt": "x", "top_p": 2}, "top_p"),
+    ("/completion", {"prompt": "x", "seed": 1.5}, "seed"),
+    ("/completion", {"prompt": [1, 5000]}, "token id"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, "one completion"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": [1]}, "max_tokens"),
+    ("/v1/chat/completions", {}, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream_options": 1}, "stream_options"),
+    ("/tokenize", {"content": 5}, "content"),
+    ("/tokenize", {"content": "x", "add_special": "no"}, "add_special"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ("/detokenize", {"tokens": [1, -1]}, "token id"),
+]
+
+
+@pytest.mark.parametrize("path,body,contains", BAD_REQUESTS, ids=[f"{p}:{c}:{i}" for i, (p, _, c) in enumerate(BAD_REQUESTS)])
+def test_bad_requests_are_400_json(fake, path, body, contains):
+    if isinstance(body, bytes):
+        r = httpx.post(fake.base + path, content=body, headers={"Content-Type": "application/json"})
+    else:
+        r = httpx.post(fake.base + path, json=body)
+    assert_error(r, 400, contains=contains)
+    assert httpx.get(fake.base + "/health").json()["status"] == "ok"
+
+
+def test_unknown_route_method_and_too_long_prompt(fake):
+    assert_error(httpx.get(fake.base + "/no/such/route"), 404, "not_found_error", "not found")
+    assert_error(httpx.post(fake.base + "/v2/chat"), 404, "not_found_error")
+    assert_error(httpx.get(fake.base + "/v1/chat/completions"), 405)
+    err = assert_error(httpx.post(fake.base + "/completion", json={"prompt": "y" * 200}), 400,
+                       "exceed_context_size_error", "context")
+    assert err["n_prompt_tokens"] == 201 and err["n_ctx"] == 96
+    assert_error(httpx.post(fake.base + "/v1/chat/completions",
+                            json={"messages": [{"role": "user", "content": "z" * 300}]}), 400, "exceed_context_size_error")
+
+
+def test_tokenize_detokenize(fake):
+    r = httpx.post(fake.base + "/tokenize", json={"content": "héllo"}).json()
+    assert r["tokens"] == fake.engine.tokenize("héllo", False)
+    assert httpx.post(fake.base + "/detokenize", json={"tokens": r["tokens"]}).json() == {"content": "héllo"}
+    with_bos = httpx.post(fake.base + "/tokenize", json={"content": "a", "add_special": True}).json()["tokens"]
+    assert with_bos == [BOS, ord("a") + 3]
+    pieces = httpx.post(fake.base + "/tokenize", json={"content": "é", "with_pieces": True}).json()["tokens"]
+    assert [p["piece"] for p in pieces] == [[0xC3], [0xA9]]   # bytes that are not UTF-8 on their own
+
+
+@pytest.fixture()
+def slow():
+    """A fake whose answer is long and slow, for the disconnect checks."""
+    eng = FakeEngine(n_parallel=1, n_ctx_slot=100000, delay=0.01, answer="x" * 5000)
+    srv = ServerThread(_fake_app(eng, log_requests=False))
+    yield SimpleNamespace(engine=eng, base=srv.base)
+    srv.stop()
+
+
+def _idle(base: str) -> bool:
+    return httpx.get(base + "/health").json()["slots_idle"] == 1
+
+
+def test_stream_disconnect_cancels_the_job(slow):
+    for path, body in (("/completion", {"prompt": "x", "stream": True}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True})):
+        with httpx.Client(timeout=10) as client:
+            with client.stream("POST", slow.base + path, json=body) as r:
+                for line in r.iter_lines():
+                    if '"x"' in line:        # the first generated text
+                        break
+        t0 = time.time()
+        ev = slow.engine.finals.get(timeout=3)
+        assert ev.finish_reason == "cancelled" and ev.n_generated < 300
+        wait_until(lambda: _idle(slow.base), 3, "the slot to be free")
+        assert time.time() - t0 < 3
+
+
+def test_non_stream_disconnect_cancels_the_job(slow):
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(slow.base + "/completion", json={"prompt": "x"}, timeout=0.3)
+    ev = slow.engine.finals.get(timeout=3)
+    assert ev.finish_reason == "cancelled" and ev.n_generated < 300
+    wait_until(lambda: _idle(slow.base), 3, "the slot to be free")
+    # the slot serves the next request
+    d = httpx.post(slow.base + "/completion", json={"prompt": "x", "n_predict": 3}, timeout=10).json()
+    assert d["content"] == "xxx"
+
+
+def test_engine_failure_is_an_error_not_an_answer():
+    srv = ServerThread(_fake_app(FakeEngine(fail_after=3), log_requests=False))
+    try:
+        assert_error(httpx.post(srv.base + "/completion", json={"prompt": "x"}), 500, "server_error", "engine")
+        events = stream_post(srv.base, "/completion", {"prompt": "x", "stream": True})
+        assert "".join(e.get("content", "") for e in events[:-1]) == "Hel"
+        assert events[-1]["error"]["type"] == "server_error"
+        events = stream_post(srv.base, "/v1/chat/completions",
+                             {"messages": [{"role": "user", "content": "x"}], "stream": True})
+        assert events[-1]["error"]["code"] == 500 and "[DONE]" not in events
+        assert httpx.get(srv.base + "/health").json()["status"] == "ok"
+    finally:
+        srv.stop()
+
+
+def test_cli_errors_before_loading(capsys):
+    from ikcli.app import main
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    try:
+        for args, msg in ((["--port", str(busy.getsockname()[1])], "couldn't bind HTTP server socket"),
+                          (["-np", "0"], "--parallel must be >= 1"),
+                          (["--port", "70000"], "--port must be between 0 and 65535"),
+                          (["--chat-template-file", "/no/such/file.jinja"], "cannot read chat template file")):
+            with pytest.raises(SystemExit) as e:
+                main(["server", *args])
+            assert e.value.code == 1
+            assert msg in capsys.readouterr().err
+    finally:
+        busy.close()
+
+
+def test_api_key():
+    srv = ServerThread(_fake_app(FakeEngine(), api_key="secret-1234", log_requests=False))
+    try:
+        assert httpx.get(srv.base + "/health").status_code == 200          # public, as in llama.cpp
+        assert httpx.get(srv.base + "/v1/models").status_code == 200
+        assert_error(httpx.post(srv.base + "/completion", json={"prompt": "x"}), 401, "authentication_error")
+        assert_error(httpx.post(srv.base + "/completion", json={"prompt": "x"},
+                                headers={"Authorization": "Bearer wrong"}), 401, "authentication_error")
+        r = httpx.post(srv.base + "/completion", json={"prompt": "x", "n_predict": 2},
+                       headers={"Authorization": "Bearer secret-1234"})
+        assert r.status_code == 200 and r.json()["content"] == "He"
+        # a browser's CORS preflight needs no key
+        r = httpx.options(srv.base + "/v1/chat/completions",
+                          headers={"Origin": "http://example.org", "Access-Control-Request-Method": "POST",
+                                   "Access-Control-Request-Headers": "authorization,content-type"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] in ("*", "http://example.org")
+    finally:
+        srv.stop()
+
+
+def test_request_log_line(capsys):
+    srv = ServerThread(_fake_app(FakeEngine()))
+    try:
+        httpx.get(srv.base + "/health?x=1")
+    finally:
+        srv.stop()
+    out = capsys.readouterr().out
+    assert re.search(r'^INFO \[\s+log_server_request\] request \| method="GET" params=\{"x":"1"\} path="/health" '
+                     r'remote_addr="127.0.0.1" remote_port=\d+ status=200 tid="\d+" timestamp=\d+$', out, re.M), out
+
+
+# ============================================================================ the real server
+
+def _serving_available() -> str:
+    try:
+        import engine.serving  # noqa: F401
+        import engine.sampling  # noqa: F401
+        import engine.chat_template  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return f"engine.serving is not usable yet ({type(e).__name__}: {e})"
+    from ikcli.defaults import demo_model
+    if not os.path.exists(demo_model()):
+        return "the embedded demo model is missing"
+    return ""
+
+
+real = pytest.mark.skipif(bool(_serving_available()), reason=_serving_available() or "n/a")
+
+
+@pytest.fixture(scope="module")
+def server():
+    """`ikcli server` on the demo model (ctx 256 over 4 slots) on a free port; stopped with SIGTERM."""
+    if _serving_available():
+        pytest.skip(_serving_available())
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "ikcli", "server", "--port", "0", "-c", "256", "-np", "4",
+                             "-t", "2", "--alias", "demo"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    port, lines = None, []
+    t0 = time.time()
+    for line in proc.stdout:
+        lines.append(line)
+        m = re.search(r'HTTP server listening \|.* port="(\d+)"', line)
+        if m:
+            port = int(m.group(1))
+            break
+        if time.time() - t0 > 60:
+            break
+    if port is None:
+        proc.kill()
+        pytest.fail("ikcli server did not start:\n" + "".join(lines) + proc.stderr.read())
+    out_lines: list = []
+    reader = threading.Thread(target=lambda: out_lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    err_lines: list = []
+    err_reader = threading.Thread(target=lambda: err_lines.extend(proc.stderr), daemon=True)
+    err_reader.start()
+    yield SimpleNamespace(base=f"http://127.0.0.1:{port}", proc=proc, out=out_lines, err=err_lines)
+    proc.terminate()
+    rc = proc.wait(timeout=20)
+    reader.join(5)
+    err_reader.join(5)
+    assert rc == 0, "".join(err_lines[-20:])
+    assert any("HTTP server stopped" in x for x in out_lines)
+
+
+def _complete(base: str, prompt: str, seed: int, n: int = 24, **kw) -> dict:
+    r = httpx.post(base + "/completion", json={"prompt": prompt, "n_predict": n, "seed": seed, **kw}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _stream_text(base: str, prompt: str, seed: int, n: int = 24) -> str:
+    events = stream_post(base, "/completion", {"prompt": prompt, "n_predict": n, "seed": seed, "stream": True})
+    assert events[-1]["stop"] is True
+    return "".join(e["content"] for e in events)
+
+
+@real
+def test_real_health_props_tokenize(server):
+    assert httpx.get(server.base + "/health").json()["status"] == "ok"
+    props = httpx.get(server.base + "/props").json()
+    assert props["total_slots"] == 4 and props["default_generation_settings"]["n_ctx"] == 64
+    assert props["model_path"].endswith("demo-deepseek2.gguf") and "chat_template" in props
+    toks = httpx.post(server.base + "/tokenize", json={"content": "Hello world, it is me."}).json()["tokens"]
+    assert toks and all(isinstance(t, int) for t in toks)
+    back = httpx.post(server.base + "/detokenize", json={"tokens": toks}).json()["content"]
+    assert back == "Hello world, it is me."
+    with_bos = httpx.post(server.base + "/tokenize", json={"content": "Hello world, it is me.", "add_special": True})
+    assert len(with_bos.json()["tokens"]) == len(toks) + 1
+
+
+@real
+def test_real_completion_stream_non_stream_and_stop(server):
+    d = _complete(server.base, "ROMEO:", seed=5)
+    assert d["tokens_predicted"] <= 24 and d["stop_type"] in ("limit", "eos") and d["content"]
+    assert d["timings"]["predicted_n"] == d["tokens_predicted"] and d["timings"]["prompt_n"] == d["tokens_evaluated"]
+    assert _stream_text(server.base, "ROMEO:", seed=5) == d["content"]
+    text = d["content"]
+    if len(text) >= 14:
+        stop = text[10:13]
+        s = _complete(server.base, "ROMEO:", seed=5, stop=[stop])
+        assert s["content"] == text[:text.find(stop)] and s["stop_type"] == "word" and s["stopping_word"] == stop
+
+
+@real
+def test_real_openai_client(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="sk-none", max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list().data] == ["demo"]
+    msgs = [{"role": "system", "content": "You are a poet."}, {"role": "user", "content": "Speak."}]
+    chat = client.chat.completions.create(model="demo", messages=msgs, max_tokens=12, seed=7)
+    content = chat.choices[0].message.content
+    assert isinstance(content, str) and chat.choices[0].finish_reason in ("stop", "length")
+    assert chat.usage.prompt_tokens > 0 and 0 < chat.usage.completion_tokens <= 12
+    assert chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
+    chunks = list(client.chat.completions.create(model="demo", messages=msgs, max_tokens=12, seed=7, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == content
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+    cmpl = client.completions.create(model="demo", prompt="JULIET:", max_tokens=10, seed=3)
+    assert cmpl.choices[0].text and cmpl.usage.completion_tokens <= 10
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="demo", prompt="JULIET:", max_tokens=10, seed=3, stream=True) if c.choices)
+    assert streamed == cmpl.choices[0].text
+
+
+@real
+def test_real_bad_input_keeps_serving(server):
+    assert_error(httpx.post(server.base + "/completion", content=b'{"prompt": ', headers={"Content-Type": "application/json"}), 400)
+    assert httpx.get(server.base + "/health").json()["status"] == "ok"
+    assert_error(httpx.post(server.base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                                        "temperature": "hot"}), 400, contains="temperature")
+    assert_error(httpx.get(server.base + "/v1/engines"), 404, "not_found_error")
+    err = assert_error(httpx.post(server.base + "/completion", json={"prompt": "the king " * 40}), 400,
+                       "exceed_context_size_error", "context")
+    assert err["n_ctx"] == 64 and err["n_prompt_tokens"] >= 64
+    assert _complete(server.base, "KING:", seed=1, n=4)["tokens_predicted"] <= 4
+
+
+@real
+def test_real_concurrent_streams_match_alone(server):
+    jobs = [("ROMEO:", 1), ("JULIET:\nO", 2), ("First Citizen:\nWe are", 3), ("KING", 4)]
+    alone = [_stream_text(server.base, p, s, 40) for p, s in jobs]
+    together: list = [None] * len(jobs)
+    errors: list = []
+
+    def run(i: int) -> None:
+        try:
+            together[i] = _stream_text(server.base, *jobs[i], 40)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    t0 = time.time()
+    assert httpx.get(server.base + "/health", timeout=5).status_code == 200   # the loop is not blocked
+    assert time.time() - t0 < 2
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert together == alone
+
+
+@pytest.fixture(scope="module")
+def inproc():
+    """The real ServingEngine in this process (one slot of 256), its final events recorded."""
+    if _serving_available():
+        pytest.skip(_serving_available())
+    from engine.model import load_model, quiet_log
+    from engine.serving import ServingEngine
+    from ikcli import common
+    from ikcli.defaults import demo_model
+
+    class Spy:
+        def __init__(self, eng) -> None:
+            self.eng, self.finals = eng, queue.Queue()
+
+        def __getattr__(self, name):
+            return getattr(self.eng, name)
+
+        def submit(self, prompt, params, n_predict, stop, on_event):
+            def cb(ev) -> None:
+                if ev.done:
+                    self.finals.put(ev)
+                on_event(ev)
+            return self.eng.submit(prompt, params, n_predict, stop, cb)
+
+    path = demo_model()
+    cfg = common.engine_config(path, n_ctx=256, n_batch=2048, n_ubatch=512, threads=2, threads_batch=2, mla=3,
+                               fa="on", amb=256, ctk="f16", ctv="f16", fmoe="1", ser=None)
+    eng = ServingEngine(load_model(path, quiet_log), cfg, 1, quiet_log)
+    eng.start()
+    spy = Spy(eng)
+    srv = ServerThread(create_app(spy, model_path=path, log_requests=False))
+    yield SimpleNamespace(base=srv.base, spy=spy)
+    srv.stop()
+    eng.shutdown()
+
+
+@real
+def test_real_disconnect_frees_the_slot(inproc):
+    for path, body in (("/completion", {"prompt": "ROMEO:", "stream": True, "seed": 1}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "stream": True})):
+        with httpx.Client(timeout=30) as client:
+            with client.stream("POST", inproc.base + path, json=body) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and '"content":"' in line:
+                        break
+        ev = inproc.spy.finals.get(timeout=10)
+        assert ev.finish_reason == "cancelled", ev
+        assert ev.n_generated < 150    # it would run to ~250 tokens (the slot's end) if not cancelled
+        wait_until(lambda: httpx.get(inproc.base + "/health").json()["slots_idle"] == 1, 5, "the slot to be free")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(inproc.base + "/completion", json={"prompt": "ROMEO:"}, timeout=0.15)
+    ev = inproc.spy.finals.get(timeout=10)
+    assert ev.finish_reason == "cancelled"
+    d = httpx.post(inproc.base + "/completion", json={"prompt": "ROMEO:", "n_predict": 4}, timeout=30).json()
+    assert d["tokens_predicted"] == 4
