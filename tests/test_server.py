@@ -725,3 +725,47 @@ def test_real_disconnect_frees_the_slot(inproc):
     assert ev.finish_reason == "cancelled"
     d = httpx.post(inproc.base + "/completion", json={"prompt": "ROMEO:", "n_predict": 4}, timeout=30).json()
     assert d["tokens_predicted"] == 4
+
+
+@real
+def test_real_16_streams_on_4_slots_match_alone(server):
+    """16 concurrent streaming clients on 4 slots (12 wait in the queue): all complete, each with the
+    text it gives when run alone with the same seed."""
+    jobs = [(f"{name}:\n", 10 + i) for i, name in enumerate(
+        ["ROMEO", "JULIET", "HAMLET", "OPHELIA", "MACBETH", "BANQUO", "LEAR", "CORDELIA", "OTHELLO", "IAGO",
+         "PROSPERO", "ARIEL", "PUCK", "OBERON", "TITANIA", "PORTIA"])]
+    alone = [_stream_text(server.base, p, s, 12) for p, s in jobs]
+    together: list = [None] * len(jobs)
+    errors: list = []
+
+    def run(i: int) -> None:
+        try:
+            together[i] = _stream_text(server.base, *jobs[i], 12)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert together == alone
+
+
+@real
+def test_real_burst_of_requests_loses_none(server):
+    """200 requests at once (queued behind 4 slots): every one is answered, /health stays up."""
+    import asyncio
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=server.base, timeout=120) as c:
+            reqs = [c.post("/completion", json={"prompt": f"Line {i}:", "n_predict": 2, "seed": i})
+                    for i in range(200)]
+            health = c.get("/health")
+            return await asyncio.gather(*reqs), await health
+
+    results, health = asyncio.run(burst())
+    assert health.status_code == 200
+    assert [r.status_code for r in results] == [200] * 200
+    assert all(r.json()["tokens_predicted"] >= 1 for r in results)
