@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def default_threads() -> int:
@@ -26,6 +26,7 @@ class EngineConfig:
     fused_moe: bool = True     # gate+up+SiLU*mul of the selected experts in one pass
     ser_min: int = -1          # -ser K,t: smart expert reduction (off when K <= 0 or t <= 0)
     ser_thresh: float = 0.0
+    tensor_overrides: list = field(default_factory=list)  # -ot (regex, buffer); first match wins
     verbose: bool = True
 
     def threads(self, batch: bool) -> int:

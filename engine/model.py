@@ -142,7 +142,21 @@ def log_hparams(mf: ModelFile, hp: HParams, log: Log) -> None:
     log(f"{p}: general.name     = {mf.meta.get('general.name', '')}")
 
 
-def load_model(path: str, log: Log = stderr_log, mla: int = 3) -> Model:
+def log_overrides(mf: ModelFile, overrides, log: Log) -> None:
+    """-ot: the first rule whose regex is found in a tensor's name places it (all buffers are the
+    CPU here); logged in llama.cpp's words."""
+    import re
+    rules = [(re.compile(p), b) for p, b in overrides]
+    if not rules:
+        return
+    for name, t in mf.tensors.items():
+        for rx, buf in rules:
+            if rx.search(name):
+                log(f"Tensor {name} (size = {t.nbytes / 1024 ** 2:.2f} MiB) buffer type overridden to {buf}")
+                break
+
+
+def load_model(path: str, log: Log = stderr_log, mla: int = 3, overrides: list | tuple = ()) -> Model:
     """Open, validate and bind a GGUF model. Raises ModelFileError with a one-line message."""
     from .tokenizer import Tokenizer
 
@@ -164,6 +178,7 @@ def load_model(path: str, log: Log = stderr_log, mla: int = 3) -> Model:
         arch = DeepSeek2Arch(hp, w, log, mla=mla)
     else:  # read_hparams already refused it
         raise ModelFileError(f"{path}: unknown model architecture '{hp.arch}'")
+    log_overrides(mf, overrides, log)
     buf = sum(mf.tensors[n].nbytes for n in w.used) + sum(t.nbytes for t in w.extra.values())
     log(f"llm_load_tensors: {'CPU':>10s} buffer size = {buf / 1024 ** 2:8.2f} MiB")
     return Model(mf, hp, tok, arch, log)

@@ -21,6 +21,7 @@ AmbOpt = typer.Option(256, "-amb", "--attention-max-batch", help="max. MiB for t
 CtkOpt = typer.Option("f16", "-ctk", "--cache-type-k", help="KV cache type for K: f32, f16, bf16, q8_0, q4_0, q6_0")
 CtvOpt = typer.Option("f16", "-ctv", "--cache-type-v", help="KV cache type for V: f32, f16, bf16, q8_0, q4_0, q6_0 (quantized V needs -fa)")
 FmoeOpt = typer.Option("1", "-fmoe", "--fused-moe", help="fused MoE gate/up/SiLU (default on; -fmoe alone = on; -no-fmoe = off)")
+OtOpt = typer.Option(None, "-ot", "--override-tensor", help="REGEX=BUFFER[,...]: place tensors whose name matches (first rule wins); buffers: CPU (no GPU backend in this build)")
 SerOpt = typer.Option(None, "-ser", "--smart-expert-reduction", help="K,t: run at least K experts, drop the others whose score < t * top score")
 
 # Options that take a value but may be written alone (users' scripts from every era): the
@@ -106,8 +107,32 @@ def check_common(n_ctx: int, n_batch: int, n_ubatch: int, n_threads: int, n_thre
         log("warning: see the README for the CUDA status of ikcli")
 
 
+BUFFER_TYPES = ("CPU",)
+
+
+def parse_overrides(values: Optional[list[str]]) -> list[tuple[str, str]]:
+    """-ot values (repeatable, each a comma-separated list of REGEX=BUFFER) as (regex, buffer) pairs."""
+    import re
+    out: list[tuple[str, str]] = []
+    for value in values or []:
+        for rule in value.split(","):
+            pat, eq, buf = rule.partition("=")
+            if not eq or not pat:
+                raise CliError(f"invalid tensor buffer type override '{rule}' in -ot {value}: expected REGEX=BUFFER")
+            if buf not in BUFFER_TYPES:
+                raise CliError(f"unknown buffer type '{buf}' in -ot rule '{rule}'; available buffer types: "
+                               f"{', '.join(BUFFER_TYPES)} (this ikcli has no GPU backend)")
+            try:
+                re.compile(pat)
+            except re.error as e:
+                raise CliError(f"bad regex in -ot rule '{rule}': {e}") from None
+            out.append((pat, buf))
+    return out
+
+
 def engine_config(path: str, *, n_ctx: int, n_batch: int, n_ubatch: int, threads: int, threads_batch: int,
-                  mla: int, fa: str, amb: int, ctk: str, ctv: str, fmoe: str, ser: Optional[str], seed: int = -1):
+                  mla: int, fa: str, amb: int, ctk: str, ctv: str, fmoe: str, ser: Optional[str], seed: int = -1,
+                  ot: Optional[list[str]] = None):
     """The EngineConfig for the engine flags every model-running tool shares (validated here)."""
     from engine.config import EngineConfig
     flash = parse_bool("-fa", fa)
@@ -123,4 +148,5 @@ def engine_config(path: str, *, n_ctx: int, n_batch: int, n_ubatch: int, threads
     return EngineConfig(model_path=path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads,
                         n_threads_batch=threads_batch, seed=seed, flash_attn=flash, mla=mla,
                         attn_max_batch_mib=amb, type_k=type_k, type_v=type_v,
-                        fused_moe=parse_bool("-fmoe", fmoe), ser_min=ser_min, ser_thresh=ser_t)
+                        fused_moe=parse_bool("-fmoe", fmoe), ser_min=ser_min, ser_thresh=ser_t,
+                        tensor_overrides=parse_overrides(ot))

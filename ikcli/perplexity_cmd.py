@@ -5,7 +5,7 @@ import math
 import os
 import sys
 import time
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -81,6 +81,7 @@ def perplexity(
     ctv: str = common.CtvOpt,
     fmoe: str = common.FmoeOpt,
     ser: Optional[str] = common.SerOpt,
+    ot: Optional[List[str]] = common.OtOpt,
 ) -> None:
     if ctx_size is None:
         ctx_size = 0 if model is None else 512  # the demo model is evaluated at its trained context
@@ -95,7 +96,7 @@ def perplexity(
     path = common.resolve_model(model)
     cfg = common.engine_config(path, n_ctx=0, n_batch=batch_size, n_ubatch=ubatch_size, threads=threads,
                                threads_batch=threads_batch, mla=mla, fa=fa, amb=amb, ctk=ctk, ctv=ctv, fmoe=fmoe,
-                               ser=ser, seed=seed)
+                               ser=ser, seed=seed, ot=ot)
     base = None
     if kl:
         from engine.perplexity import open_base_logits
@@ -104,7 +105,7 @@ def perplexity(
         base = open_base_logits(kl_base)
         ctx_size = base.n_ctx
     n_ctx = ctx_size if ctx_size > 0 else 0
-    m = load_model(path, common.log, mla=mla)
+    m = load_model(path, common.log, mla=mla, overrides=cfg.tensor_overrides)
     if n_ctx == 0:
         n_ctx = m.hp.n_ctx_train
     if n_ctx > m.hp.n_ctx_train:

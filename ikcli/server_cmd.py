@@ -10,7 +10,7 @@ import os
 import signal
 import socket
 import sys
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -65,6 +65,7 @@ def server(
     ctv: str = common.CtvOpt,
     fmoe: str = common.FmoeOpt,
     ser: Optional[str] = common.SerOpt,
+    ot: Optional[List[str]] = common.OtOpt,
 ) -> None:
     common.check_common(ctx_size, batch_size, ubatch_size, threads, threads_batch, ngl, mla)
     if parallel < 1:
@@ -90,14 +91,14 @@ def server(
     path = common.resolve_model(model)
     cfg = common.engine_config(path, n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size, threads=threads,
                                threads_batch=threads_batch, mla=mla, fa=fa, amb=amb, ctk=ctk, ctv=ctv, fmoe=fmoe,
-                               ser=ser, seed=seed)
+                               ser=ser, seed=seed, ot=ot)
     sock = _bind(host, port)
     engine = None
     try:
         from engine.model import load_model
         from engine.serving import ServingEngine
 
-        m = load_model(path, common.log, mla=mla)
+        m = load_model(path, common.log, mla=mla, overrides=cfg.tensor_overrides)
         if ctx_size == 0:
             cfg.n_ctx = m.hp.n_ctx_train
         elif ctx_size > m.hp.n_ctx_train:

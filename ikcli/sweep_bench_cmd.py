@@ -10,7 +10,7 @@ import importlib.util
 import os
 import sys
 import time
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -110,6 +110,7 @@ def sweep_bench(
     ctv: str = common.CtvOpt,
     fmoe: str = common.FmoeOpt,
     ser: Optional[str] = common.SerOpt,
+    ot: Optional[List[str]] = common.OtOpt,
 ) -> None:
     fmt = output_format.strip().lower()
     if fmt not in ("md", "table", "jsonl"):
@@ -133,9 +134,9 @@ def sweep_bench(
     path = common.resolve_model(model)
     cfg = common.engine_config(path, n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size, threads=threads,
                                threads_batch=threads_batch, mla=mla, fa=fa, amb=amb, ctk=ctk, ctv=ctv, fmoe=fmoe,
-                               ser=ser, seed=seed)
+                               ser=ser, seed=seed, ot=ot)
     t0 = time.perf_counter()
-    m = load_model(path, common.log, mla=mla)
+    m = load_model(path, common.log, mla=mla, overrides=cfg.tensor_overrides)
     t_load = time.perf_counter() - t0
     if ctx_size > m.hp.n_ctx_train:
         common.log(f"warning: model was trained on only {m.hp.n_ctx_train} context tokens ({ctx_size} specified)")

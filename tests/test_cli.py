@@ -108,6 +108,9 @@ def test_short_text_is_a_clear_error(make_model, tmp_path, capsys):
     (["perplexity", "-ctk", "q8_KV"], "not available in ikcli"),
     (["perplexity", "-ser", "6"], "invalid value '6' for -ser"),
     (["perplexity", "-fa", "off", "-ctv", "q8_0"], "Quantized V cache cannot be used without flash attention"),
+    (["perplexity", "-ot", "exps=CUDA0"], "available buffer types: CPU"),
+    (["perplexity", "-ot", "(exps=CPU"], "bad regex in -ot rule '(exps=CPU'"),
+    (["perplexity", "-ot", "exps"], "expected REGEX=BUFFER"),
     (["tokenize", "-m", "/no/such.gguf", "-p", "x"], "no such file"),
 ])
 def test_bad_input_one_line(args, needle, capsys):
@@ -150,3 +153,13 @@ def test_engine_flag_spellings_and_startup_echo(flags, echo, capsys):
     for key, val in echo.items():
         assert f"llama_init_from_model: {key:<13s} = {val}\n" in err, (key, val)
     assert "Final estimate: PPL" in out
+
+
+def test_override_tensor_logs_matches_first_rule_wins(capsys):
+    code, out, err = cli(capsys, "perplexity", "-c", "64", "--chunks", "1", "-t", "2",
+                         "-ot", "ffn_up_exps=CPU", "-ot", "exps=CPU,attn=CPU")
+    assert code == 0, err[-2000:]
+    lines = [x for x in err.splitlines() if "buffer type overridden to CPU" in x]
+    assert any(x.startswith("Tensor blk.1.ffn_up_exps.weight (size = ") for x in lines)
+    assert any("blk.1.ffn_gate_exps.weight" in x for x in lines) and any("attn_kv_a_mqa" in x for x in lines)
+    assert len(lines) == len(set(lines))            # each tensor once: the first matching rule places it
