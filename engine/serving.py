@@ -10,6 +10,12 @@ together, not one after another.
 
 Results leave the engine thread through the job's `on_event` callback: text is released
 only when it is valid UTF-8 and cannot be the start of a stop string.
+
+A slot keeps its cache after a request.  A new request goes to the free slot whose cached
+tokens share the longest prefix with its prompt, and only the rest of the prompt is read
+(multi-turn chat re-sends the whole conversation each turn).  Prefixes shorter than
+PROMPT_REUSE_MIN tokens are not reused: re-reading them costs less than one batch step, and
+it keeps short requests independent of what the slot served before.
 """
 from __future__ import annotations
 
@@ -26,6 +32,8 @@ from .config import EngineConfig
 from .context import set_threads
 from .model import Log, Model
 from .sampling import Sampler, SamplingParams
+
+PROMPT_REUSE_MIN = 16
 
 
 @dataclass
@@ -57,6 +65,7 @@ class Job:
     on_event: Callable[[Event], None]
     id_slot: int = -1
     cancelled: bool = False
+    cache_prompt: bool = True        # reuse a slot's cached prefix (llama.cpp's cache_prompt)
 
     def cancel(self) -> None:
         """Thread-safe: the engine frees the slot at its next step and sends a final event."""
@@ -70,6 +79,8 @@ class _Slot:
     job: Job | None = None
     sampler: Sampler | None = None
     n_fed: int = 0                                  # prompt tokens already in the cache
+    n_reused: int = 0                               # ... of which came from the previous request
+    cached: list[int] = field(default_factory=list) # the tokens whose K/V the cache holds, in order
     generated: list[int] = field(default_factory=list)
     pending: int | None = None                      # sampled, not yet in the cache
     text_bytes: bytearray = field(default_factory=bytearray)
@@ -111,7 +122,7 @@ class ServingEngine:
             self.thread.join(timeout=30)
 
     def submit(self, prompt: list[int], params: SamplingParams, n_predict: int, stop: list[str],
-               on_event: Callable[[Event], None]) -> Job:
+               on_event: Callable[[Event], None], cache_prompt: bool = True) -> Job:
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -122,7 +133,7 @@ class ServingEngine:
             raise ValueError(f"the prompt has {len(prompt)} tokens, more than the slot's context of "
                              f"{self.n_ctx_slot} tokens allows (-c {self.n_ctx_slot * self.n_parallel} "
                              f"split over {self.n_parallel} slots)")
-        job = Job(prompt, params, int(n_predict), [s for s in stop if s], on_event)
+        job = Job(prompt, params, int(n_predict), [s for s in stop if s], on_event, cache_prompt=bool(cache_prompt))
         with self.cv:
             self.queue.append(job)
             self.cv.notify_all()
@@ -154,9 +165,12 @@ class ServingEngine:
                         self._refuse(self.queue.popleft())
                     return
                 starting = []
-                for s in self.slots:
-                    if s.job is None and self.queue:
-                        starting.append((s, self.queue.popleft()))
+                free = [s for s in self.slots if s.job is None]
+                while free and self.queue:
+                    job = self.queue.popleft()
+                    s = max(free, key=lambda s: (self._reusable(s, job.prompt), -s.id))
+                    free.remove(s)
+                    starting.append((s, job))
             try:
                 for s, job in starting:
                     self._assign(s, job)
@@ -173,11 +187,27 @@ class ServingEngine:
         except Exception:
             pass
 
+    @staticmethod
+    def _reusable(s: _Slot, prompt: list[int]) -> int:
+        """Cached tokens of slot s a prompt can keep: the common prefix, leaving >= 1 token to read
+        (its logits are needed), or 0 below PROMPT_REUSE_MIN."""
+        n = 0
+        for a, b in zip(s.cached, prompt[:-1]):
+            if a != b:
+                break
+            n += 1
+        return n if n >= PROMPT_REUSE_MIN else 0
+
     def _assign(self, s: _Slot, job: Job) -> None:
         s.job, job.id_slot = job, s.id
         s.sampler = Sampler(job.params, self.model.n_vocab)
-        s.cache.clear()
-        s.n_fed, s.generated, s.pending = 0, [], None
+        keep = self._reusable(s, job.prompt) if job.cache_prompt else 0
+        if keep:
+            s.cache.seq_rm(keep)
+        else:
+            s.cache.clear()
+        del s.cached[keep:]
+        s.n_fed, s.n_reused, s.generated, s.pending = keep, keep, [], None
         s.text_bytes, s.n_sent = bytearray(), 0
         s.t_start = time.perf_counter()
         s.t_prompt_done = 0.0
@@ -223,8 +253,10 @@ class ServingEngine:
         li = 0
         for s, row, n in wants:
             if s.pending is not None:
+                s.cached.append(s.pending)
                 s.pending = None
             else:
+                s.cached += s.job.prompt[s.n_fed:s.n_fed + n]
                 s.n_fed += n
             if row < 0:
                 continue
@@ -290,7 +322,7 @@ class ServingEngine:
         now = time.perf_counter()
         t_p = ((s.t_prompt_done or now) - s.t_start) * 1e3
         t_g = (now - s.t_prompt_done) * 1e3 if s.t_prompt_done else 0.0
-        n_p, n_g = s.n_fed, len(s.generated)
+        n_p, n_g = s.n_fed - s.n_reused, len(s.generated)
         if reason != "stop" or not word:
             text = bytes(s.text_bytes).decode("utf-8", errors="replace")
             rest = text[s.n_sent:] if reason != "cancelled" else ""
@@ -305,4 +337,6 @@ class ServingEngine:
                  f"{1e3 * n_g / t_g if t_g > 0 else 0.0:8.2f} tokens per second)\n"
                  f"      total time = {t_p + t_g:10.2f} ms / {n_p + n_g:5d} tokens")
         s.job = None
-        s.cache.clear()
+        if reason == "cancelled":      # the cells of an interrupted step may be half written
+            s.cache.clear()
+            s.cached.clear()

@@ -113,6 +113,15 @@ def get_bool(body: dict, name: str, default: bool) -> bool:
     return v
 
 
+def get_cache_prompt(body: dict) -> bool:
+    v = body.get("cache_prompt", True)
+    if v is None:
+        return True
+    if not isinstance(v, bool):
+        raise bad_request("'cache_prompt' must be a boolean")
+    return v
+
+
 def get_stop(body: dict) -> list[str]:
     v = _field(body, "stop")
     if v is _MISSING:
@@ -162,13 +171,15 @@ class Generation:
                 pass
         return on_event
 
-    def submit(self, engine, prompts: list[list[int]], params, n_predict: int, stop: list[str]) -> None:
+    def submit(self, engine, prompts: list[list[int]], params, n_predict: int, stop: list[str],
+               cache_prompt: bool = True) -> None:
+        kw = {} if cache_prompt else {"cache_prompt": False}   # llama.cpp's field: reuse the slot's prefix
         for i, prompt in enumerate(prompts):
             if not prompt:
                 self.cancel()
                 raise bad_request("empty prompt: the prompt tokenizes to no tokens")
             try:
-                job = engine.submit(prompt, copy.deepcopy(params), n_predict, list(stop), self._callback(i))
+                job = engine.submit(prompt, copy.deepcopy(params), n_predict, list(stop), self._callback(i), **kw)
             except ValueError as e:
                 self.cancel()
                 n_ctx = int(getattr(engine, "n_ctx_slot", 0) or 0)
@@ -662,7 +673,7 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         params = sampling_params(body)
         raw_prompts, prompts = await prompts_of(body)
         gen = Generation()
-        gen.submit(engine, prompts, params, n_predict, stop)
+        gen.submit(engine, prompts, params, n_predict, stop, get_cache_prompt(body))
         settings = generation_settings(params, n_predict, stop, stream)
 
         def final(i: int, ev, content: str) -> dict:
@@ -714,7 +725,7 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         params = sampling_params(body)
         _raw, prompts = await prompts_of(body)
         gen = Generation()
-        gen.submit(engine, prompts, params, n_predict, stop)
+        gen.submit(engine, prompts, params, n_predict, stop, get_cache_prompt(body))
         cmpl_id, created = _rand_id("cmpl-"), int(time.time())
 
         def head() -> dict:
@@ -771,7 +782,7 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         params = sampling_params(body)
         prompt = await chat_prompt(body)
         gen = Generation()
-        gen.submit(engine, [prompt], params, n_predict, stop)
+        gen.submit(engine, [prompt], params, n_predict, stop, get_cache_prompt(body))
         cmpl_id, created = _rand_id("chatcmpl-"), int(time.time())
 
         def head() -> dict:

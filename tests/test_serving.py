@@ -136,3 +136,26 @@ def test_utf8_is_released_whole():
     assert ServingEngine._utf8_cut(b) == len(b)
     assert ServingEngine._utf8_cut(b[:-1]) == len(b) - 3      # € is 3 bytes: held back whole
     assert ServingEngine._utf8_cut(b[:2]) == 1                # first byte of é
+
+
+def test_prompt_prefix_is_reused_across_requests(model):
+    """Multi-turn: the second prompt extends the first conversation; only the new tokens are read,
+    and the answer is the one a fresh slot gives."""
+    first = prompt(model, "ROMEO:\nBut soft, what light through yonder window breaks? It is the east, and")
+    assert len(first) > 16
+    e = engine(model, 1, n_ctx=256)
+    try:
+        (t1, f1), = run_jobs(e, [(first, SamplingParams(temperature=0), 8, [])])
+        second = first + model.tokenizer.encode(t1 + "\nJULIET:\nAy me!", add_special=False)
+        (t2, f2), = run_jobs(e, [(second, SamplingParams(temperature=0), 8, [])])
+    finally:
+        e.shutdown()
+    assert f1.timings.prompt_n == len(first)
+    assert f2.timings.prompt_n < len(second) - len(first) + 10     # the first turn was not read again
+    fresh = engine(model, 1, n_ctx=256)
+    try:
+        (t2_fresh, f2_fresh), = run_jobs(fresh, [(second, SamplingParams(temperature=0), 8, [])])
+    finally:
+        fresh.shutdown()
+    assert f2_fresh.timings.prompt_n == len(second)
+    assert t2 == t2_fresh
