@@ -78,7 +78,7 @@ class _Reader(GGUFReader):
             n_elem = int(np.prod(ne)) if ne else 1
             if ne[0] % ti.block_size:
                 raise ModelFileError(f"tensor '{name}': row of {ne[0]} is not a multiple of the {ti.name} block size")
-            nbytes = n_elem // ti.block_size * ti.type_size
+            nbytes = ti.row_bytes(ne[0]) * (n_elem // ne[0]) if ne[0] else 0
             offs = int(start_offs + int(offset_tensor[0]))
             if offs + nbytes > file_size:
                 raise ModelFileError(

@@ -13,11 +13,12 @@ class TypeInfo:
     id: int          # GGML type id as stored in GGUF
     block_size: int  # weights per block
     type_size: int   # bytes per block
+    row_meta: int = 0  # bytes before a row's blocks (ik_llama.cpp's per-row scales: IQ4_KS, IQ2_KS ...)
 
     def row_bytes(self, n: int) -> int:
         if n % self.block_size:
             raise ValueError(f"row of {n} values is not a multiple of {self.name} block size {self.block_size}")
-        return n // self.block_size * self.type_size
+        return self.row_meta + n // self.block_size * self.type_size
 
     @property
     def bpw(self) -> float:
@@ -38,7 +39,7 @@ _TYPES = [
     TypeInfo("Q4_K", 12, 256, 144),
     TypeInfo("Q5_K", 13, 256, 176),
     TypeInfo("Q6_K", 14, 256, 210),
-    TypeInfo("Q8_K", 15, 256, 292),
+    TypeInfo("Q8_K", 15, 256, 296),         # ik_llama.cpp's: two floats (d, sum) + 256 + 16 int16
     TypeInfo("IQ4_NL", 20, 32, 18),
     TypeInfo("IQ4_XS", 23, 256, 136),
     TypeInfo("I8", 24, 1, 1),
@@ -47,6 +48,15 @@ _TYPES = [
     TypeInfo("F64", 28, 1, 8),
     TypeInfo("BF16", 30, 1, 2),
     TypeInfo("Q6_0", 133, 32, 26),      # ik_llama.cpp: f16 d, 8 bytes of high bits, 16 of nibbles
+    # ik_llama.cpp's IQK types (ggml-common.h)
+    TypeInfo("IQ2_K", 137, 256, 76),
+    TypeInfo("IQ3_K", 138, 256, 110),
+    TypeInfo("IQ4_K", 139, 256, 144),
+    TypeInfo("IQ5_K", 140, 256, 176),
+    TypeInfo("IQ6_K", 141, 256, 212),
+    TypeInfo("IQ4_KS", 144, 256, 136, row_meta=4),
+    TypeInfo("IQ2_KS", 145, 256, 70, row_meta=2),
+    TypeInfo("IQ4_KSS", 146, 256, 128, row_meta=4),
 ]
 
 BY_ID: dict[int, TypeInfo] = {t.id: t for t in _TYPES}
