@@ -54,6 +54,9 @@ import math
 import numpy as np  # noqa: E402
 from numba import njit, prange  # noqa: E402
 
+from . import kquants as _kquants, legacy as _legacy  # noqa: E402  (decode only; via the module: import cycle)
+from .iqk import decode_row_iqk, is_iqk  # noqa: E402  (ik_llama.cpp's IQK types; decode only)
+
 F32_ID, F16_ID, Q4_0_ID, Q8_0_ID, BF16_ID, Q6_0_ID = 0, 1, 2, 8, 30, 133
 QK = 32            # weights per block (Q8_0, Q4_0, activation q8)
 Q8_0_BYTES = 34    # f16 d + 32 x int8        (layouts; kernels derive them from qk)
@@ -148,6 +151,12 @@ def decode_row(buf, qtype, base, cols, qk, lut, y):
         fv = buf.view(np.float32)[base // 4:base // 4 + cols]
         for j in range(cols):
             y[j] = fv[j]
+    elif qtype == 3 or qtype == 6 or qtype == 7 or qtype == 20:       # Q4_1, Q5_0, Q5_1, IQ4_NL
+        _legacy.decode_row_legacy(buf, qtype, base, cols, lut, y)
+    elif (qtype >= 10 and qtype <= 14) or qtype == 23:                # Q2_K .. Q6_K, IQ4_XS
+        _kquants.decode_row_kquants(buf, qtype, base, cols, lut, y)
+    elif is_iqk(qtype):
+        decode_row_iqk(buf, qtype, base, cols, lut, y)
     else:
         raise ValueError("decode_row: unsupported type")
 

@@ -48,7 +48,10 @@ from . import kernels as K
 from .blas_threads import get_blas_threads, set_blas_threads
 from . import reference
 from .tensor import QTensor
-from .types import BF16, F16, F32, Q4_0, Q8_0, type_info
+from .iqk import IQK_TYPES
+from .kquants import KQUANT_TYPES
+from .legacy import LEGACY_TYPES
+from .types import BF16, F16, F32, Q4_0, Q6_0, Q8_0, type_info
 
 MANY_TOKENS = 16          # from this many activation rows on, use dequantized tiles + BLAS
 _MANY_TOKENS_INT = 8      # ... and this many for Q8_0 / Q4_0 (integer dots cost more per token)
@@ -57,8 +60,10 @@ TILE_BYTES = 4 << 20      # target size of the f32 scratch tile
 # of a many-token matmul; see the module docstring on thread pools fighting.
 TILE_DEQUANT_THREADS: int | None = None
 
-_SUPPORTED = frozenset({F32, F16, BF16, Q8_0, Q4_0})
-_ELEM = {F32: 4, F16: 2, BF16: 2, Q8_0: 1, Q4_0: 1}   # alignment the kernels' views need
+# every type whose rows quant.kernels.decode_row decodes; types without integer dot kernels
+# (all but Q8_0 / Q4_0) go through the f32-decode paths (matvec_float, tiles + BLAS)
+_SUPPORTED = frozenset({F32, F16, BF16, Q8_0, Q4_0, Q6_0} | IQK_TYPES | LEGACY_TYPES | KQUANT_TYPES)
+_ELEM = {F32: 4, F16: 2, BF16: 2}   # alignment the kernels' views need (1 byte for block types)
 
 
 def set_num_threads(n: int, blas: int | None = None) -> None:
@@ -76,7 +81,7 @@ def get_num_threads() -> tuple[int, int | None]:
 
 
 def supported(qtype: int) -> bool:
-    """True when matmul / get_rows / dequantize / quantize_tensor handle this type id."""
+    """True when matmul / get_rows / dequantize handle this type id (quantize_tensor: see quant.reference)."""
     return int(qtype) in _SUPPORTED
 
 
@@ -123,7 +128,7 @@ def _make_view(w: QTensor) -> _View:
     cols = w.cols
     if rb != type_info(w.qtype).row_bytes(cols):
         raise ValueError(f"row of {rb} bytes does not hold {cols} {type_info(w.qtype).name} values")
-    el = _ELEM[w.qtype]
+    el = _ELEM.get(w.qtype, 1)
     es = d3.strides[0] if ne > 1 else 0
     stride = d3.strides[1] if rows > 1 else rb
     if d3.strides[2] != 1 or stride < rb or es < 0 or stride % el or es % el or \

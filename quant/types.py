@@ -65,7 +65,10 @@ BY_NAME: dict[str, TypeInfo] = {t.name.lower(): t for t in _TYPES}
 F32, F16, Q4_0, Q8_0, BF16, Q6_0 = 0, 1, 2, 8, 30, 133
 
 # Types the engine can compute with (matmul kernels exist). Grows with the type library.
-COMPUTE_TYPES = frozenset({F32, F16, BF16, Q8_0, Q4_0})
+# legacy Q4_1/Q5_0/Q5_1/IQ4_NL, k-quants Q2_K..Q6_K/IQ4_XS and the IQK types compute through
+# their row decoders (f32 paths); Q8_0 / Q4_0 also have integer dot kernels
+COMPUTE_TYPES = frozenset({F32, F16, BF16, Q8_0, Q4_0, Q6_0, 3, 6, 7, 20, 10, 11, 12, 13, 14, 23,
+                           137, 138, 139, 140, 141, 144, 145, 146})
 
 
 def type_info(t: int | str) -> TypeInfo:

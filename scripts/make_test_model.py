@@ -73,6 +73,10 @@ PRESETS = {
     # V2-Lite-like at the real latent sizes (ik_llama.cpp runs every mode on it; quantized caches fit)
     "tiny-lite576": Shape(q_lora_rank=0, n_layer=26, n_embd=32, n_expert=4, n_ff_exp=32, n_ff=64, kv_lora_rank=512,
                           qk_nope=32, qk_rope=64, v_head=32),
+    # every matrix 256 columns wide or a multiple (except W_k_b's 64): quantizable to the 256-block
+    # k-quant and IQK types by llama-quantize
+    "small256": Shape(n_embd=256, n_head=4, n_ff=512, q_lora_rank=256, kv_lora_rank=512, qk_nope=64, qk_rope=64,
+                      v_head=64, n_expert=8, n_ff_exp=256),
     # ~1B parameters, DeepSeek-shaped (for benchmarks)
     "1b": Shape(n_embd=1024, n_layer=10, n_head=16, n_ff=4096, n_ctx=4096, q_lora_rank=384, kv_lora_rank=512,
                 qk_nope=128, qk_rope=64, v_head=128, n_expert=64, n_expert_used=6, n_expert_shared=2,

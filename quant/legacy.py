@@ -1,0 +1,164 @@
+"""Decoding of the legacy 32-weight block types Q4_1, Q5_0, Q5_1 and IQ4_NL.
+
+Layouts (ggml-common.h of ik_llama.cpp, same as mainline ggml; f16 little-endian):
+
+    Q4_1    20 bytes   f16 d, f16 m, qs[16]            x = q*d + m,   q = 4-bit nibble
+    Q5_0    22 bytes   f16 d, qh[4], qs[16]            x = (q - 16)*d, q = nibble | 5th bit << 4
+    Q5_1    24 bytes   f16 d, f16 m, qh[4], qs[16]     x = q*d + m,   q as Q5_0
+    IQ4_NL  18 bytes   f16 d, qs[16]                   x = d * KVALUES_IQ4NL[nibble]
+
+In every type weight j < 16 of a block takes the low nibble of qs[j], weight j + 16 the
+high nibble.  The 5th bits are the 32-bit little-endian word qh: bit j belongs to weight j.
+
+Bit-exactness: every product here is exact in f32 (an f16 scale has 11 significant bits,
+the integer factor at most 7), so the only rounding is the final `+ m`.  ik_llama.cpp built
+with -march=native fuses q*d + m into one FMA; with an exact product that gives the same bits
+as the separate multiply and add of NumPy (and of gguf.quants), so all three agree.
+
+`dequantize` is the NumPy reference; `decode_row_legacy` the Numba decoder with the calling
+convention of quant.kernels.decode_row (without its qk argument).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+# quant.kernels as a module, its attributes looked up when numba compiles (not at import):
+# kernels may import this module in turn, in either order
+from quant import kernels as _kernels
+from quant.types import type_info
+
+Q4_1_ID, Q5_0_ID, Q5_1_ID, IQ4_NL_ID = 3, 6, 7, 20
+LEGACY_TYPES = frozenset({Q4_1_ID, Q5_0_ID, Q5_1_ID, IQ4_NL_ID})
+
+# the 16 non-linear levels of IQ4_NL (and IQ4_XS), kvalues_iq4nl in ggml-quants.c
+KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+_KV_F32 = KVALUES_IQ4NL.astype(np.float32)
+
+
+# ----------------------------------------------------------------------------------------
+# NumPy reference
+# ----------------------------------------------------------------------------------------
+def _f16(b: np.ndarray) -> np.ndarray:
+    """(nb, 2) bytes -> (nb, 1) f32 of the little-endian f16 they hold."""
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """(nb, 16) bytes -> (nb, 32) values: low nibbles (weights 0..15), then high (16..31)."""
+    return np.concatenate([qs & 15, qs >> 4], axis=1)
+
+
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """(nb, 4) bytes of the little-endian word qh -> (nb, 32) values 0 / 16, bit j for weight j."""
+    bits = np.unpackbits(qh, axis=1, bitorder="little")      # bit j of the word at column j
+    return bits << 4
+
+
+def dequantize(raw: np.ndarray, qtype: int, n: int) -> np.ndarray:
+    """The first `n` values (a multiple of 32) of the flat bytes `raw` of a legacy type, as f32."""
+    ti = type_info(qtype)
+    if ti.id not in LEGACY_TYPES:
+        raise ValueError(f"{ti.name} is not a legacy type ({sorted(LEGACY_TYPES)})")
+    nbytes = ti.row_bytes(n)
+    raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    if raw.size < nbytes:
+        raise ValueError(f"{raw.size} bytes is less than the {nbytes} needed for {n} {ti.name} values")
+    b = raw[:nbytes].reshape(-1, ti.type_size)
+    d = _f16(b[:, 0:2])
+    if ti.id == Q4_1_ID:
+        m = _f16(b[:, 2:4])
+        y = _nibbles(b[:, 4:]).astype(np.float32) * d + m
+    elif ti.id == Q5_0_ID:
+        q = (_nibbles(b[:, 6:]) | _fifth_bits(b[:, 2:6])).astype(np.float32) - 16
+        y = q * d
+    elif ti.id == Q5_1_ID:
+        m = _f16(b[:, 2:4])
+        q = (_nibbles(b[:, 8:]) | _fifth_bits(b[:, 4:8])).astype(np.float32)
+        y = q * d + m
+    else:  # IQ4_NL
+        y = _KV_F32[_nibbles(b[:, 2:])] * d
+    return y.reshape(-1)
+
+
+# ----------------------------------------------------------------------------------------
+# Numba decoder
+# ----------------------------------------------------------------------------------------
+@njit(cache=True, fastmath=True, nogil=True)
+def _u32_at(buf, o):
+    """The little-endian uint32 stored at byte offset o."""
+    return (np.uint32(buf[o]) | (np.uint32(buf[o + 1]) << np.uint32(8))
+            | (np.uint32(buf[o + 2]) << np.uint32(16)) | (np.uint32(buf[o + 3]) << np.uint32(24)))
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def decode_row_legacy(buf, qtype, base, cols, lut, y):
+    """Write the `cols` values (a multiple of 32) of the row at byte `base` of `buf` into y[:cols].
+
+    buf: flat read-only uint8 array; lut: quant.kernels.F16_TO_F32 (it must be that 65536-entry
+    table).  The half-block length h (16) is read from lut's run-time length, not written as a
+    constant: with a constant trip count LLVM unrolls the 16-step loops into scalar code
+    instead of vectorizing them (Q4_1: 0.9 vs 1.9 ms for 1024 rows of 4096).  IQ4_NL is the
+    exception, see there.  A trailing partial block of cols is not decoded.
+    """
+    h = lut.shape[0] >> 12        # 65536 >> 12 = 16 weights per half block
+    qk = 2 * h
+    nb = cols // qk
+    if qtype == Q4_1_ID:
+        for b in range(nb):
+            o = base + b * (h + 4)
+            d = _kernels._f16_at(buf, o, lut)
+            m = _kernels._f16_at(buf, o + 2, lut)
+            wv = buf[o + 4:o + 4 + h]
+            lo = y[b * qk:b * qk + h]
+            hi = y[b * qk + h:b * qk + qk]
+            for j in range(h):
+                v = np.int32(wv[j])
+                lo[j] = np.float32(v & 15) * d + m
+                hi[j] = np.float32(v >> 4) * d + m
+    elif qtype == Q5_0_ID:
+        for b in range(nb):
+            o = base + b * (h + 6)
+            d = _kernels._f16_at(buf, o, lut)
+            qh = _u32_at(buf, o + 2)
+            wv = buf[o + 6:o + 6 + h]
+            lo = y[b * qk:b * qk + h]
+            hi = y[b * qk + h:b * qk + qk]
+            for j in range(h):
+                v = np.int32(wv[j])
+                h0 = np.int32((qh >> np.uint32(j)) << np.uint32(4)) & 16
+                h1 = np.int32(qh >> np.uint32(j + 12)) & 16
+                lo[j] = np.float32(((v & 15) | h0) - 16) * d
+                hi[j] = np.float32(((v >> 4) | h1) - 16) * d
+    elif qtype == Q5_1_ID:
+        for b in range(nb):
+            o = base + b * (h + 8)
+            d = _kernels._f16_at(buf, o, lut)
+            m = _kernels._f16_at(buf, o + 2, lut)
+            qh = _u32_at(buf, o + 4)
+            wv = buf[o + 8:o + 8 + h]
+            lo = y[b * qk:b * qk + h]
+            hi = y[b * qk + h:b * qk + qk]
+            for j in range(h):
+                v = np.int32(wv[j])
+                h0 = np.int32((qh >> np.uint32(j)) << np.uint32(4)) & 16
+                h1 = np.int32(qh >> np.uint32(j + 12)) & 16
+                lo[j] = np.float32((v & 15) | h0) * d + m
+                hi[j] = np.float32((v >> 4) | h1) * d + m
+    elif qtype == IQ4_NL_ID:
+        # the one exception: the table lookups run faster as unrolled scalar code than as
+        # vector gathers (measured on AMD EPYC, AVX-512: 1.3 vs 2.2 ms for 4096 x 1024), so
+        # this loop keeps the constant trip count 16
+        kv = _KV_F32
+        for b in range(nb):
+            o = base + b * 18
+            d = _kernels._f16_at(buf, o, lut)
+            wv = buf[o + 2:o + 18]
+            lo = y[b * 32:b * 32 + 16]
+            hi = y[b * 32 + 16:b * 32 + 32]
+            for j in range(16):
+                v = np.int32(wv[j])
+                lo[j] = d * kv[v & 15]
+                hi[j] = d * kv[v >> 4]
+    else:
+        raise ValueError("decode_row_legacy: unsupported type")
