@@ -1,0 +1,60 @@
+"""matmul / matmul_id on the types that compute through their row decoders (k-quants, IQK, legacy):
+the rows ik_llama.cpp quantized (tests/data goldens) multiplied with activations, against NumPy
+on ik's own dequantized values, on the few-token and the many-token (tile + BLAS) paths."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from quant.matmul import dequantize, matmul, matmul_id
+from quant.tensor import QTensor
+from quant.types import type_info
+
+DATA = Path(__file__).parent / "data"
+
+
+def goldens():
+    out = []
+    z = np.load(DATA / "golden_mainline.npz")
+    n = int(z["n"])
+    for k in z.keys():
+        if k.endswith("_raw"):
+            out.append((k[:-4], z[k], z[k[:-4] + "_deq"].reshape(-1, n)))
+    z = np.load(DATA / "golden_iqk.npz")
+    for k in z.keys():
+        if k.endswith("/raw"):
+            name = k[:-4]
+            y = z[name + "/y"]
+            out.append((name, z[k], y.reshape(z[k].shape[0], -1)))
+    return out
+
+
+CASES = goldens()
+
+
+@pytest.mark.parametrize("name,raw,deq", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("n_tokens", [1, 3, 40])
+def test_matmul_on_ik_quantized_rows(name, raw, deq, n_tokens):
+    t = type_info(name)
+    raw = np.ascontiguousarray(raw.reshape(deq.shape[0], -1))
+    w = QTensor(raw, t.id, deq.shape)
+    np.testing.assert_array_equal(dequantize(w), deq)
+    x = np.random.default_rng(0).standard_normal((n_tokens, deq.shape[1])).astype(np.float32)
+    got = matmul(w, x)
+    want = x.astype(np.float64) @ deq.T.astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max() + 1e-6)
+
+
+@pytest.mark.parametrize("name,raw,deq", CASES[:3] + CASES[-3:], ids=[c[0] for c in CASES[:3] + CASES[-3:]])
+def test_matmul_id_on_decoded_types(name, raw, deq):
+    t = type_info(name)
+    rows = deq.shape[0] // 2 * 2
+    w = QTensor(np.ascontiguousarray(raw[:rows].reshape(2, rows // 2, -1)), t.id, (2, rows // 2, deq.shape[1]))
+    x = np.random.default_rng(1).standard_normal((4, deq.shape[1])).astype(np.float32)
+    ids, xr = np.array([1, 0, 1, 1]), np.array([0, 1, 2, 3])
+    got = matmul_id(w, x, ids, xr)
+    d3 = deq[:rows].reshape(2, rows // 2, -1).astype(np.float64)
+    want = np.stack([d3[e] @ x[r].astype(np.float64) for e, r in zip(ids, xr)])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max() + 1e-6)
