@@ -8,6 +8,7 @@ import typer
 from . import perplexity_cmd, tokenize_cmd
 from . import sweep_bench_cmd
 from . import server_cmd
+from . import quantize_cmd
 from .errors import CliError
 
 app = typer.Typer(
@@ -25,6 +26,8 @@ app.command("sweep-bench", help="PP and TG speed across the context (N_KV = 0, u
     sweep_bench_cmd.sweep_bench)
 app.command("server", help="An HTTP server with llama-server's API (OpenAI chat/completions, /completion, /tokenize ...).")(
     server_cmd.server)
+app.command("quantize", help="Quantize a GGUF model (TYPE by name or number), llama-quantize style.")(
+    quantize_cmd.quantize)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -271,3 +271,297 @@ def decode_row_kquants(buf, qtype, base, cols, lut, y):
                     hi[j] = dl * kv[v >> 4]
     else:
         raise ValueError("decode_row_kquants: unsupported type")
+
+
+# ----------------------------------------------------------------------------------------
+# NumPy reference quantizers (no importance matrix): the bytes of ggml's quantize_row_*_ref
+# ----------------------------------------------------------------------------------------
+# Everything is vectorized over the groups (sub-blocks) of all super-blocks at once; the
+# per-element sums of ggml run as Python loops over the 16 / 32 elements of a group, in C's
+# order, so that every f32 rounding happens as in C.
+#
+# ik_llama.cpp is built with -O3 -march=native in GNU C: GCC contracts `a*b + c` into one
+# fused multiply-add, and inlines nearest_int(a*b) = (a*b + 12582912.f) into an FMA too, so
+# nearest_int of a product rounds the *exact* product (half to even).  Both are reproduced in
+# f64, where the product of two f32 is exact; `_fma32`'s f64 sum then f32 rounding differs from
+# one rounding only on exact f32 ties, which practically never occur.
+_F32, _F64 = np.float32, np.float64
+GROUP_MAX_EPS = np.float32(1e-15)
+
+
+def _fma32(a, b, c) -> np.ndarray:
+    return (np.asarray(a, _F64) * np.asarray(b, _F64) + np.asarray(c, _F64)).astype(_F32)
+
+
+def _mul_add(a, b, c) -> np.ndarray:
+    """a*b + c with two f32 roundings (where ik's build does not fuse)."""
+    return (np.asarray(a, _F32) * np.asarray(b, _F32) + np.asarray(c, _F32)).astype(_F32)
+
+
+
+
+def _nearest_prod(a, b) -> np.ndarray:
+    """nearest_int(a*b) with the product fused into the magic add: round-half-even of a*b exactly."""
+    return np.rint(np.asarray(a, _F64) * np.asarray(b, _F64)).astype(np.int32)
+
+
+def _nearest(v) -> np.ndarray:
+    """nearest_int(v) of an already rounded f32 v."""
+    return np.rint(np.asarray(v, _F32)).astype(np.int32)
+
+
+def _div0(a, b) -> np.ndarray:
+    """a / b in f32 where b != 0, else 0."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(b != 0, (a / np.where(b != 0, b, 1)), 0).astype(_F32)
+
+
+def _superblocks(x: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    if x.size % QK_K:
+        raise ValueError(f"{x.size} values is not a multiple of the super-block size {QK_K}")
+    return x.reshape(-1, QK_K)
+
+
+def _first_absmax(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(G, n) -> (amax, the signed element of largest magnitude, the first one on ties)."""
+    i = np.abs(x).argmax(axis=1)[:, None]
+    v = np.take_along_axis(x, i, axis=1)[:, 0]
+    return np.abs(v), v
+
+
+def make_qx_quants_rmse1(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL) over the rows of x (G, n):
+    returns (scale (G,) f32, L (G, n) int32 in 0..2*nmax-1)."""
+    G, n = x.shape
+    amax, mx = _first_absmax(x)
+    zero = amax < GROUP_MAX_EPS
+    mx = np.where(zero, _F32(1), mx).astype(_F32)
+    w = (x * x).astype(_F32)                       # weights x^2
+    wx = (w * x).astype(_F32)
+
+    def trial(iscale, op):
+        l = np.clip(_nearest_prod(iscale[:, None], x), -nmax, nmax - 1)
+        lf = l.astype(_F32)
+        wl = (w * lf).astype(_F32)
+        sumlx = np.zeros(G, _F32)
+        suml2 = np.zeros(G, _F32)
+        for i in range(n):
+            sumlx = op(wx[:, i], lf[:, i], sumlx)
+            suml2 = op(wl[:, i], lf[:, i], suml2)
+        return l, sumlx, suml2
+
+    iscale = (_F32(-nmax) / mx).astype(_F32)
+    l, sumlx, suml2 = trial(iscale, _fma32)   # found against ik: only this first pass is fused
+    scale = _div0(sumlx, suml2)
+    best = (scale * sumlx).astype(_F32)
+    L = l + nmax
+    for is_ in range(-9, 10):
+        for base, sign in ((nmax, -1), (nmax - 1, 1)):
+            num = _mul_add(_F32(0.1), _F32(is_), _F32(base))
+            iscale = ((-num if sign < 0 else num) / mx).astype(_F32)
+            l, sx, s2 = trial(iscale, _mul_add)
+            ok = (s2 > 0) & ((sx * sx).astype(_F32) > (best * s2).astype(_F32))
+            if ok.any():
+                L = np.where(ok[:, None], l + nmax, L)
+                sc_new = _div0(sx, s2)
+                scale = np.where(ok, sc_new, scale)
+                best = np.where(ok, (sc_new * sx).astype(_F32), best)
+                sumlx = np.where(ok, sx, sumlx)
+                suml2 = np.where(ok, s2, suml2)
+    # greedy refinement: move the element with the largest gradient by one step while it helps
+    active = ~zero
+    rows = np.arange(G)
+    for _ in range(n * (2 * nmax - 1)):
+        idx = np.nonzero(active)[0]
+        if idx.size == 0:
+            break
+        xs, ws, Ls, sc = x[idx], w[idx], L[idx] - nmax, scale[idx]
+        lf = Ls.astype(_F32)
+        g = ((sc[:, None] * ws).astype(_F32) * _mul_add(-sc[:, None], lf, xs)).astype(_F32)
+        can = ((g > 0) & (Ls < nmax - 1)) | ((g < 0) & (Ls > -nmax))
+        ag = np.where(can, np.abs(g), _F32(0))
+        bj = ag.argmax(axis=1)
+        r = np.arange(idx.size)
+        found = ag[r, bj] > 0
+        gm = g[r, bj]
+        wj, xj, lj = ws[r, bj], xs[r, bj], Ls[r, bj]
+        up = gm > 0
+        nsx = np.where(up, _mul_add(wj, xj, sumlx[idx]), _mul_add(-wj, xj, sumlx[idx]))
+        ns2 = np.where(up, _mul_add(wj, _F32(1) * (2 * lj + 1), suml2[idx]), _mul_add(-wj, (2 * lj - 1), suml2[idx]))
+        acc = found & (ns2 > 0) & ((nsx * nsx).astype(_F32) > (best[idx] * ns2).astype(_F32))
+        ia = idx[acc]
+        sumlx[ia], suml2[ia] = nsx[acc], ns2[acc]
+        scale[ia] = (nsx[acc] / ns2[acc]).astype(_F32)
+        best[ia] = (scale[ia] * sumlx[ia]).astype(_F32)
+        L[ia, bj[acc]] = np.where(up[acc], lj[acc] + 1, lj[acc] - 1) + nmax
+        active[idx[~acc]] = False
+    del rows
+    scale = np.where(zero, _F32(0), scale).astype(_F32)
+    L = np.where(zero[:, None], 0, L)
+    return scale, L
+
+
+def _quantize_q6_k(b: np.ndarray) -> np.ndarray:
+    nb = b.shape[0]
+    xg = b.reshape(nb * 16, 16)
+    scales, L = make_qx_quants_rmse1(xg, 32)
+    scales = scales.reshape(nb, 16)
+    L = L.reshape(nb, 16, 16)
+    amax, mxs = _first_absmax(scales)
+    zero = amax < GROUP_MAX_EPS
+    mxs = np.where(zero, _F32(1), mxs).astype(_F32)
+    iscale = (_F32(-128) / mxs).astype(_F32)
+    d16 = (_F32(1) / iscale).astype(np.float16)
+    qsc = np.minimum(127, _nearest_prod(iscale[:, None], scales))      # (nb, 16)
+    dl = (d16.astype(_F32)[:, None] * qsc.astype(_F32)).astype(_F32)   # (nb, 16)
+    xs = b.reshape(nb, 16, 16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.clip(_nearest((xs / np.where(dl == 0, 1, dl)[..., None]).astype(_F32)), -32, 31) + 32
+    L = np.where((dl != 0)[..., None], q, L).reshape(nb, 2, 4, 32)     # (n, Q, l)
+    ql = np.empty((nb, 2, 2, 32), np.uint8)
+    ql[:, :, 0] = (L[:, :, 0] & 15) | ((L[:, :, 2] & 15) << 4)
+    ql[:, :, 1] = (L[:, :, 1] & 15) | ((L[:, :, 3] & 15) << 4)
+    qh = ((L[:, :, 0] >> 4) | ((L[:, :, 1] >> 4) << 2) | ((L[:, :, 2] >> 4) << 4) | ((L[:, :, 3] >> 4) << 6))
+    out = np.concatenate([ql.reshape(nb, 128), qh.reshape(nb, 64).astype(np.uint8),
+                          qsc.astype(np.int8).view(np.uint8), d16.reshape(nb, 1).view(np.uint8)], axis=1)
+    out[zero] = 0
+    return out.astype(np.uint8)
+
+
+# which a*b + c of make_qkx2_quants ik's build fuses (found against ik's bytes)
+_QKX2_FUSED = {"sum_x2": True, "sum_x": True, "mad0": True, "diff0": True, "step": True,
+               "sums": True, "mad": True, "diff": True, "near": True}
+
+
+def _qkx2_op(key):
+    return _fma32 if _QKX2_FUSED[key] else _mul_add
+
+
+def make_qkx2_quants(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int):
+    """ggml's make_qkx2_quants(n, nmax, x, weights, ..., use_mad=false) over the rows of x (G, n)
+    with the weights of quantize_row_q4_K/q5_K_ref (sqrt(mean x^2) + |x|).
+    Returns (scale (G,), the_min (G,) = -min, L (G, n) int32 in 0..nmax)."""
+    G, n = x.shape
+    f32 = _F32
+    sum_x2 = np.zeros(G, f32)
+    op = _qkx2_op("sum_x2")
+    for i in range(n):
+        sum_x2 = op(x[:, i], x[:, i], sum_x2)
+    av_x = np.sqrt((sum_x2 / f32(n)).astype(f32)).astype(f32)
+    w = (av_x[:, None] + np.abs(x)).astype(f32)
+    mn = x.min(axis=1)
+    mx = x.max(axis=1)
+    sum_w = w[:, 0].copy()
+    sum_x = (sum_w * x[:, 0]).astype(f32)
+    op = _qkx2_op("sum_x")
+    for i in range(1, n):
+        sum_w = (sum_w + w[:, i]).astype(f32)
+        sum_x = op(w[:, i], x[:, i], sum_x)
+    mn = np.minimum(mn, f32(0))
+    rng = (mx - mn).astype(f32)
+    flat = rng < f32(1e-10)
+    rng = np.where(flat, f32(1), rng).astype(f32)
+    xm = (x - mn[:, None]).astype(f32)
+    near = _nearest_prod if _QKX2_FUSED["near"] else (lambda a, b: _nearest((a * b).astype(f32)))
+
+    def mad_of(scale, mins, Lf, dop, mop):
+        diff = (dop(scale[:, None], Lf, mins[:, None]) - x).astype(f32)
+        diff = (diff * diff).astype(f32)
+        tot = np.zeros(G, f32)
+        for i in range(n):
+            tot = mop(w[:, i], diff[:, i], tot)
+        return tot
+
+    iscale = (f32(nmax) / rng).astype(f32)
+    scale = (f32(1) / iscale).astype(f32)
+    L = np.clip(near(iscale[:, None], xm), 0, nmax)
+    best_mad = mad_of(scale, mn, L.astype(f32), _qkx2_op("diff0"), _qkx2_op("mad0"))
+    sop = _qkx2_op("sums")
+    for is_ in range(nstep + 1):
+        num = (_qkx2_op("step")(f32(rdelta), f32(is_), f32(rmin)) + f32(nmax)).astype(f32)
+        # as in C, `min` (and so max - min) is the best fit's min once one has been taken
+        rng = np.where(flat, f32(1), (mx - mn).astype(f32)).astype(f32)
+        xm = (x - mn[:, None]).astype(f32)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            isc = (num / rng).astype(f32)
+        La = np.clip(near(isc[:, None], xm), 0, nmax)
+        lf = La.astype(f32)
+        wl = (w * lf).astype(f32)
+        sum_l = np.zeros(G, f32)
+        sum_l2 = np.zeros(G, f32)
+        sum_xl = np.zeros(G, f32)
+        for i in range(n):
+            sum_l = (sum_l + wl[:, i]).astype(f32)
+            sum_l2 = sop(wl[:, i], lf[:, i], sum_l2)
+            sum_xl = sop(wl[:, i], x[:, i], sum_xl)
+        D = (sop(sum_w, sum_l2, -(sum_l * sum_l).astype(f32)))
+        ok = D > 0
+        Ds = np.where(ok, D, f32(1)).astype(f32)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ts = (sop(sum_w, sum_xl, -(sum_x * sum_l).astype(f32)) / Ds).astype(f32)
+            tm = (sop(sum_l2, sum_x, -(sum_l * sum_xl).astype(f32)) / Ds).astype(f32)
+            pos = tm > 0
+            tm = np.where(pos, f32(0), tm).astype(f32)
+            ts = np.where(pos, (sum_xl / np.where(sum_l2 != 0, sum_l2, f32(1))).astype(f32), ts).astype(f32)
+        mad = mad_of(ts, tm, lf, _qkx2_op("diff"), _qkx2_op("mad"))
+        better = ok & (mad < best_mad)
+        L = np.where(better[:, None], La, L)
+        best_mad = np.where(better, mad, best_mad)
+        scale = np.where(better, ts, scale)
+        mn = np.where(better, tm, mn)
+    L = np.where(flat[:, None], 0, L)
+    scale = np.where(flat, f32(0), scale).astype(f32)
+    return scale, (-mn).astype(f32), L
+
+
+def _quantize_q45_k(b: np.ndarray, five: bool) -> np.ndarray:
+    nb = b.shape[0]
+    f32 = _F32
+    nmax = 31 if five else 15
+    scales, mins, L = (make_qkx2_quants(b.reshape(nb * 8, 32), 31, -0.5, 0.1, 15) if five
+                       else make_qkx2_quants(b.reshape(nb * 8, 32), 15, -1.0, 0.1, 20))
+    scales, mins, L = scales.reshape(nb, 8), mins.reshape(nb, 8), L.reshape(nb, 8, 32)
+    max_scale = np.maximum(scales.max(axis=1), f32(0))
+    max_min = np.maximum(mins.max(axis=1), f32(0))
+    with np.errstate(divide="ignore"):
+        inv_scale = np.where(max_scale > 0, f32(63) / max_scale, f32(0)).astype(f32)
+        inv_min = np.where(max_min > 0, f32(63) / max_min, f32(0)).astype(f32)
+    ls = np.minimum(63, _nearest_prod(inv_scale[:, None], scales) & 255)
+    lm = np.minimum(63, _nearest_prod(inv_min[:, None], mins) & 255)
+    d16 = (max_scale / f32(63)).astype(f32).astype(np.float16)
+    dmin16 = (max_min / f32(63)).astype(f32).astype(np.float16)
+    sc = np.zeros((nb, 12), np.int32)
+    sc[:, 0:4] = ls[:, :4] | ((ls[:, 4:] >> 4) << 6)
+    sc[:, 4:8] = lm[:, :4] | ((lm[:, 4:] >> 4) << 6)
+    sc[:, 8:12] = (ls[:, 4:] & 15) | ((lm[:, 4:] & 15) << 4)
+    d = (d16.astype(f32)[:, None] * ls.astype(f32)).astype(f32)
+    dm = (dmin16.astype(f32)[:, None] * lm.astype(f32)).astype(f32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = (b.reshape(nb, 8, 32) + dm[..., None]).astype(f32) / np.where(d == 0, f32(1), d)[..., None]
+    q = np.clip(_nearest(q.astype(f32)), 0, nmax)
+    L = np.where((d != 0)[..., None], q, L).reshape(nb, 4, 2, 32)
+    lo = L & 15
+    qs = (lo[:, :, 0] | (lo[:, :, 1] << 4)).reshape(nb, 128)
+    parts = [d16.reshape(nb, 1).view(np.uint8), dmin16.reshape(nb, 1).view(np.uint8), sc.astype(np.uint8)]
+    if five:
+        hb = (L >> 4) & 1                                   # (nb, chunk c, half h, j) -> bit 2c + h of qh[j]
+        sh = (2 * np.arange(4)[:, None] + np.arange(2)[None, :])[None, :, :, None]
+        parts.append((hb << sh).sum(axis=(1, 2)).astype(np.uint8))
+    parts.append(qs.astype(np.uint8))
+    return np.concatenate(parts, axis=1)
+
+
+def quantize(x: np.ndarray, qtype: int) -> np.ndarray:
+    """f32 values (any shape, C order, a multiple of 256) -> the flat bytes that ik_llama.cpp's
+    ggml_quantize_chunk writes without an imatrix (quantize_row_<type>_ref)."""
+    ti = type_info(qtype)
+    b = _superblocks(x)
+    if ti.id == Q6_K_ID:
+        out = _quantize_q6_k(b)
+    elif ti.id in (Q4_K_ID, Q5_K_ID):
+        out = _quantize_q45_k(b, ti.id == Q5_K_ID)
+    else:
+        raise NotImplementedError(f"k-quant quantize: type {ti.name} not supported")
+    assert out.shape == (b.shape[0], ti.type_size)
+    return out.reshape(-1)

@@ -162,3 +162,71 @@ def decode_row_legacy(buf, qtype, base, cols, lut, y):
                 hi[j] = d * kv[v >> 4]
     else:
         raise ValueError("decode_row_legacy: unsupported type")
+
+
+# ----------------------------------------------------------------------------------------
+# NumPy reference quantizers (no importance matrix): the bytes of ggml's quantize_row_*_ref
+# ----------------------------------------------------------------------------------------
+# ik_llama.cpp is built with -O3 -march=native in GNU C, so GCC contracts `a*b + c` into one
+# fused multiply-add (a single rounding).  An FMA of f32 operands is reproduced here in f64:
+# the product of two f32 is exact in f64, and the sum's double rounding (f64, then f32)
+# differs from the FMA's single rounding only on exact f32 ties, which these inputs
+# practically never hit.
+def _fma32(a, b, c) -> np.ndarray:
+    f64 = np.float64
+    return (np.asarray(a, f64) * np.asarray(b, f64) + np.asarray(c, f64)).astype(np.float32)
+
+
+def _legacy_blocks(x: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    if x.size % 32:
+        raise ValueError(f"{x.size} values is not a multiple of the block size 32")
+    return x.reshape(-1, 32)
+
+
+def _inv_or_zero(d: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore"):
+        return np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+
+
+def _pack_fifth_bits(q: np.ndarray) -> np.ndarray:
+    """(nb, 32) values 0..31 -> (nb, 4) bytes of the little-endian word with bit j = q[j] >> 4."""
+    return np.packbits(((q >> 4) & 1).astype(np.uint8), axis=1, bitorder="little")
+
+
+def quantize(x: np.ndarray, qtype: int) -> np.ndarray:
+    """f32 values (any shape, C order, a multiple of 32) -> flat bytes of Q4_1 / Q5_0 / Q5_1
+    exactly as ik_llama.cpp's ggml_quantize_chunk writes them without an imatrix.
+
+    Q4_1 / Q5_1: d = (max - min) / (2^bits - 1), m = min, q = trunc((x - min) * (1/d) + 0.5)
+    (Q4_1 capped at 15); Q5_0: d = (the element of largest magnitude, first on ties) / -16,
+    q = min(31, trunc(x * (1/d) + 16.5)).  The `* id + c` is one FMA in ik's build."""
+    ti = type_info(qtype)
+    b = _legacy_blocks(x)
+    nb = b.shape[0]
+    f32 = np.float32
+    if ti.id in (Q4_1_ID, Q5_1_ID):
+        nmax = 15 if ti.id == Q4_1_ID else 31
+        mn = b.min(axis=1, keepdims=True)
+        mx = b.max(axis=1, keepdims=True)
+        d = ((mx - mn) / f32(nmax)).astype(f32)
+        iv = _inv_or_zero(d)
+        q = np.trunc(_fma32(b - mn, iv, f32(0.5))).astype(np.int32)
+        q = np.minimum(q, nmax).astype(np.uint8)
+        hdr = np.concatenate([d.astype(np.float16).view(np.uint8), mn.astype(np.float16).view(np.uint8)], axis=1)
+    elif ti.id == Q5_0_ID:
+        imax = np.abs(b).argmax(axis=1)[:, None]             # first on ties, like the strict <
+        d = (np.take_along_axis(b, imax, axis=1) / f32(-16)).astype(f32)
+        iv = _inv_or_zero(d)
+        q = np.minimum(np.trunc(_fma32(b, iv, f32(16.5))).astype(np.int32), 31).astype(np.uint8)
+        hdr = d.astype(np.float16).view(np.uint8)
+    else:
+        raise NotImplementedError(f"legacy quantize: type {ti.name} not supported")
+    parts = [hdr]
+    if ti.id != Q4_1_ID:
+        parts.append(_pack_fifth_bits(q))
+    q = q & 15
+    parts.append(q[:, :16] | (q[:, 16:] << 4))
+    out = np.concatenate(parts, axis=1).astype(np.uint8)
+    assert out.shape == (nb, ti.type_size)
+    return out.reshape(-1)

@@ -93,6 +93,12 @@ def quantize(x: np.ndarray, qtype: int) -> np.ndarray:
         return out.reshape(-1)
     if qtype == Q6_0:
         return _quantize_q6_0(_blocks(x))
+    if qtype in (3, 6, 7):                                   # Q4_1, Q5_0, Q5_1
+        from . import legacy
+        return legacy.quantize(x, qtype)
+    if qtype in (12, 13, 14):                                # Q4_K, Q5_K, Q6_K
+        from . import kquants
+        return kquants.quantize(x, qtype)
     raise NotImplementedError(f"reference quantize: type {type_info(qtype).name} not supported")
 
 

@@ -1,0 +1,179 @@
+"""`ikcli quantize`: types, per-tensor rules, --custom-q, --dry-run, errors, atomic output."""
+from __future__ import annotations
+
+import os
+import re
+
+import gguf
+import pytest
+
+from ikcli import quantize_cmd
+from ikcli.app import main
+
+FINAL = re.compile(r"Final estimate: PPL = (\d+\.\d{4})")
+
+
+def cli(capsys, *args):
+    code = 0
+    try:
+        main(list(args))
+    except SystemExit as e:
+        code = e.code or 0
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def types_of(path):
+    from engine.gguf_file import _open_one     # the gguf package's reader lacks ik's types (q6_0)
+    r = _open_one(path)
+    return {t.name: t.qtype for t in r.ik_tensors}, r
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory, corpus_text):
+    p = tmp_path_factory.mktemp("qtxt") / "t.txt"
+    p.write_text(corpus_text[:12000], encoding="utf-8")
+    return str(p)
+
+
+def ppl(capsys, path, text_file):
+    code, out, err = cli(capsys, "perplexity", "-m", path, "-f", text_file, "-c", "64", "--chunks", "2", "-t", "2")
+    assert code == 0, err
+    return float(FINAL.search(out).group(1))
+
+
+@pytest.mark.parametrize("qtype,tid,tol", [("q8_0", 8, 0.01), ("Q4_0", 2, 0.15), ("q6_0", 133, 0.03)])
+def test_quantize_and_perplexity(make_model, text_file, tmp_path, capsys, qtype, tid, tol):
+    src = make_model(arch="llama", qtype="f16")
+    out = str(tmp_path / f"m-{qtype}.gguf")
+    code, so, err = cli(capsys, "quantize", src, out, qtype, "2")
+    assert code == 0, err
+    assert "converting to" in err and "llama_model_quantize_internal: quant size" in err
+    types, r = types_of(out)
+    assert types["blk.0.attn_q.weight"] == tid
+    assert types["blk.0.attn_norm.weight"] == 0                # 1-D stays f32
+    assert types["output.weight"] == 8                          # 64 columns: not a multiple of 256 -> q8_0
+    assert r.fields["general.quantization_version"].parts[-1][0] == 2
+    ft = {"q8_0": 7, "Q4_0": 2, "q6_0": 135}[qtype]
+    assert r.fields["general.file_type"].parts[-1][0] == ft
+    assert [t.name for t in r.ik_tensors] == [t.name for t in gguf.GGUFReader(src).tensors]
+    if qtype != "q6_0":
+        assert len(gguf.GGUFReader(out).tensors) == len(r.ik_tensors)
+    from engine.model import load_model, quiet_log
+    load_model(out, quiet_log)
+    p0, p1 = ppl(capsys, src, text_file), ppl(capsys, out, text_file)
+    assert abs(p1 - p0) / p0 < tol, (p0, p1)
+
+
+def test_type_by_number_and_moe_rules(make_model, tmp_path, capsys):
+    src = make_model(arch="deepseek2", qtype="f16")
+    out = str(tmp_path / "ds.gguf")
+    code, _, err = cli(capsys, "quantize", src, out, "2")           # 2 = Q4_0
+    assert code == 0, err
+    types, _ = types_of(out)
+    assert types["blk.1.ffn_up_exps.weight"] == 2                 # 3-D expert tensor, row-wise
+    assert types["blk.0.attn_kv_b.weight"] == 8                   # attn_k* with >= 4 experts -> q8_0
+    assert types["blk.1.ffn_gate_inp.weight"] == 0                # router stays as is
+
+
+def test_custom_rules_first_wins_and_file(make_model, tmp_path, capsys):
+    src = make_model(arch="llama", qtype="f16")
+    out = str(tmp_path / "c.gguf")
+    code, _, err = cli(capsys, "quantize", "--custom-q", r"attn_q=q4_0,blk\.0\..*=f16,attn=q6_0", src, out, "q8_0")
+    assert code == 0, err
+    assert "Using custom type q4_0 for tensor blk.0.attn_q.weight" in err
+    types, _ = types_of(out)
+    assert types["blk.0.attn_q.weight"] == 2 and types["blk.1.attn_q.weight"] == 2
+    assert types["blk.0.attn_k.weight"] == 1 and types["blk.0.ffn_up.weight"] == 1
+    assert types["blk.1.attn_k.weight"] == 133 and types["blk.1.ffn_up.weight"] == 8
+    rules = tmp_path / "rules.txt"
+    rules.write_text("# my rules\nffn_down=q4_0  # small\nffn=Q6_0,\n", encoding="utf-8")
+    out2 = str(tmp_path / "c2.gguf")
+    code, _, err = cli(capsys, "quantize", "--custom-q", f"@{rules}", src, out2, "q8_0")
+    assert code == 0, err
+    types, _ = types_of(out2)
+    assert types["blk.2.ffn_down.weight"] == 2 and types["blk.2.ffn_up.weight"] == 133
+    assert types["blk.2.attn_v.weight"] == 8
+
+
+def test_pure_and_output_types(make_model, tmp_path, capsys):
+    src = make_model(arch="llama", qtype="f16")
+    out = str(tmp_path / "p.gguf")
+    code, _, err = cli(capsys, "quantize", "--pure", "--output-tensor-type", "f16", "--token-embedding-type", "Q6_0",
+                       src, out, "q4_0")
+    assert code == 0, err
+    types, _ = types_of(out)
+    assert types["output.weight"] == 1 and types["token_embd.weight"] == 133
+    out2 = str(tmp_path / "p2.gguf")
+    code, _, err = cli(capsys, "quantize", "--pure", src, out2, "q4_0")
+    assert code == 0, err
+    assert types_of(out2)[0]["output.weight"] == 2               # no output.weight rule with --pure
+    out3 = str(tmp_path / "p3.gguf")
+    code, _, err = cli(capsys, "quantize", "--leave-output-tensor", src, out3, "q4_0")
+    assert code == 0, err
+    assert types_of(out3)[0]["output.weight"] == 1
+
+
+def test_fallback_for_256_block_types(make_model, tmp_path, capsys):
+    src = make_model(arch="llama", qtype="f16")
+    code, out, err = cli(capsys, "quantize", "--dry-run", "--custom-q", "ffn_up=q6_K", src, str(tmp_path / "f.gguf"), "q8_0")
+    assert code == 0, err
+    assert "tensor cols 64 x 128 are not divisible by 256, required for q6_K - using fallback quantization q8_0" in err
+
+
+def test_dry_run_writes_nothing(make_model, tmp_path, capsys):
+    src = make_model(arch="llama", qtype="f16")
+    out = tmp_path / "d.gguf"
+    code, so, err = cli(capsys, "quantize", "--dry-run", src, str(out), "q4_0")
+    assert code == 0, err
+    assert not out.exists() and os.listdir(tmp_path) == []
+    assert re.search(r"blk\.0\.attn_q\.weight +\[ +64, +64, +1, +1\] +f16 -> q4_0 +\d+\.\d{3}", so)
+    assert re.search(r"^total: \d+ tensors, \d+ weights, .* MiB -> .* MiB, \d+\.\d{3} bits per weight$", so, re.M)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["q9_9"], "invalid ftype 'q9_9'; valid types: Q4_0"),
+    (["--custom-q", "attn=q9_k", "q8_0"], "invalid quantization type 'q9_k' in custom rule 'attn=q9_k'; valid types: f32"),
+    (["--custom-q", "attn", "q8_0"], "invalid custom quantization rule 'attn'"),
+    (["--custom-q", "attn[=q4_0", "q8_0"], "invalid regex in custom rule 'attn[=q4_0'"),
+    (["--output-tensor-type", "zz", "q8_0"], "invalid type 'zz'; valid types:"),
+    (["--imatrix", "x.dat", "q8_0"], "--imatrix is not supported yet"),
+    (["iq4_k"], "ikcli cannot quantize to"),
+])
+def test_errors_are_one_line_and_write_nothing(make_model, tmp_path, capsys, args, needle):
+    # 256-wide matrices, so that a 256-block type does not simply fall back
+    src = make_model(preset="small256", qtype="f16") if args == ["iq4_k"] else make_model(arch="llama", qtype="f16")
+    out = tmp_path / "e.gguf"
+    opts = [a for a in args[:-1]]
+    code, _, err = cli(capsys, "quantize", *opts, src, str(out), args[-1])
+    assert code != 0
+    lines = [ln for ln in err.strip().splitlines() if ln.startswith("ikcli: error:")]
+    assert len(lines) == 1 and needle in lines[0], err
+    assert os.listdir(tmp_path) == []
+
+
+def test_requantize_needs_flag(make_model, tmp_path, capsys):
+    src = make_model(arch="llama", qtype="q8_0")
+    out = tmp_path / "r.gguf"
+    code, _, err = cli(capsys, "quantize", src, str(out), "q4_0")
+    assert code != 0 and "requantizing from type q8_0 is disabled" in err and not out.exists()
+    code, _, err = cli(capsys, "quantize", "--allow-requantize", src, str(out), "q4_0")
+    assert code == 0, err
+    assert types_of(str(out))[0]["blk.0.attn_q.weight"] == 2
+
+
+def test_interrupt_leaves_no_file(make_model, tmp_path, capsys, monkeypatch):
+    src = make_model(arch="llama", qtype="f16")
+    out = tmp_path / "i.gguf"
+    calls = []
+
+    def boom(writer, data):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        writer.write_tensor_data(data)
+
+    monkeypatch.setattr(quantize_cmd, "_emit", boom)
+    code, _, err = cli(capsys, "quantize", src, str(out), "q8_0")
+    assert code == 130
+    assert os.listdir(tmp_path) == []
