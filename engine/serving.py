@@ -83,7 +83,9 @@ class _Slot:
     cached: list[int] = field(default_factory=list) # the tokens whose K/V the cache holds, in order
     generated: list[int] = field(default_factory=list)
     pending: int | None = None                      # sampled, not yet in the cache
-    text_bytes: bytearray = field(default_factory=bytearray)
+    history: list[int] = field(default_factory=list)  # prompt + generated, for the penalties
+    text: str = ""                                  # generated text decoded so far
+    tail: bytearray = field(default_factory=bytearray)  # bytes of an unfinished UTF-8 character
     n_sent: int = 0                                 # characters of the text already sent
     t_start: float = 0.0
     t_prompt_done: float = 0.0
@@ -208,7 +210,7 @@ class ServingEngine:
             s.cache.clear()
         del s.cached[keep:]
         s.n_fed, s.n_reused, s.generated, s.pending = keep, keep, [], None
-        s.text_bytes, s.n_sent = bytearray(), 0
+        s.history, s.text, s.tail, s.n_sent = list(job.prompt), "", bytearray(), 0
         s.t_start = time.perf_counter()
         s.t_prompt_done = 0.0
 
@@ -271,14 +273,19 @@ class ServingEngine:
         if job.n_predict == 0:                  # llama.cpp: read the prompt, generate nothing
             self._finish(s, "length")
             return
-        tok = s.sampler.sample(logits, job.prompt + s.generated)
+        tok = s.sampler.sample(logits, s.history)
         tk = self.model.tokenizer
         if tk.is_eog(tok):
             self._finish(s, "stop")
             return
         s.generated.append(tok)
-        s.text_bytes += tk.token_to_bytes(tok, special=False)
-        text = bytes(s.text_bytes[:self._utf8_cut(s.text_bytes)]).decode("utf-8", errors="replace")
+        s.history.append(tok)
+        # decode only the new bytes (a whole-text decode per token would be quadratic)
+        s.tail += tk.token_to_bytes(tok, special=False)
+        cut = self._utf8_cut(s.tail)
+        s.text += bytes(s.tail[:cut]).decode("utf-8", errors="replace")
+        del s.tail[:cut]
+        text = s.text
         # a stop string ends the job; text that might start one is held back
         for w in job.stop:
             i = text.find(w, max(0, s.n_sent - len(w)))
@@ -324,7 +331,7 @@ class ServingEngine:
         t_g = (now - s.t_prompt_done) * 1e3 if s.t_prompt_done else 0.0
         n_p, n_g = s.n_fed - s.n_reused, len(s.generated)
         if reason != "stop" or not word:
-            text = bytes(s.text_bytes).decode("utf-8", errors="replace")
+            text = s.text + bytes(s.tail).decode("utf-8", errors="replace")
             rest = text[s.n_sent:] if reason != "cancelled" else ""
         else:
             rest = ""
