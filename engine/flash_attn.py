@@ -28,11 +28,11 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from quant.kernels import F16_TO_F32, QK, decode_row
+from quant.kernels import F16_TO_F32, QK, _bits_to_f32, decode_rows_at, dequant_rows
 
 from .kv_cache import RowStore
 
-F32_ID, F16_ID, Q4_0_ID, Q8_0_ID, BF16_ID = 0, 1, 2, 8, 30
+F32_ID = 0
 LOG2E = 1.4426950408889634
 
 BLOCK = 8              # cells decoded per step of the kernel path (multiple of 8)
@@ -53,35 +53,8 @@ _fast = dict(cache=True, fastmath=True, nogil=True)     # inf-free inner loops (
 
 
 # ----------------------------------------------------------------------------------------
-# scalar bit casts (numba has no float16 type; with these LLVM emits vcvtph2ps and
-# vectorizes the loops around them)
+# prefetch (the scalar bit casts live in quant.kernels)
 # ----------------------------------------------------------------------------------------
-@intrinsic
-def _half_to_f32(typingctx, h):
-    if h != types.uint16:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-    return types.float32(types.uint16), codegen
-
-
-@intrinsic
-def _bits_to_f32(typingctx, u):
-    """The f32 whose bit pattern is the low 32 bits of integer u."""
-    if not isinstance(u, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        x = args[0]
-        if u.bitwidth > 32:
-            x = builder.trunc(x, ir.IntType(32))
-        elif u.bitwidth < 32:
-            x = builder.zext(x, ir.IntType(32))
-        return builder.bitcast(x, ir.FloatType())
-    return types.float32(u), codegen
-
-
 # the intrinsic's name carries the pointer type: opaque pointers from LLVM 15 on
 _PREFETCH = "llvm.prefetch.p0" if llvm_version_info[0] >= 15 else "llvm.prefetch.p0i8"
 
@@ -117,72 +90,6 @@ def _exp2(t):
     p = np.float32(1.0) + f * (np.float32(1.0) + f * (np.float32(0.5) + f * (np.float32(1.0 / 6) + f * (
         np.float32(1.0 / 24) + f * (np.float32(1.0 / 120) + f * np.float32(1.0 / 720))))))
     return p * _bits_to_f32(np.uint32(np.int32(ri) + np.int32(127)) << np.uint32(23))
-
-
-@njit(**_fast)
-def _decode_rows(buf, qtype, base, stride, n, cols, lut, y):
-    """y[i, :cols] = the row at byte base + i * stride as f32, i < n.
-
-    One call per block, not per row (a call per row cost ~25 ns, as much as decoding 576
-    f16 values).  All but q6_0 are decoded inline: quant.kernels.decode_row took 4x (q8_0)
-    and 2.3x (q4_0) longer.  Scales are f16 at even byte offsets (blocks
-    of 34 / 18 bytes), read through the uint16 view."""
-    hv = buf.view(np.uint16)
-    if qtype == F16_ID or qtype == BF16_ID:
-        for i in range(n):
-            o = (base + i * stride) // 2
-            src = hv[o:o + cols]
-            dst = y[i]
-            if qtype == F16_ID:
-                for j in range(cols):
-                    dst[j] = _half_to_f32(src[j])
-            else:          # bf16 bits are the top half of an f32
-                for j in range(cols):
-                    dst[j] = _bits_to_f32(np.uint32(src[j]) << np.uint32(16))
-    elif qtype == F32_ID:
-        fv = buf.view(np.float32)
-        for i in range(n):
-            o = (base + i * stride) // 4
-            src = fv[o:o + cols]
-            dst = y[i]
-            for j in range(cols):
-                dst[j] = src[j]
-    elif qtype == Q8_0_ID:
-        qs = buf.view(np.int8)
-        for i in range(n):
-            for b in range(cols // QK):
-                o = base + i * stride + b * (QK + 2)
-                d = _half_to_f32(hv[o // 2])
-                wv = qs[o + 2:o + 2 + QK]
-                yv = y[i, b * QK:b * QK + QK]
-                for j in range(yv.shape[0]):
-                    yv[j] = d * np.float32(wv[j])
-    elif qtype == Q4_0_ID:
-        h = QK // 2
-        for i in range(n):
-            for b in range(cols // QK):
-                o = base + i * stride + b * (h + 2)
-                d = _half_to_f32(hv[o // 2])
-                wv = buf[o + 2:o + 2 + h]
-                lo = y[i, b * QK:b * QK + h]
-                hi = y[i, b * QK + h:b * QK + QK]
-                for j in range(lo.shape[0]):
-                    v = np.int32(wv[j])
-                    lo[j] = d * np.float32((v & 15) - 8)
-                    hi[j] = d * np.float32((v >> 4) - 8)
-    else:
-        for i in range(n):
-            decode_row(buf, qtype, base + i * stride, cols, QK, lut, y[i])
-
-
-@njit(parallel=True, **_opts)
-def decode_rows(buf, qtype, stride, r0, cols, lut, out, nchunks):
-    """out[i, :cols] = row r0 + i of a store (buf: its bytes, flat) as f32, in `nchunks` parallel runs."""
-    n = out.shape[0]
-    nchunks = max(1, min(n, nchunks))
-    for c in prange(nchunks):
-        i0, i1 = c * n // nchunks, (c + 1) * n // nchunks
-        _decode_rows(buf, qtype, (r0 + i0) * stride, stride, i1 - i0, cols, lut, out[i0:i1])
 
 
 # ----------------------------------------------------------------------------------------
@@ -335,9 +242,9 @@ def _attend_range(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, 
             a = acc[g, s, r0:r1]
             mg = m[g, s, r0:r1]
             lg = l[g, s, r0:r1]
-            _decode_rows(kbuf, kqt, g * khead + j0 * kstride, kstride, nb, dk, lut, kb)
+            decode_rows_at(kbuf, kqt, g * khead + j0 * kstride, kstride, nb, dk, QK, lut, kb)
             if not v_is_k:
-                _decode_rows(vbuf, vqt, g * vhead + j0 * vstride, vstride, nb, dv, lut, vb)
+                decode_rows_at(vbuf, vqt, g * vhead + j0 * vstride, vstride, nb, dv, QK, lut, vb)
             if nb < B:                    # stale rows could hold inf; their p is 0 anyway
                 kb[nb:] = 0.0
                 vb[nb:] = 0.0
@@ -526,8 +433,8 @@ def _read_tile(store: RowStore, c0: int, c1: int, out: np.ndarray) -> np.ndarray
     if store.qtype == F32_ID:
         return store.data[c0:c1].view(np.float32)
     o = out[:c1 - c0]
-    decode_rows(store.data.reshape(-1), store.qtype, store.data.shape[1], c0, store.width, F16_TO_F32, o,
-                4 * numba.get_num_threads())
+    dequant_rows(store.data.reshape(-1), store.qtype, store.data.shape[1], np.arange(c0, c1, dtype=np.int64),
+                 store.width, QK, F16_TO_F32, o)
     return o
 
 

@@ -8,7 +8,8 @@ Calling convention shared by every weight kernel (quant.matmul builds these argu
             here assumes stride == row bytes.
     qtype   GGML type id (ints below), branched on once per row, never per element.
     lut     F16_TO_F32: 65536-entry table that turns f16 bit patterns into f32 (block
-            scales; whole F16 rows use the vectorizable f16_bits_to_f32 instead).
+            scales of the block types decoded by the other modules; decode_row reads them with
+            the _half_to_f32 conversion instead).
     qk      the block size, 32.  It is an argument, not a constant, on purpose: with a
             constant trip count LLVM fully unrolls the 32-step block loops into scalar
             code; with a run-time count it vectorizes them (vpmaddwd for the int8 dots).
@@ -52,7 +53,9 @@ os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 import math
 
 import numpy as np  # noqa: E402
-from numba import njit, prange  # noqa: E402
+from llvmlite import ir  # noqa: E402
+from numba import njit, prange, types  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
 
 from . import kquants as _kquants, legacy as _legacy  # noqa: E402  (decode only; via the module: import cycle)
 from .iqk import decode_row_iqk, is_iqk  # noqa: E402  (ik_llama.cpp's IQK types; decode only)
@@ -68,6 +71,36 @@ _opts = dict(cache=True, fastmath=True, nogil=True)
 
 
 # ----------------------------------------------------------------------------------------
+# scalar bit casts (numba has no float16 type; with these LLVM emits vcvtph2ps / plain moves
+# and vectorizes the loops around them)
+# ----------------------------------------------------------------------------------------
+@intrinsic
+def _half_to_f32(typingctx, h):
+    if h != types.uint16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _bits_to_f32(typingctx, u):
+    """The f32 whose bit pattern is the low 32 bits of integer u."""
+    if not isinstance(u, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        x = args[0]
+        if u.bitwidth > 32:
+            x = builder.trunc(x, ir.IntType(32))
+        elif u.bitwidth < 32:
+            x = builder.zext(x, ir.IntType(32))
+        return builder.bitcast(x, ir.FloatType())
+    return types.float32(u), codegen
+
+
+# ----------------------------------------------------------------------------------------
 # one row of weights -> f32
 # ----------------------------------------------------------------------------------------
 @njit(**_opts)
@@ -77,88 +110,94 @@ def _f16_at(buf, o, lut):
 
 
 @njit(**_opts)
-def f16_bits_to_f32(hv, y):
-    """y[:n] = IEEE half values with bit patterns hv[:n], exactly (inf/NaN/subnormals too).
+def decode_rows_at(buf, qtype, base, stride, n, cols, qk, lut, y):
+    """y[i, :cols] = the row at byte base + i * stride as f32, for i < n.
 
-    Vectorizable bit arithmetic, no table gathers: a normal half becomes an f32 by moving
-    exponent+mantissa up 13 bits and rebasing the exponent (+112; +224 for inf/NaN);
-    zero / subnormal halves are mantissa * 2^-24, computed in float without denormals.
-    """
-    n = hv.shape[0]
-    yu = y.view(np.uint32)
-    for j in range(n):
-        y[j] = np.float32(hv[j] & 0x3FF) * np.float32(5.960464477539063e-08)
-    for j in range(n):
-        # every intermediate is cast back to uint32 (numba widens integer ops to 64 bits;
-        # the casts let LLVM use 32-bit lanes, 2.5x faster)
-        h = np.uint32(hv[j])
-        e = np.uint32(h & np.uint32(0x7C00))
-        em = np.uint32(np.uint32(h & np.uint32(0x7FFF)) << np.uint32(13))
-        inf = np.uint32(np.uint32(e == np.uint32(0x7C00)) * np.uint32(0x38000000))
-        nrm = np.uint32(np.uint32(em + np.uint32(0x38000000)) + inf)
-        sub = np.uint32(np.uint32(0) - np.uint32(e == np.uint32(0)))   # all ones: zero/subnormal
-        sgn = np.uint32(np.uint32(h & np.uint32(0x8000)) << np.uint32(16))
-        yu[j] = np.uint32(np.uint32(np.uint32(yu[j] & sub) | np.uint32(nrm & np.uint32(~sub))) | sgn)
+    The one decoder of every type.  The type branch is taken once for all n rows: flash
+    attention decodes blocks of short rows (8 cells of 192 values), where a call and a
+    branch per row cost 2x its whole generation time for standard heads."""
+    if qtype == Q8_0_ID:
+        qs = buf.view(np.int8)
+        hs = buf.view(np.uint16)        # block scales sit at even offsets (34-byte blocks)
+        for i in range(n):
+            for b in range(cols // qk):
+                o = base + i * stride + b * (qk + 2)
+                d = _half_to_f32(hs[o // 2])
+                wv = qs[o + 2:o + 2 + qk]
+                yv = y[i, b * qk:b * qk + qk]
+                for j in range(qk):
+                    yv[j] = d * np.float32(wv[j])
+    elif qtype == Q4_0_ID:
+        h = qk // 2
+        hs = buf.view(np.uint16)        # 18-byte blocks: scales at even offsets
+        for i in range(n):
+            for b in range(cols // qk):
+                o = base + i * stride + b * (h + 2)
+                d = _half_to_f32(hs[o // 2])
+                wv = buf[o + 2:o + 2 + h]
+                lo = y[i, b * qk:b * qk + h]
+                hi = y[i, b * qk + h:b * qk + qk]
+                for j in range(h):
+                    v = np.int32(wv[j])
+                    lo[j] = d * np.float32((v & 15) - 8)
+                    hi[j] = d * np.float32((v >> 4) - 8)
+    elif qtype == Q6_0_ID:
+        h = qk // 2
+        e = qk // 4
+        for i in range(n):
+            for b in range(cols // qk):
+                o = base + i * stride + b * (2 + e + h)
+                d = _f16_at(buf, o, lut)
+                hv = buf[o + 2:o + 2 + e]
+                wv = buf[o + 2 + e:o + 2 + e + h]
+                lo = y[i, b * qk:b * qk + h]
+                hi = y[i, b * qk + h:b * qk + qk]
+                for j in range(h):
+                    v = np.int32(wv[j])
+                    hb = np.int32(hv[j % e]) >> (4 * (j // e))
+                    lo[j] = d * np.float32(((v & 15) | ((hb << 4) & 0x30)) - 32)
+                    hi[j] = d * np.float32(((v >> 4) | ((hb << 2) & 0x30)) - 32)
+    elif qtype == F16_ID:
+        hv = buf.view(np.uint16)
+        for i in range(n):
+            o = (base + i * stride) // 2
+            src = hv[o:o + cols]
+            dst = y[i]
+            for j in range(cols):
+                dst[j] = _half_to_f32(src[j])
+    elif qtype == BF16_ID:
+        hv = buf.view(np.uint16)
+        for i in range(n):
+            o = (base + i * stride) // 2
+            src = hv[o:o + cols]
+            dst = y[i]
+            for j in range(cols):      # bf16 bits are the top half of an f32
+                dst[j] = _bits_to_f32(np.uint32(src[j]) << np.uint32(16))
+    elif qtype == F32_ID:
+        fv = buf.view(np.float32)
+        for i in range(n):
+            o = (base + i * stride) // 4
+            src = fv[o:o + cols]
+            dst = y[i]
+            for j in range(cols):
+                dst[j] = src[j]
+    elif qtype == 3 or qtype == 6 or qtype == 7 or qtype == 20:       # Q4_1, Q5_0, Q5_1, IQ4_NL
+        for i in range(n):
+            _legacy.decode_row_legacy(buf, qtype, base + i * stride, cols, lut, y[i])
+    elif (qtype >= 10 and qtype <= 14) or qtype == 23:                # Q2_K .. Q6_K, IQ4_XS
+        for i in range(n):
+            _kquants.decode_row_kquants(buf, qtype, base + i * stride, cols, lut, y[i])
+    elif is_iqk(qtype):
+        for i in range(n):
+            decode_row_iqk(buf, qtype, base + i * stride, cols, lut, y[i])
+    else:
+        raise ValueError("decode_rows_at: unsupported type")
 
 
 @njit(**_opts)
 def decode_row(buf, qtype, base, cols, qk, lut, y):
     """Write the `cols` values of the row that starts at byte `base` into y[:cols]."""
-    if qtype == Q8_0_ID:
-        qs = buf.view(np.int8)
-        for b in range(cols // qk):
-            o = base + b * (qk + 2)
-            d = _f16_at(buf, o, lut)
-            wv = qs[o + 2:o + 2 + qk]
-            yv = y[b * qk:b * qk + qk]
-            for j in range(qk):
-                yv[j] = d * np.float32(wv[j])
-    elif qtype == Q4_0_ID:
-        h = qk // 2
-        for b in range(cols // qk):
-            o = base + b * (h + 2)
-            d = _f16_at(buf, o, lut)
-            wv = buf[o + 2:o + 2 + h]
-            lo = y[b * qk:b * qk + h]
-            hi = y[b * qk + h:b * qk + qk]
-            for j in range(h):
-                v = np.int32(wv[j])
-                lo[j] = d * np.float32((v & 15) - 8)
-                hi[j] = d * np.float32((v >> 4) - 8)
-    elif qtype == Q6_0_ID:
-        h = qk // 2
-        e = qk // 4
-        for b in range(cols // qk):
-            o = base + b * (2 + e + h)
-            d = _f16_at(buf, o, lut)
-            hv = buf[o + 2:o + 2 + e]
-            wv = buf[o + 2 + e:o + 2 + e + h]
-            lo = y[b * qk:b * qk + h]
-            hi = y[b * qk + h:b * qk + qk]
-            for j in range(h):
-                v = np.int32(wv[j])
-                hb = np.int32(hv[j % e]) >> (4 * (j // e))
-                lo[j] = d * np.float32(((v & 15) | ((hb << 4) & 0x30)) - 32)
-                hi[j] = d * np.float32(((v >> 4) | ((hb << 2) & 0x30)) - 32)
-    elif qtype == F16_ID:
-        f16_bits_to_f32(buf.view(np.uint16)[base // 2:base // 2 + cols], y)
-    elif qtype == BF16_ID:
-        hv = buf.view(np.uint16)[base // 2:base // 2 + cols]
-        yu = y.view(np.uint32)          # bf16 bits are the top half of an f32
-        for j in range(cols):
-            yu[j] = np.uint32(hv[j]) << np.uint32(16)
-    elif qtype == F32_ID:
-        fv = buf.view(np.float32)[base // 4:base // 4 + cols]
-        for j in range(cols):
-            y[j] = fv[j]
-    elif qtype == 3 or qtype == 6 or qtype == 7 or qtype == 20:       # Q4_1, Q5_0, Q5_1, IQ4_NL
-        _legacy.decode_row_legacy(buf, qtype, base, cols, lut, y)
-    elif (qtype >= 10 and qtype <= 14) or qtype == 23:                # Q2_K .. Q6_K, IQ4_XS
-        _kquants.decode_row_kquants(buf, qtype, base, cols, lut, y)
-    elif is_iqk(qtype):
-        decode_row_iqk(buf, qtype, base, cols, lut, y)
-    else:
-        raise ValueError("decode_row: unsupported type")
+    decode_rows_at(buf, qtype, base, 0, 1, cols, qk, lut, y[:cols].reshape(1, cols))
 
 
 @njit(parallel=True, **_opts)
