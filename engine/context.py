@@ -5,7 +5,7 @@ import numpy as np
 
 from .arch.common import RunOptions, UBatch
 from .config import EngineConfig
-from .kv_cache import CACHE_TYPES, KVCache, cache_type_name
+from .kv_cache import CACHE_TYPES, cache_type_name
 from .model import Log, Model
 
 

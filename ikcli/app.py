@@ -9,7 +9,6 @@ from . import perplexity_cmd, tokenize_cmd
 from . import sweep_bench_cmd
 from . import server_cmd
 from . import quantize_cmd
-from .errors import CliError
 
 app = typer.Typer(
     name="ikcli",

@@ -59,8 +59,13 @@ def _nbytes(t: int, ne: tuple) -> Optional[int]:
         return None
 
 
-def _convert(entry, new_type: int) -> np.ndarray:
-    """Re-encode one tensor (any number of dims, row-wise in chunks) as new_type; flat uint8 bytes."""
+def _convert(entry, new_type: int, nthread: int = 1):
+    """Re-encode one tensor (any number of dims, row-wise in chunks) as new_type; flat uint8 bytes.
+
+    Chunks of rows run on `nthread` threads (NTHREADS): the NumPy quantizers spend most of
+    their time in array operations that release the GIL."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import numpy as np  # here, not at import: `ikcli --help` must stay light
     from quant import reference
     from quant.matmul import dequantize
@@ -71,20 +76,29 @@ def _convert(entry, new_type: int) -> np.ndarray:
     src = entry.raw.view(np.ndarray).reshape(rows, -1)
     out_rb = type_info(new_type).row_bytes(ne0)
     out = np.empty((rows, out_rb), dtype=np.uint8)
-    chunk = max(1, (1 << 22) // ne0)
-    for i in range(0, rows, chunk):
+    # chunks small enough to spread a tensor over the threads, large enough to amortize NumPy calls
+    chunk = max(1, min((1 << 22) // ne0, -(-rows // max(1, 2 * nthread))))
+
+    def one(i: int) -> None:
         part = src[i:i + chunk]
         if entry.qtype == F32:
             x = part.view(np.float32)
         else:
             x = dequantize(QTensor(part, entry.qtype, (part.shape[0], ne0)))
         out[i:i + part.shape[0]] = reference.quantize(x, new_type).reshape(part.shape[0], out_rb)
+
+    starts = range(0, rows, chunk)
+    if nthread > 1 and len(starts) > 1:
+        with ThreadPoolExecutor(max_workers=nthread) as pool:
+            list(pool.map(one, starts))
+    else:
+        for i in starts:
+            one(i)
     return out.reshape(-1)
 
 
-def _emit(writer, data: np.ndarray) -> None:
+def _emit(writer, data) -> None:
     """Append one tensor's bytes (a separate function so tests can simulate a failure)."""
-    import numpy as np  # here, not at import: `ikcli --help` must stay light
     writer.write_tensor_data(data)
 
 
@@ -215,7 +229,8 @@ def quantize(
         _print_plan(plans, entries, cannot)
         return
     t0 = time.time()
-    _write(fname_out, mf, _open_one(mf.paths[0]), entries, plans, file_type, n_fallback)
+    _write(fname_out, mf, _open_one(mf.paths[0]), entries, plans, file_type, n_fallback,
+           nthread if nthread > 0 else (os.cpu_count() or 1))
     t1 = time.time()
     print()
     print(f"main: quantize time = {1000 * (t1 - t0):8.2f} ms")
@@ -263,7 +278,7 @@ def _progress(total_tensors: int):
                     console=Console(stderr=True), transient=True)
 
 
-def _write(fname_out, mf, reader, entries, plans, file_type, n_fallback) -> None:
+def _write(fname_out, mf, reader, entries, plans, file_type, n_fallback, nthread: int = 1) -> None:
     import numpy as np  # here, not at import: `ikcli --help` must stay light
     import gguf
     from engine.quantize_plan import TYPE_NAME, format_shape
@@ -298,7 +313,7 @@ def _write(fname_out, mf, reader, entries, plans, file_type, n_fallback) -> None
             head = (f"[{i + 1:4d}/{n:4d}] {p.name:>36s} - [{format_shape(p.ne)}], "
                     f"type = {TYPE_NAME.get(e.qtype, str(e.qtype)):>6s}, ")
             if p.quantize:
-                data = _convert(e, p.new_type)
+                data = _convert(e, p.new_type, nthread)
                 _log(head + f"converting to {TYPE_NAME[p.new_type]} .. size = {e.nbytes / MiB:8.2f} MiB -> "
                      f"{data.nbytes / MiB:8.2f} MiB", bar)
             else:

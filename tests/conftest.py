@@ -24,6 +24,18 @@ def _load_script(name: str):
 make_test_model = _load_script("make_test_model")
 
 
+def cli(capsys, *args):
+    """Run `ikcli ARGS` in this process: (exit code, stdout, stderr)."""
+    from ikcli.app import main
+    code = 0
+    try:
+        main(list(args))
+    except SystemExit as e:
+        code = e.code or 0
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("models")

@@ -9,20 +9,10 @@ import sys
 import numpy as np
 import pytest
 
-from ikcli.app import main
+from conftest import cli
 
 PPL_LINE = re.compile(r"^(\[\d+\]\d+\.\d{4},)+$")
 FINAL = re.compile(r"^Final estimate: PPL = (\d+\.\d{4}) \+/- (\d+\.\d{5})$")
-
-
-def cli(capsys, *args):
-    code = 0
-    try:
-        main(list(args))
-    except SystemExit as e:
-        code = e.code or 0
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(scope="module")

@@ -8,19 +8,9 @@ import gguf
 import pytest
 
 from ikcli import quantize_cmd
-from ikcli.app import main
+from conftest import cli
 
 FINAL = re.compile(r"Final estimate: PPL = (\d+\.\d{4})")
-
-
-def cli(capsys, *args):
-    code = 0
-    try:
-        main(list(args))
-    except SystemExit as e:
-        code = e.code or 0
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def types_of(path):
@@ -177,3 +167,15 @@ def test_interrupt_leaves_no_file(make_model, tmp_path, capsys, monkeypatch):
     code, _, err = cli(capsys, "quantize", src, str(out), "q8_0")
     assert code == 130
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q5_k"])
+def test_nthreads_gives_the_same_bytes(make_model, tmp_path, capsys, qtype):
+    """NTHREADS spreads a tensor's rows over threads; the file must not depend on it."""
+    src = make_model(preset="small256", qtype="f16")
+    one, four = str(tmp_path / "1.gguf"), str(tmp_path / "4.gguf")
+    assert cli(capsys, "quantize", "--pure", src, one, qtype, "1")[0] == 0
+    code, _, err = cli(capsys, "quantize", "--pure", src, four, qtype, "4")
+    assert code == 0 and "using 4 threads" in err, err
+    with open(one, "rb") as a, open(four, "rb") as b:
+        assert a.read() == b.read()

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ikcli.app import main
+from conftest import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,16 +33,6 @@ JSON_LINE = re.compile(r'^\{"n_kv_max": \d+, "n_batch": \d+, "n_ubatch": \d+, "f
 TIMINGS = re.compile(r"^llama_print_timings: prompt eval time = +[\d.]+ ms / +(\d+) tokens .*\n"
                      r"llama_print_timings: +eval time = +[\d.]+ ms / +(\d+) runs ", re.M)
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
-
-
-def cli(capsys, *args):
-    code = 0
-    try:
-        main(list(args))
-    except SystemExit as e:
-        code = e.code or 0
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def table_rows(err: str) -> list[tuple]:
