@@ -1,9 +1,12 @@
 """Flags shared by the tools, with llama.cpp's spellings, and their translation to an engine config."""
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import sys
-from typing import Optional
+from dataclasses import dataclass
+from typing import List, Optional
 
 import typer
 
@@ -130,23 +133,59 @@ def parse_overrides(values: Optional[list[str]]) -> list[tuple[str, str]]:
     return out
 
 
-def engine_config(path: str, *, n_ctx: int, n_batch: int, n_ubatch: int, threads: int, threads_batch: int,
-                  mla: int, fa: str, amb: int, ctk: str, ctv: str, fmoe: str, ser: Optional[str], seed: int = -1,
-                  ot: Optional[list[str]] = None):
+@dataclass
+class EngineFlags:
+    """The engine flags every model-running command takes (-mla -fa -amb -ctk -ctv -fmoe -ser -ot)."""
+    mla: int
+    fa: str
+    amb: int
+    ctk: str
+    ctv: str
+    fmoe: str
+    ser: Optional[str]
+    ot: Optional[List[str]]
+
+
+_ENGINE_OPTIONS = [("mla", int, MlaOpt), ("fa", str, FaOpt), ("amb", int, AmbOpt), ("ctk", str, CtkOpt),
+                   ("ctv", str, CtvOpt), ("fmoe", str, FmoeOpt), ("ser", Optional[str], SerOpt),
+                   ("ot", Optional[List[str]], OtOpt)]
+
+
+def with_engine_flags(fn):
+    """Give a command the shared engine options, declared once here: they are appended to its
+    own options and reach it as one EngineFlags argument named `flags`."""
+    sig = inspect.signature(fn, eval_str=True)
+    own = [p for p in sig.parameters.values() if p.name != "flags"]
+    extra = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=opt, annotation=ann)
+             for n, ann, opt in _ENGINE_OPTIONS]
+
+    @functools.wraps(fn)
+    def command(**kw):
+        flags = EngineFlags(**{n: kw.pop(n) for n, _, _ in _ENGINE_OPTIONS})
+        return fn(**kw, flags=flags)
+
+    command.__signature__ = sig.replace(parameters=own + extra)
+    command.__annotations__ = {p.name: p.annotation for p in own + extra}
+    return command
+
+
+def engine_config(path: str, flags: EngineFlags, *, n_ctx: int, n_batch: int, n_ubatch: int, threads: int,
+                  threads_batch: int, seed: int = -1):
     """The EngineConfig for the engine flags every model-running tool shares (validated here)."""
     from engine.config import EngineConfig
-    flash = parse_bool("-fa", fa)
-    type_k, type_v = parse_cache_type("-ctk", ctk), parse_cache_type("-ctv", ctv)
+    flash = parse_bool("-fa", flags.fa)
+    type_k, type_v = parse_cache_type("-ctk", flags.ctk), parse_cache_type("-ctv", flags.ctv)
     if not flash and type_v not in ("f32", "f16", "bf16"):
         raise CliError("Quantized V cache cannot be used without flash attention")
+    amb = flags.amb
     if amb < 0:
         raise CliError(f"-amb must be >= 0 (got {amb})")
     if 0 < amb < 128:
         log(f"XXXXXXXXXXXXXXXXXXXXXXXXXXXXXX amb = {amb} is too low. Changing to 128")
         amb = 128
-    ser_min, ser_t = parse_ser(ser)
+    ser_min, ser_t = parse_ser(flags.ser)
     return EngineConfig(model_path=path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads,
-                        n_threads_batch=threads_batch, seed=seed, flash_attn=flash, mla=mla,
+                        n_threads_batch=threads_batch, seed=seed, flash_attn=flash, mla=flags.mla,
                         attn_max_batch_mib=amb, type_k=type_k, type_v=type_v,
-                        fused_moe=parse_bool("-fmoe", fmoe), ser_min=ser_min, ser_thresh=ser_t,
-                        tensor_overrides=parse_overrides(ot))
+                        fused_moe=parse_bool("-fmoe", flags.fmoe), ser_min=ser_min, ser_thresh=ser_t,
+                        tensor_overrides=parse_overrides(flags.ot))

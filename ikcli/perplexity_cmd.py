@@ -5,7 +5,7 @@ import math
 import os
 import sys
 import time
-from typing import List, Optional
+from typing import Optional
 
 import typer
 
@@ -59,6 +59,7 @@ def _eta(t_pass: float, n_pass: int) -> None:
     common.log(msg + f"{total / 60.0:.2f} minutes")
 
 
+@common.with_engine_flags
 def perplexity(
     model: Optional[str] = common.ModelOpt,
     file: Optional[str] = typer.Option(None, "-f", "--file", help="text file to evaluate ('-' for stdin). Default: bundled Shakespeare slice"),
@@ -74,18 +75,11 @@ def perplexity(
     escape: bool = typer.Option(True, "-e/--no-escape", "--escape/--no-escape",
                                 help="process escape sequences (\\n, \\t, \\xHH …) in the text, as llama.cpp does by default"),
     ngl: int = common.NglOpt,
-    mla: int = common.MlaOpt,
-    fa: str = common.FaOpt,
-    amb: int = common.AmbOpt,
-    ctk: str = common.CtkOpt,
-    ctv: str = common.CtvOpt,
-    fmoe: str = common.FmoeOpt,
-    ser: Optional[str] = common.SerOpt,
-    ot: Optional[List[str]] = common.OtOpt,
+    flags: "common.EngineFlags" = None,
 ) -> None:
     if ctx_size is None:
         ctx_size = 0 if model is None else 512  # the demo model is evaluated at its trained context
-    common.check_common(ctx_size, batch_size, ubatch_size, threads, threads_batch, ngl, mla)
+    common.check_common(ctx_size, batch_size, ubatch_size, threads, threads_batch, ngl, flags.mla)
     if kl and not kl_base:
         raise CliError("--kl-divergence needs --kl-divergence-base FILE (the base model's log-probabilities)")
     if ctx_size == 1:
@@ -94,9 +88,8 @@ def perplexity(
     from engine.model import load_model
 
     path = common.resolve_model(model)
-    cfg = common.engine_config(path, n_ctx=0, n_batch=batch_size, n_ubatch=ubatch_size, threads=threads,
-                               threads_batch=threads_batch, mla=mla, fa=fa, amb=amb, ctk=ctk, ctv=ctv, fmoe=fmoe,
-                               ser=ser, seed=seed, ot=ot)
+    cfg = common.engine_config(path, flags, n_ctx=0, n_batch=batch_size, n_ubatch=ubatch_size, threads=threads,
+                               threads_batch=threads_batch, seed=seed)
     base = None
     if kl:
         from engine.perplexity import open_base_logits
@@ -105,7 +98,7 @@ def perplexity(
         base = open_base_logits(kl_base)
         ctx_size = base.n_ctx
     n_ctx = ctx_size if ctx_size > 0 else 0
-    m = load_model(path, common.log, mla=mla, overrides=cfg.tensor_overrides)
+    m = load_model(path, common.log, mla=flags.mla, overrides=cfg.tensor_overrides)
     if n_ctx == 0:
         n_ctx = m.hp.n_ctx_train
     if n_ctx > m.hp.n_ctx_train:

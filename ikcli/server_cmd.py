@@ -10,7 +10,7 @@ import os
 import signal
 import socket
 import sys
-from typing import List, Optional
+from typing import Optional
 
 import typer
 
@@ -42,6 +42,7 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+@common.with_engine_flags
 def server(
     model: Optional[str] = common.ModelOpt,
     host: str = typer.Option("127.0.0.1", "--host", help="ip address to listen on"),
@@ -58,16 +59,9 @@ def server(
     threads: int = common.ThreadsOpt,
     threads_batch: int = common.ThreadsBatchOpt,
     ngl: int = common.NglOpt,
-    mla: int = common.MlaOpt,
-    fa: str = common.FaOpt,
-    amb: int = common.AmbOpt,
-    ctk: str = common.CtkOpt,
-    ctv: str = common.CtvOpt,
-    fmoe: str = common.FmoeOpt,
-    ser: Optional[str] = common.SerOpt,
-    ot: Optional[List[str]] = common.OtOpt,
+    flags: "common.EngineFlags" = None,
 ) -> None:
-    common.check_common(ctx_size, batch_size, ubatch_size, threads, threads_batch, ngl, mla)
+    common.check_common(ctx_size, batch_size, ubatch_size, threads, threads_batch, ngl, flags.mla)
     if parallel < 1:
         raise CliError(f"-np/--parallel must be >= 1 (got {parallel})")
     if not 0 <= port <= 65535:
@@ -89,16 +83,15 @@ def server(
         raise CliError(f"ikcli server needs fastapi and uvicorn ({e}); pip install fastapi uvicorn") from None
 
     path = common.resolve_model(model)
-    cfg = common.engine_config(path, n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size, threads=threads,
-                               threads_batch=threads_batch, mla=mla, fa=fa, amb=amb, ctk=ctk, ctv=ctv, fmoe=fmoe,
-                               ser=ser, seed=seed, ot=ot)
+    cfg = common.engine_config(path, flags, n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size, threads=threads,
+                               threads_batch=threads_batch, seed=seed)
     sock = _bind(host, port)
     engine = None
     try:
         from engine.model import load_model
         from engine.serving import ServingEngine
 
-        m = load_model(path, common.log, mla=mla, overrides=cfg.tensor_overrides)
+        m = load_model(path, common.log, mla=flags.mla, overrides=cfg.tensor_overrides)
         if ctx_size == 0:
             cfg.n_ctx = m.hp.n_ctx_train
         elif ctx_size > m.hp.n_ctx_train:

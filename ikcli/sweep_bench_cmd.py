@@ -10,7 +10,7 @@ import importlib.util
 import os
 import sys
 import time
-from typing import List, Optional
+from typing import Optional
 
 import typer
 
@@ -86,6 +86,7 @@ class _Timings:
              f"{p}:       total time = {total:10.2f} ms / {n_p + n_e:5d} tokens\n")
 
 
+@common.with_engine_flags
 def sweep_bench(
     model: Optional[str] = common.ModelOpt,
     ctx_size: int = typer.Option(0, "-c", "--ctx-size", help="size of the prompt context; the sweep covers it (default: 0 = the model's training context)"),
@@ -103,14 +104,7 @@ def sweep_bench(
     plot: Optional[str] = typer.Option(None, "--plot", help="after the run, write a PNG of S_PP and S_TG against N_KV to this file (needs matplotlib)"),
     seed: int = typer.Option(DEFAULT_SEED, "-s", "--seed", help=f"seed of the random prompt/generation tokens (default: {DEFAULT_SEED}, fixed so runs are reproducible; -1 = a random seed)"),
     ngl: int = typer.Option(-1, "-ngl", "--gpu-layers", "--n-gpu-layers", help="number of layers to store in VRAM (accepted and printed; ikcli runs on the CPU)"),
-    mla: int = common.MlaOpt,
-    fa: str = common.FaOpt,
-    amb: int = common.AmbOpt,
-    ctk: str = common.CtkOpt,
-    ctv: str = common.CtvOpt,
-    fmoe: str = common.FmoeOpt,
-    ser: Optional[str] = common.SerOpt,
-    ot: Optional[List[str]] = common.OtOpt,
+    flags: "common.EngineFlags" = None,
 ) -> None:
     fmt = output_format.strip().lower()
     if fmt not in ("md", "table", "jsonl"):
@@ -118,7 +112,7 @@ def sweep_bench(
     jsonl = fmt == "jsonl"
     if ubatch_size is None:
         ubatch_size = 64 if model is None else 512
-    common.check_common(ctx_size, batch_size, ubatch_size, threads, threads_batch, 0 if ngl == -1 else ngl, mla)
+    common.check_common(ctx_size, batch_size, ubatch_size, threads, threads_batch, 0 if ngl == -1 else ngl, flags.mla)
     nrep = max(1, nrep)
     stride = max(1, sweep_stride)
     if plot is not None and importlib.util.find_spec("matplotlib") is None:
@@ -132,11 +126,10 @@ def sweep_bench(
     from engine.model import load_model
 
     path = common.resolve_model(model)
-    cfg = common.engine_config(path, n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size, threads=threads,
-                               threads_batch=threads_batch, mla=mla, fa=fa, amb=amb, ctk=ctk, ctv=ctv, fmoe=fmoe,
-                               ser=ser, seed=seed, ot=ot)
+    cfg = common.engine_config(path, flags, n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size, threads=threads,
+                               threads_batch=threads_batch, seed=seed)
     t0 = time.perf_counter()
-    m = load_model(path, common.log, mla=mla, overrides=cfg.tensor_overrides)
+    m = load_model(path, common.log, mla=flags.mla, overrides=cfg.tensor_overrides)
     t_load = time.perf_counter() - t0
     if ctx_size > m.hp.n_ctx_train:
         common.log(f"warning: model was trained on only {m.hp.n_ctx_train} context tokens ({ctx_size} specified)")

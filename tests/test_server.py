@@ -694,8 +694,8 @@ def inproc():
             return self.eng.submit(prompt, params, n_predict, stop, cb)
 
     path = demo_model()
-    cfg = common.engine_config(path, n_ctx=256, n_batch=2048, n_ubatch=512, threads=2, threads_batch=2, mla=3,
-                               fa="on", amb=256, ctk="f16", ctv="f16", fmoe="1", ser=None)
+    flags = common.EngineFlags(mla=3, fa="on", amb=256, ctk="f16", ctv="f16", fmoe="1", ser=None, ot=None)
+    cfg = common.engine_config(path, flags, n_ctx=256, n_batch=2048, n_ubatch=512, threads=2, threads_batch=2)
     eng = ServingEngine(load_model(path, quiet_log), cfg, 1, quiet_log)
     eng.start()
     spy = Spy(eng)
