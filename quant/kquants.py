@@ -40,6 +40,7 @@ from numba import njit
 # quant.kernels as a module, its attributes looked up when numba compiles (not at import):
 # kernels may import this module in turn, in either order
 from quant import kernels as _kernels
+from quant.reference import _blocks, f16_field as _f16, fma32 as _fma32, raw_bytes
 from quant.types import type_info
 
 Q2_K_ID, Q3_K_ID, Q4_K_ID, Q5_K_ID, Q6_K_ID, IQ4_XS_ID = 10, 11, 12, 13, 14, 23
@@ -55,11 +56,6 @@ _KV_F32 = KVALUES_IQ4NL.astype(np.float32)
 # ----------------------------------------------------------------------------------------
 # NumPy reference
 # ----------------------------------------------------------------------------------------
-def _f16(b: np.ndarray) -> np.ndarray:
-    """(nb, 2) bytes -> (nb, 1) f32 of the little-endian f16 they hold."""
-    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
-
-
 def _shifted(v: np.ndarray, shifts, mask: int) -> np.ndarray:
     """v (nb, ..., m) -> (nb, ..., len(shifts), m): (v >> shift) & mask for each shift."""
     s = np.asarray(shifts, dtype=np.uint8).reshape(-1, 1)
@@ -96,11 +92,7 @@ def dequantize(raw: np.ndarray, qtype: int, n: int) -> np.ndarray:
     ti = type_info(qtype)
     if ti.id not in KQUANT_TYPES:
         raise ValueError(f"{ti.name} is not a k-quant type ({sorted(KQUANT_TYPES)})")
-    nbytes = ti.row_bytes(n)
-    raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
-    if raw.size < nbytes:
-        raise ValueError(f"{raw.size} bytes is less than the {nbytes} needed for {n} {ti.name} values")
-    b = raw[:nbytes].reshape(-1, ti.type_size)
+    b = raw_bytes(raw, qtype, n).reshape(-1, ti.type_size)
     nb = b.shape[0]
     f32 = np.float32
 
@@ -289,10 +281,6 @@ _F32, _F64 = np.float32, np.float64
 GROUP_MAX_EPS = np.float32(1e-15)
 
 
-def _fma32(a, b, c) -> np.ndarray:
-    return (np.asarray(a, _F64) * np.asarray(b, _F64) + np.asarray(c, _F64)).astype(_F32)
-
-
 def _mul_add(a, b, c) -> np.ndarray:
     """a*b + c with two f32 roundings (where ik's build does not fuse)."""
     return (np.asarray(a, _F32) * np.asarray(b, _F32) + np.asarray(c, _F32)).astype(_F32)
@@ -314,13 +302,6 @@ def _div0(a, b) -> np.ndarray:
     """a / b in f32 where b != 0, else 0."""
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(b != 0, (a / np.where(b != 0, b, 1)), 0).astype(_F32)
-
-
-def _superblocks(x: np.ndarray) -> np.ndarray:
-    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
-    if x.size % QK_K:
-        raise ValueError(f"{x.size} values is not a multiple of the super-block size {QK_K}")
-    return x.reshape(-1, QK_K)
 
 
 def _first_absmax(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -556,7 +537,7 @@ def quantize(x: np.ndarray, qtype: int) -> np.ndarray:
     """f32 values (any shape, C order, a multiple of 256) -> the flat bytes that ik_llama.cpp's
     ggml_quantize_chunk writes without an imatrix (quantize_row_<type>_ref)."""
     ti = type_info(qtype)
-    b = _superblocks(x)
+    b = _blocks(x, QK_K)
     if ti.id == Q6_K_ID:
         out = _quantize_q6_k(b)
     elif ti.id in (Q4_K_ID, Q5_K_ID):

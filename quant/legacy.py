@@ -26,6 +26,7 @@ from numba import njit
 # quant.kernels as a module, its attributes looked up when numba compiles (not at import):
 # kernels may import this module in turn, in either order
 from quant import kernels as _kernels
+from quant.reference import _blocks, f16_field as _f16, fma32 as _fma32, raw_bytes
 from quant.types import type_info
 
 Q4_1_ID, Q5_0_ID, Q5_1_ID, IQ4_NL_ID = 3, 6, 7, 20
@@ -39,11 +40,6 @@ _KV_F32 = KVALUES_IQ4NL.astype(np.float32)
 # ----------------------------------------------------------------------------------------
 # NumPy reference
 # ----------------------------------------------------------------------------------------
-def _f16(b: np.ndarray) -> np.ndarray:
-    """(nb, 2) bytes -> (nb, 1) f32 of the little-endian f16 they hold."""
-    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
-
-
 def _nibbles(qs: np.ndarray) -> np.ndarray:
     """(nb, 16) bytes -> (nb, 32) values: low nibbles (weights 0..15), then high (16..31)."""
     return np.concatenate([qs & 15, qs >> 4], axis=1)
@@ -60,11 +56,7 @@ def dequantize(raw: np.ndarray, qtype: int, n: int) -> np.ndarray:
     ti = type_info(qtype)
     if ti.id not in LEGACY_TYPES:
         raise ValueError(f"{ti.name} is not a legacy type ({sorted(LEGACY_TYPES)})")
-    nbytes = ti.row_bytes(n)
-    raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
-    if raw.size < nbytes:
-        raise ValueError(f"{raw.size} bytes is less than the {nbytes} needed for {n} {ti.name} values")
-    b = raw[:nbytes].reshape(-1, ti.type_size)
+    b = raw_bytes(raw, qtype, n).reshape(-1, ti.type_size)
     d = _f16(b[:, 0:2])
     if ti.id == Q4_1_ID:
         m = _f16(b[:, 2:4])
@@ -169,21 +161,6 @@ def decode_row_legacy(buf, qtype, base, cols, lut, y):
 # ----------------------------------------------------------------------------------------
 # ik_llama.cpp is built with -O3 -march=native in GNU C, so GCC contracts `a*b + c` into one
 # fused multiply-add (a single rounding).  An FMA of f32 operands is reproduced here in f64:
-# the product of two f32 is exact in f64, and the sum's double rounding (f64, then f32)
-# differs from the FMA's single rounding only on exact f32 ties, which these inputs
-# practically never hit.
-def _fma32(a, b, c) -> np.ndarray:
-    f64 = np.float64
-    return (np.asarray(a, f64) * np.asarray(b, f64) + np.asarray(c, f64)).astype(np.float32)
-
-
-def _legacy_blocks(x: np.ndarray) -> np.ndarray:
-    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
-    if x.size % 32:
-        raise ValueError(f"{x.size} values is not a multiple of the block size 32")
-    return x.reshape(-1, 32)
-
-
 def _inv_or_zero(d: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore"):
         return np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
@@ -202,7 +179,7 @@ def quantize(x: np.ndarray, qtype: int) -> np.ndarray:
     (Q4_1 capped at 15); Q5_0: d = (the element of largest magnitude, first on ties) / -16,
     q = min(31, trunc(x * (1/d) + 16.5)).  The `* id + c` is one FMA in ik's build."""
     ti = type_info(qtype)
-    b = _legacy_blocks(x)
+    b = _blocks(x)
     nb = b.shape[0]
     f32 = np.float32
     if ti.id in (Q4_1_ID, Q5_1_ID):

@@ -50,11 +50,35 @@ def bf16_bits_to_f32(h: np.ndarray) -> np.ndarray:
     return (h.astype(np.uint32) << 16).view(np.float32)
 
 
-def _blocks(x: np.ndarray) -> np.ndarray:
+def _blocks(x: np.ndarray, size: int = QK) -> np.ndarray:
+    """f32 values (any shape, C order) as (n_blocks, size)."""
     x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
-    if x.size % QK:
-        raise ValueError(f"{x.size} values is not a multiple of the block size {QK}")
-    return x.reshape(-1, QK)
+    if x.size % size:
+        raise ValueError(f"{x.size} values is not a multiple of the block size {size}")
+    return x.reshape(-1, size)
+
+
+def raw_bytes(raw: np.ndarray, qtype: int, n: int) -> np.ndarray:
+    """The flat bytes of the first n values of raw (checked to be long enough)."""
+    ti = type_info(qtype)
+    nbytes = ti.row_bytes(n)
+    raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    if raw.size < nbytes:
+        raise ValueError(f"{raw.size} bytes is less than the {nbytes} needed for {n} {ti.name} values")
+    return raw[:nbytes]
+
+
+def f16_field(b: np.ndarray) -> np.ndarray:
+    """(nb, 2) bytes -> (nb, 1) f32 of the little-endian f16 they hold."""
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def fma32(a, b, c) -> np.ndarray:
+    """a*b + c rounded once to f32, as where ik_llama.cpp's build fuses it.  The product of two
+    f32 is exact in f64; the sum's double rounding (f64, then f32) differs from an FMA's single
+    rounding only on exact f32 ties, which these inputs practically never hit."""
+    f64 = np.float64
+    return (np.asarray(a, f64) * np.asarray(b, f64) + np.asarray(c, f64)).astype(np.float32)
 
 
 def quantize(x: np.ndarray, qtype: int) -> np.ndarray:
@@ -103,13 +127,16 @@ def quantize(x: np.ndarray, qtype: int) -> np.ndarray:
 
 
 def dequantize(raw: np.ndarray, qtype: int, n: int) -> np.ndarray:
-    """Decode the first `n` values of raw bytes `raw` (flat, C order) of type `qtype` to f32."""
+    """Decode the first `n` values of raw bytes `raw` (flat, C order) of type `qtype` to f32
+    (one row of n values for the types with per-row metadata)."""
     ti = type_info(qtype)
-    nbytes = ti.row_bytes(n)
-    raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
-    if raw.size < nbytes:
-        raise ValueError(f"{raw.size} bytes is less than the {nbytes} needed for {n} {ti.name} values")
-    raw = raw[:nbytes]
+    from . import iqk, kquants, legacy
+    for family in (legacy, kquants):
+        if qtype in (family.LEGACY_TYPES if family is legacy else family.KQUANT_TYPES):
+            return family.dequantize(raw, qtype, n)
+    if qtype in iqk.IQK_TYPES:
+        return iqk.dequantize(raw, qtype, n)
+    raw = raw_bytes(raw, qtype, n)
     if qtype == F32:
         return raw.view(np.float32).copy()
     if qtype == F16:
@@ -118,17 +145,17 @@ def dequantize(raw: np.ndarray, qtype: int, n: int) -> np.ndarray:
         return bf16_bits_to_f32(raw.view(np.uint16))
     if qtype == Q8_0:
         b = raw.reshape(-1, 34)
-        d = b[:, :2].copy().view(np.float16).astype(np.float32)
+        d = f16_field(b[:, :2])
         return (b[:, 2:].view(np.int8).astype(np.float32) * d).reshape(-1)
     if qtype == Q4_0:
         b = raw.reshape(-1, 18)
-        d = b[:, :2].copy().view(np.float16).astype(np.float32)
+        d = f16_field(b[:, :2])
         qs = b[:, 2:]
         q = np.concatenate([qs & 15, qs >> 4], axis=1).astype(np.float32) - 8
         return (q * d).reshape(-1)
     if qtype == Q6_0:
         b = raw.reshape(-1, 26)
-        d = b[:, :2].copy().view(np.float16).astype(np.float32)
+        d = f16_field(b[:, :2])
         qh, qs = b[:, 2:10].astype(np.int32), b[:, 10:].astype(np.int32)
         j = np.arange(16)
         h = qh[:, j % 8] >> (4 * (j // 8))

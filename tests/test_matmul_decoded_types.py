@@ -58,3 +58,10 @@ def test_matmul_id_on_decoded_types(name, raw, deq):
     d3 = deq[:rows].reshape(2, rows // 2, -1).astype(np.float64)
     want = np.stack([d3[e] @ x[r].astype(np.float64) for e, r in zip(ids, xr)])
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max() + 1e-6)
+
+
+@pytest.mark.parametrize("name,raw,deq", CASES, ids=[c[0] for c in CASES])
+def test_reference_dequantize_dispatches_every_family(name, raw, deq):
+    from quant import reference
+    row = np.ascontiguousarray(raw.reshape(deq.shape[0], -1)[0])
+    np.testing.assert_array_equal(reference.dequantize(row, type_info(name).id, deq.shape[1]), deq[0])
