@@ -27,7 +27,6 @@ class EngineConfig:
     ser_min: int = -1          # -ser K,t: smart expert reduction (off when K <= 0 or t <= 0)
     ser_thresh: float = 0.0
     tensor_overrides: list = field(default_factory=list)  # -ot (regex, buffer); first match wins
-    verbose: bool = True
 
     def threads(self, batch: bool) -> int:
         t = self.n_threads_batch if batch and self.n_threads_batch > 0 else self.n_threads

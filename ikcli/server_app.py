@@ -477,6 +477,10 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
 
     def sampling_params(body: dict):
         data = {k: v for k, v in body.items() if v is not None}
+        # token probabilities are not returned yet: refuse rather than silently drop the request's ask
+        if data.get("n_probs") not in (None, 0) or data.get("logprobs") not in (None, False, 0) \
+                or data.get("top_logprobs") not in (None, 0):
+            raise bad_request("token probabilities ('n_probs', 'logprobs', 'top_logprobs') are not supported by this server yet")
         if default_seed != -1 and "seed" not in data:
             data["seed"] = default_seed
         try:

@@ -378,6 +378,9 @@ BAD_REQUESTS = [
     ("/tokenize", {"content": "x", "add_special": "no"}, "add_special"),
     ("/detokenize", {"tokens": "abc"}, "tokens"),
     ("/detokenize", {"tokens": [1, -1]}, "token id"),
+    ("/completion", {"prompt": "x", "n_probs": 5}, "token probabilities"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 2}, "token probabilities"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "token probabilities"),
 ]
 
 
