@@ -331,50 +331,41 @@ def up_gate(gate: QTensor, up: QTensor, x: np.ndarray) -> np.ndarray:
     return moe_up_gate(gate, up, x, np.zeros(n, np.int64), np.arange(n, dtype=np.int64))
 
 
-def _pair_ids(a: np.ndarray, limit: int, what: str) -> np.ndarray:
-    a = np.ascontiguousarray(a, dtype=np.int64).reshape(-1)
-    if a.size and (a.min() < 0 or a.max() >= limit):
-        raise IndexError(f"{what} out of range 0..{limit - 1}")
-    return a
-
-
 def _mul_id(va: _View, vb: _View | None, x: np.ndarray, ids: np.ndarray,
             x_rows: np.ndarray) -> np.ndarray:
     """matmul_id (vb None) or the fused up/gate product (vb: up) for pairs (ids, x_rows)."""
     x = _as_act(x, va.cols)
-    ids = _pair_ids(ids, va.n_expert, "expert id")
-    x_rows = _pair_ids(x_rows, x.shape[0], "activation row")
+    ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+    x_rows = np.ascontiguousarray(x_rows, dtype=np.int64).reshape(-1)
     if ids.shape != x_rows.shape:
         raise ValueError(f"{ids.size} expert ids but {x_rows.size} activation rows")
     P = ids.size
     out = np.empty((P, va.rows), dtype=np.float32)
     if P == 0 or va.rows == 0:
         return out
-    order = np.argsort(ids, kind="stable")          # pairs grouped by expert
-    counts = np.bincount(ids, minlength=va.n_expert)
-    ends = np.cumsum(counts)
     # F32 goes to BLAS straight on the bytes whatever the count; other types by pair count
-    many = counts > 0 if va.qtype == F32 else counts >= many_tokens(va.qtype)
+    many = 1 if va.qtype == F32 else many_tokens(va.qtype)
+    try:
+        order, counts, few, ge, gb, rows_identity, order_identity = K.group_pairs(ids, x_rows, va.n_expert, x.shape[0], many)
+    except IndexError as e:
+        lim = va.n_expert if "expert" in str(e) else x.shape[0]
+        raise IndexError(f"{e} 0..{lim - 1}") from None
     act_x = () if va.qtype == F32 else _act(va.qtype, x)   # every activation row quantized once
-    few = ~many[ids[order]]
-    if few.any():
-        po = order[few]                             # the few-pair pairs, still grouped by expert
-        ge = np.flatnonzero((counts > 0) & ~many)
-        gb = np.concatenate(([0], np.cumsum(counts[ge]))).astype(np.int64)
-        rows = x_rows[po]
+    if few:
+        po = order[:few]                            # the few-pair pairs, grouped by expert
         act = act_x
-        if rows.size != x.shape[0] or not np.array_equal(rows, np.arange(rows.size)):
-            act = tuple(np.ascontiguousarray(a[rows]) for a in act)   # one row per pair
-        identity = po.size == P and np.array_equal(po, np.arange(P))
-        res = out if identity else np.empty((po.size, va.rows), dtype=np.float32)
+        if not (rows_identity and few == x.shape[0]):
+            act = tuple(a[x_rows[po]] for a in act)   # one row per pair (fancy indexing copies)
+        identity = few == P and order_identity
+        res = out if identity else np.empty((few, va.rows), dtype=np.float32)
         _few_pairs(va, vb, act, ge, gb, res)
         if not identity:
             out[po] = res
-    if many.any():
+    if few < P:
         xr = _round_act(va.qtype, x, act_x)
         with _tile_threads():
-            for e in np.flatnonzero(many):
-                pe = order[ends[e] - counts[e]:ends[e]]
+            for e in np.flatnonzero(counts >= many):
+                pe = order[few:][ids[order[few:]] == e]
                 xe = xr[x_rows[pe]]
                 y = _product(_expert(va, e), xe)
                 out[pe] = y if vb is None else _silu_mul(y, _product(_expert(vb, e), xe))
