@@ -64,7 +64,7 @@ class RowStore:
         elif self.qtype == F16:
             self.data[i0:i0 + t] = x.astype(np.float16).view(np.uint8)
         else:
-            self.data[i0:i0 + t] = reference.quantize(x, self.qtype).reshape(t, -1)
+            self.data[i0:i0 + t] = reference.quantize_row(x, self.qtype).reshape(t, -1)
 
     def read(self, n: int, out: np.ndarray | None = None) -> np.ndarray:
         """Rows [0, n) as f32 (n, width)."""

@@ -17,6 +17,9 @@ as the separate multiply and add of NumPy (and of gguf.quants), so all three agr
 
 `dequantize` is the NumPy reference; `decode_row_legacy` the Numba decoder with the calling
 convention of quant.kernels.decode_row (without its qk argument).
+`quantize` (Q4_1, Q5_0, Q5_1 without imatrix: the row _ref functions) and `quantize_chunk`
+(Q4_0 ... Q6_0 and IQ4_NL as ggml_quantize_chunk does them, with or without an imatrix) are the
+NumPy reference quantizers.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from quant.reference import _blocks, f16_field as _f16, fma32 as _fma32, raw_byt
 from quant.types import type_info
 
 Q4_1_ID, Q5_0_ID, Q5_1_ID, IQ4_NL_ID = 3, 6, 7, 20
+Q4_0_ID, Q6_0_ID = 2, 133
 LEGACY_TYPES = frozenset({Q4_1_ID, Q5_0_ID, Q5_1_ID, IQ4_NL_ID})
 
 # the 16 non-linear levels of IQ4_NL (and IQ4_XS), kvalues_iq4nl in ggml-quants.c
@@ -169,6 +173,58 @@ def _inv_or_zero(d: np.ndarray) -> np.ndarray:
 def _pack_fifth_bits(q: np.ndarray) -> np.ndarray:
     """(nb, 32) values 0..31 -> (nb, 4) bytes of the little-endian word with bit j = q[j] >> 4."""
     return np.packbits(((q >> 4) & 1).astype(np.uint8), axis=1, bitorder="little")
+
+
+def _pack_qx_0(L: np.ndarray, d: np.ndarray, nbits: int) -> np.ndarray:
+    """L (nb, 32) unsigned quants and d (nb,) -> Q4_0 / Q5_0 / Q6_0 blocks (nb, type_size)."""
+    d16 = d.astype(np.float16).reshape(-1, 1).view(np.uint8)
+    lo, hi = L[:, :16], L[:, 16:]
+    qs = ((lo & 15) | ((hi & 15) << 4)).astype(np.uint8)
+    if nbits == 4:
+        return np.concatenate([d16, qs], axis=1)
+    if nbits == 5:
+        return np.concatenate([d16, _pack_fifth_bits(L), qs], axis=1)
+    qh = np.zeros((L.shape[0], 8), np.uint8)
+    h = (lo >> 4) | ((hi >> 4) << 2)
+    for j in range(16):
+        qh[:, j % 8] |= (h[:, j] << (4 * (j // 8))).astype(np.uint8)
+    return np.concatenate([d16, qh, qs], axis=1)
+
+
+def quantize_chunk(x: np.ndarray, qtype: int, imatrix: np.ndarray | None = None) -> np.ndarray:
+    """Rows x (nrows, n_per_row) -> the flat bytes of ggml_quantize_chunk for the 32-weight types
+    Q4_0, Q4_1, Q5_0, Q5_1, Q6_0 (id 133), IQ4_NL, with the imatrix (n_per_row,) or without.
+
+    With an imatrix every block is fitted by weighted least squares with weights
+    qw * sqrt(sigma2 + x^2), sigma2 = mean x^2 of the row: make_qx_quants for the symmetric
+    types (Q4_0 nmax 8, Q5_0 16, Q6_0 32), make_qkx3_quants for Q4_1 / Q5_1.  Q6_0 takes that
+    path without imatrix too (weights x^2); IQ4_NL always runs quantize_row_iq4_nl_impl."""
+    from quant import kquants as kq
+    ti = type_info(qtype)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    x = x.reshape(-1, x.shape[-1]) if x.ndim >= 2 else x.reshape(1, -1)
+    if ti.id == IQ4_NL_ID:
+        return kq.quantize_iq4(x, imatrix, False)
+    if imatrix is None and ti.id != Q6_0_ID:
+        return quantize(x, ti.id)
+    b = _blocks(x)
+    if imatrix is None:
+        w = (b * b).astype(np.float32)
+    else:
+        qw = np.broadcast_to(np.asarray(imatrix, np.float32).reshape(1, -1), x.shape)
+        w = kq.imatrix_weights(x, qw, 1.0, False, True).reshape(-1, 32)
+    if ti.id in (Q4_1_ID, Q5_1_ID):
+        nmax = 15 if ti.id == Q4_1_ID else 31
+        d, the_min, L = kq.make_qkx3_quants(b, nmax, w, -0.9, 0.05, 36)
+        hdr = np.concatenate([d.astype(np.float16).reshape(-1, 1).view(np.uint8),
+                              (-the_min).astype(np.float32).astype(np.float16).reshape(-1, 1).view(np.uint8)], axis=1)
+        parts = [hdr] + ([_pack_fifth_bits(L)] if ti.id == Q5_1_ID else [])
+        Lq = L & 15
+        parts.append((Lq[:, :16] | (Lq[:, 16:] << 4)).astype(np.uint8))
+        return np.concatenate(parts, axis=1).reshape(-1)
+    nmax, nbits = {Q4_0_ID: (8, 4), Q5_0_ID: (16, 5), Q6_0_ID: (32, 6)}[ti.id]
+    d, L = kq.make_qx_quants(b, nmax, w, kq.QX_FUSE_LEGACY)
+    return _pack_qx_0(L, d, nbits).reshape(-1)
 
 
 def quantize(x: np.ndarray, qtype: int) -> np.ndarray:

@@ -81,10 +81,48 @@ def fma32(a, b, c) -> np.ndarray:
     return (np.asarray(a, f64) * np.asarray(b, f64) + np.asarray(c, f64)).astype(np.float32)
 
 
-def quantize(x: np.ndarray, qtype: int) -> np.ndarray:
-    """Quantize f32 values (any shape, flattened in C order) to the raw bytes of `qtype`.
+def _rows(x: np.ndarray) -> np.ndarray:
+    """x as f32 rows (nrows, n_per_row): a 2-d (or more) array by its last axis, else one row."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    return x.reshape(-1, x.shape[-1]) if x.ndim >= 2 else x.reshape(1, -1)
 
-    Returns a flat uint8 array of n // block_size * type_size bytes.
+
+# the types whose quantizer reads the imatrix in ik (ggml_quantize_chunk); F32/F16/BF16/Q8_0 ignore it
+_LEGACY_CHUNK = (Q4_0, 3, 6, 7, Q6_0, 20)                   # Q4_0, Q4_1, Q5_0, Q5_1, Q6_0, IQ4_NL
+_KQUANTS = (10, 11, 12, 13, 14, 23)                          # Q2_K .. Q6_K, IQ4_XS
+
+
+def quantize(x: np.ndarray, qtype: int, imatrix: np.ndarray | None = None) -> np.ndarray:
+    """Quantize f32 rows x to the raw bytes of `qtype` exactly as ik_llama.cpp's
+    ggml_quantize_chunk(qtype, x, ..., nrows, n_per_row, imatrix) writes them.
+
+    x: (nrows, n_per_row) (any ndim >= 2: rows along the last axis) or flat (one row).
+    imatrix: None or n_per_row f32 importance weights (an imatrix file's mean squared
+    activations of the columns), the same for every row.  F32, F16, BF16 and Q8_0 ignore it,
+    as ik does.  Returns a flat uint8 array of nrows * row_bytes(n_per_row) bytes.
+    (The KV cache's conversion, ggml's from_float, is `quantize_row`.)
+    """
+    if imatrix is not None:
+        imatrix = np.ascontiguousarray(imatrix, dtype=np.float32).reshape(-1)
+        n = np.shape(x)[-1] if np.ndim(x) >= 2 else np.size(x)
+        if imatrix.size != n:
+            raise ValueError(f"imatrix has {imatrix.size} values but the rows have {n} columns")
+    if qtype in _LEGACY_CHUNK and (imatrix is not None or qtype in (Q6_0, 20)):
+        from . import legacy
+        return legacy.quantize_chunk(_rows(x), qtype, imatrix)
+    if qtype in _KQUANTS:
+        from . import kquants
+        return kquants.quantize(_rows(x), qtype, imatrix)
+    if qtype in (137, 138, 139, 140, 141, 144, 145, 146):      # ik's IQK types (quant.iqk)
+        from . import iqk_quantize
+        return iqk_quantize.quantize(_rows(x), qtype, imatrix)
+    return quantize_row(x, qtype)
+
+
+def quantize_row(x: np.ndarray, qtype: int) -> np.ndarray:
+    """Quantize f32 values (any shape, flattened in C order) with ggml's quantize_row_<type>_ref
+    (what the KV cache's from_float does; for every type but Q6_0 and IQ4_NL the same bytes as
+    `quantize` without imatrix).  Returns a flat uint8 array of n // block_size * type_size bytes.
     """
     if qtype == F32:
         return np.ascontiguousarray(x, dtype=np.float32).reshape(-1).view(np.uint8).copy()
@@ -120,9 +158,11 @@ def quantize(x: np.ndarray, qtype: int) -> np.ndarray:
     if qtype in (3, 6, 7):                                   # Q4_1, Q5_0, Q5_1
         from . import legacy
         return legacy.quantize(x, qtype)
-    if qtype in (12, 13, 14):                                # Q4_K, Q5_K, Q6_K
+    if qtype == 20:                                          # IQ4_NL: quantize_row_iq4_nl_ref is ntry -1
+        raise NotImplementedError("quantize_row: IQ4_NL's row reference (ntry -1) is not implemented")
+    if qtype in _KQUANTS:
         from . import kquants
-        return kquants.quantize(x, qtype)
+        return kquants.quantize(np.asarray(x, np.float32).reshape(1, -1), qtype)
     raise NotImplementedError(f"reference quantize: type {type_info(qtype).name} not supported")
 
 
