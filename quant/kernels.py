@@ -61,6 +61,8 @@ from . import kquants as _kquants, legacy as _legacy, simd as _simd  # noqa: E40
 from .iqk import decode_row_iqk, is_iqk  # noqa: E402  (ik_llama.cpp's IQK types; decode only)
 
 F32_ID, F16_ID, Q4_0_ID, Q8_0_ID, BF16_ID, Q6_0_ID = 0, 1, 2, 8, 30, 133
+Q4_0_R8_ID, Q8_0_R8_ID = 202, 208   # ik_llama.cpp's 8-row interleaved forms (quant.simd)
+INT_DOT_TYPES = (Q8_0_ID, Q4_0_ID, Q8_0_R8_ID, Q4_0_R8_ID)   # the types matvec_int multiplies
 QK = 32            # weights per block (Q8_0, Q4_0, activation q8)
 Q8_0_BYTES = 34    # f16 d + 32 x int8        (layouts; kernels derive them from qk)
 Q4_0_BYTES = 18    # f16 d + 16 bytes of nibbles
@@ -141,6 +143,30 @@ def decode_rows_at(buf, qtype, base, stride, n, cols, qk, lut, y):
                     v = np.int32(wv[j])
                     lo[j] = d * np.float32((v & 15) - 8)
                     hi[j] = d * np.float32((v >> 4) - 8)
+    elif qtype == Q8_0_R8_ID or qtype == Q4_0_R8_ID:
+        # row r of the tensor is row r % 8 of the group starting at row r - r % 8; rows are
+        # contiguous (repacked tensors are always dense), so r follows from the byte offset
+        q4 = qtype == Q4_0_R8_ID
+        bs = 2 + (qk // 2 if q4 else qk)            # bytes per row per block
+        rb = cols // qk * bs
+        qs = buf.view(np.int8)
+        for i in range(n):
+            r = (base + i * stride) // rb
+            k = r % 8
+            g = (r - k) * rb
+            for b in range(cols // qk):
+                o = g + b * 8 * bs
+                d = _f16_at(buf, o + 2 * k, lut)
+                yv = y[i, b * qk:b * qk + qk]
+                for l in range(qk // 8):
+                    for j in range(4):
+                        if q4:
+                            v = np.int32(buf[o + 16 + 32 * l + 4 * k + j])
+                            yv[4 * l + j] = d * np.float32((v & 15) - 8)
+                            yv[qk // 2 + 4 * l + j] = d * np.float32((v >> 4) - 8)
+                        else:
+                            yv[4 * l + j] = d * np.float32(qs[o + 16 + 32 * l + 4 * k + j])
+                            yv[qk // 2 + 4 * l + j] = d * np.float32(qs[o + 16 + 128 + 32 * l + 4 * k + j])
     elif qtype == Q6_0_ID:
         h = qk // 2
         e = qk // 4
@@ -338,7 +364,13 @@ def _silu_mul(g, u):
     return g / (np.float32(1.0) + np.exp(-g)) * u
 
 
-@njit(inline="always", **_opts)
+# The integer kernels are compiled without fastmath: numba's fastmath flags on the loops around
+# quant.simd's row dots made LLVM restructure them and halved the Q8_0 matvec's speed
+# (4096 x 4096, 2 threads: 12.6 vs 23 GB/s, measured); the IR sets its own fast flags.
+_iopts = dict(cache=True, nogil=True)
+
+
+@njit(inline="always", **_iopts)
 def _int_row_dot(qtype, buf, base, nb, q, s, k):
     """Dot of the Q8_0 / Q4_0 row at byte `base` with int8 activation row k of (q, s): the
     explicit-vector block loops of quant.simd, one per type, chosen once per row."""
@@ -347,9 +379,19 @@ def _int_row_dot(qtype, buf, base, nb, q, s, k):
     return _simd.row_dot_q4_0(buf, base, q[k], s[k], nb)
 
 
-@njit(**_opts)
+@njit(**_iopts)
 def _int_run(qtype, buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, out):
-    """out[k, r] = row r . activation k for rows r0:r1 (from byte ebase on), pairs k0:k1."""
+    """out[k, r] = row r . activation k for rows r0:r1 (from byte ebase on), pairs k0:k1.
+    Interleaved types go 8 rows at a time (r0, r1 are multiples of 8 for them)."""
+    if qtype == Q8_0_R8_ID or qtype == Q4_0_R8_ID:
+        for r in range(r0, r1, 8):
+            gbase = ebase + r * stride
+            for k in range(k0, k1):
+                if qtype == Q8_0_R8_ID:
+                    _simd.group_dot_q8_0_r8(buf, gbase, q[k], s[k], nb, out[k], r)
+                else:
+                    _simd.group_dot_q4_0_r8(buf, gbase, q[k], s[k], nb, out[k], r)
+        return
     for r in range(r0, r1):
         base = ebase + r * stride
         for k in range(k0, k1):
@@ -376,7 +418,7 @@ def _silu_mul_run(r0, r1, k0, k1, out, outb):
             out[k, r] = _silu_mul(out[k, r], outb[k, r])
 
 
-@njit(parallel=True, **_opts)
+@njit(parallel=True, **_iopts)
 def matvec_int(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut, q, s, ge, gb, out, outb):
     """Q8_0 / Q4_0 weights . int8 activations (q, s from quantize_act_q8, one row per pair),
     int32 block sums.  out, outb: (n_pairs, nrows)."""

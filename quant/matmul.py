@@ -62,7 +62,8 @@ TILE_DEQUANT_THREADS: int | None = None
 
 # every type whose rows quant.kernels.decode_row decodes; types without integer dot kernels
 # (all but Q8_0 / Q4_0) go through the f32-decode paths (matvec_float, tiles + BLAS)
-_SUPPORTED = frozenset({F32, F16, BF16, Q8_0, Q4_0, Q6_0} | IQK_TYPES | LEGACY_TYPES | KQUANT_TYPES)
+_SUPPORTED = frozenset({F32, F16, BF16, Q8_0, Q4_0, Q6_0, K.Q8_0_R8_ID, K.Q4_0_R8_ID} | IQK_TYPES | LEGACY_TYPES
+                       | KQUANT_TYPES)
 _ELEM = {F32: 4, F16: 2, BF16: 2}   # alignment the kernels' views need (1 byte for block types)
 
 
@@ -175,7 +176,7 @@ def _as_act(x: np.ndarray, cols: int) -> np.ndarray:
 
 def many_tokens(qtype: int) -> int:
     """Number of activation rows from which matmul switches to the tile + BLAS path."""
-    return min(MANY_TOKENS, _MANY_TOKENS_INT) if qtype in (Q8_0, Q4_0) else MANY_TOKENS
+    return min(MANY_TOKENS, _MANY_TOKENS_INT) if qtype in K.INT_DOT_TYPES else MANY_TOKENS
 
 
 def tile_rows(cols: int, rows: int) -> int:
@@ -230,13 +231,13 @@ def _quantize_act(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _act(qt: int, x: np.ndarray) -> tuple[np.ndarray, ...]:
     """The few-pair kernels' activations: (q, s) for Q8_0 / Q4_0, (x,) for float types."""
-    return _quantize_act(x) if qt in (Q8_0, Q4_0) else (x,)
+    return _quantize_act(x) if qt in K.INT_DOT_TYPES else (x,)
 
 
 def _round_act(qt: int, x: np.ndarray, act: tuple[np.ndarray, ...] = ()) -> np.ndarray:
     """The tile path's activations: Q8-rounded for Q8_0 / Q4_0 (see _q8_rounded; act: x's
     _act, if already computed), else x."""
-    return _q8_rounded(x, act or None) if qt in (Q8_0, Q4_0) else x
+    return _q8_rounded(x, act or None) if qt in K.INT_DOT_TYPES else x
 
 
 def _few_pairs(va: _View, vb: _View | None, act: tuple[np.ndarray, ...], ge: np.ndarray,
@@ -248,7 +249,7 @@ def _few_pairs(va: _View, vb: _View | None, act: tuple[np.ndarray, ...], ge: np.
     outb = np.empty_like(out) if fused else out     # the kernels' scratch for b's products
     geo = (va.buf, va.estride, va.stride, vb.buf, vb.estride, vb.stride, fused, va.rows, va.cols,
            K.QK, K.F16_TO_F32)
-    kern = K.matvec_int if va.qtype in (Q8_0, Q4_0) else K.matvec_float
+    kern = K.matvec_int if va.qtype in K.INT_DOT_TYPES else K.matvec_float
     kern(va.qtype, *geo, *act, ge, gb, out, outb)
 
 

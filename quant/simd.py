@@ -60,12 +60,30 @@ def _unpack_q8_0(builder: ir.IRBuilder, p):
 
 def _unpack_q4_0(builder: ir.IRBuilder, p):
     """Q4_0 block: f16 d, then 16 bytes; value j < 16 is the low nibble of byte j, value 16 + j
-    the high nibble, each minus 8."""
+    the high nibble, each minus 8.  The 16 bytes are loaded once and doubled (one broadcast),
+    then lanes 16..31 shift right by 4: cheaper than unpacking two halves and joining them."""
     b = _load_vec(builder, builder.gep(p, [_const_i64(2)]), _I8, QK // 2)
-    splat = lambda v: ir.Constant(_vec(_I8, QK // 2), [v] * (QK // 2))  # noqa: E731
-    lo = builder.sub(builder.and_(b, splat(15)), splat(8))
-    hi = builder.sub(builder.lshr(b, splat(4)), splat(8))
-    return _f16_scale(builder, p), builder.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, QK), list(range(QK))))
+    both = builder.shuffle_vector(b, b, ir.Constant(_vec(_I32, QK), [j % (QK // 2) for j in range(QK)]))
+    shift = ir.Constant(_vec(_I8, QK), [0] * (QK // 2) + [4] * (QK // 2))
+    splat = lambda v: ir.Constant(_vec(_I8, QK), [v] * QK)  # noqa: E731
+    w = builder.sub(builder.and_(builder.lshr(both, shift), splat(15)), splat(8))
+    return _f16_scale(builder, p), w
+
+
+def _pair_sum(builder: ir.IRBuilder, v, n: int):
+    """Lanes (2j, 2j+1) of an n-lane vector added: n/2 lanes."""
+    even = ir.Constant(_vec(_I32, n // 2), [2 * i for i in range(n // 2)])
+    odd = ir.Constant(_vec(_I32, n // 2), [2 * i + 1 for i in range(n // 2)])
+    return builder.add(builder.shuffle_vector(v, v, even), builder.shuffle_vector(v, v, odd))
+
+
+NACC = 4         # independent accumulators per row: one FMA chain (4-cycle latency) bounded
+                 # Q4_0 at one 18-byte block per 4 cycles, ~10 GB/s on two cores
+
+
+def _splat_f32(builder: ir.IRBuilder, v, n: int):
+    sv = builder.insert_element(ir.Constant(_vec(_F32, n), None), v, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(sv, sv, ir.Constant(_vec(_I32, n), [0] * n))
 
 
 def _row_dot_intrinsic(block_bytes: int, unpack):
@@ -83,23 +101,30 @@ def _row_dot_intrinsic(block_bytes: int, unpack):
             qa = context.make_array(sig.args[2])(context, builder, args[2])
             sa = context.make_array(sig.args[3])(context, builder, args[3])
             row = builder.gep(wbuf.data, [args[1]])
-            accp = cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, LANES), None))
-            even = ir.Constant(_vec(_I32, LANES), [2 * i for i in range(LANES)])
-            odd = ir.Constant(_vec(_I32, LANES), [2 * i + 1 for i in range(LANES)])
-            with cgutils.for_range(builder, args[4]) as loop:
-                b = loop.index
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, LANES), None)) for _ in range(NACC)]
+
+            def block(b, accp):
                 d, w = unpack(builder, builder.gep(row, [builder.mul(b, _const_i64(block_bytes))]))
                 a = _load_vec(builder, builder.gep(qa.data, [builder.mul(b, _const_i64(QK))]), _I8, QK)
                 prod = builder.mul(builder.sext(w, _vec(_I32, QK)), builder.sext(a, _vec(_I32, QK)))
-                pairs = builder.add(builder.shuffle_vector(prod, prod, even), builder.shuffle_vector(prod, prod, odd))
-                scale = builder.fmul(d, builder.load(builder.gep(sa.data, [b])))
-                sv = builder.insert_element(ir.Constant(_vec(_F32, LANES), None), scale, ir.Constant(_I32, 0))
-                sv = builder.shuffle_vector(sv, sv, ir.Constant(_vec(_I32, LANES), [0] * LANES))
-                term = builder.fmul(builder.sitofp(pairs, _vec(_F32, LANES)), sv, flags=["fast"])
+                sv = _splat_f32(builder, builder.fmul(d, builder.load(builder.gep(sa.data, [b]))), LANES)
+                term = builder.fmul(builder.sitofp(_pair_sum(builder, prod, QK), _vec(_F32, LANES)), sv,
+                                    flags=["fast"])
                 builder.store(builder.fadd(builder.load(accp), term, flags=["fast"]), accp)
+
+            nb = args[4]
+            with cgutils.for_range(builder, builder.udiv(nb, _const_i64(NACC))) as loop:
+                for j in range(NACC):
+                    block(builder.add(builder.mul(loop.index, _const_i64(NACC)), _const_i64(j)), accs[j])
+            tail0 = builder.mul(builder.udiv(nb, _const_i64(NACC)), _const_i64(NACC))
+            with cgutils.for_range_slice(builder, tail0, nb) as (b, _):
+                block(b, accs[0])
+            acc = builder.load(accs[0])
+            for j in range(1, NACC):
+                acc = builder.fadd(acc, builder.load(accs[j]), flags=["fast"])
             red = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32, _vec(_F32, LANES)]),
                                                  f"llvm.vector.reduce.fadd.v{LANES}f32")
-            r = builder.call(red, [ir.Constant(_F32, 0.0), builder.load(accp)])
+            r = builder.call(red, [ir.Constant(_F32, 0.0), acc])
             r.fastmath.add("reassoc")           # a tree sum, not 16 sequential adds
             return r
         return sig, codegen
@@ -108,3 +133,90 @@ def _row_dot_intrinsic(block_bytes: int, unpack):
 
 row_dot_q8_0 = _row_dot_intrinsic(2 + QK, _unpack_q8_0)
 row_dot_q4_0 = _row_dot_intrinsic(2 + QK // 2, _unpack_q4_0)
+
+
+# ----------------------------------------------------------------------------------------
+# row-interleaved weights (ik_llama.cpp's Q8_0_R8 / Q4_0_R8): 8 rows per block group
+# ----------------------------------------------------------------------------------------
+# A group block holds the 8 rows' f16 scales, then their values in 4-byte runs: run l of
+# row k (values 4l..4l+3 of one half of the block) sits at byte 32*l + 4*k.  One 32-byte load
+# thus covers 8 rows x 4 values; the matching 4 activation bytes are broadcast to all 8 rows,
+# the products are summed per 4 bytes (two pairwise adds) and the 8 row sums accumulate in 8
+# lanes: the 8 results need no horizontal sum at all.
+R8 = 8
+
+
+def _unpack_q8_0_r8(builder: ir.IRBuilder, p):
+    """Q8_0_R8 group block: 8 f16 scales, 128 bytes for values 0..15 of the 8 rows, 128 for
+    16..31.  Returns (scales <8 x f32>, [(32 weight bytes, activation offset of their 4 values)])."""
+    runs = []
+    for half in range(2):
+        for l in range(4):
+            w = _load_vec(builder, builder.gep(p, [_const_i64(16 + 128 * half + 32 * l)]), _I8, 32)
+            runs.append((w, 16 * half + 4 * l))
+    return _f16_scales8(builder, p), runs
+
+
+def _unpack_q4_0_r8(builder: ir.IRBuilder, p):
+    """Q4_0_R8 group block: 8 f16 scales, 128 bytes whose low nibbles are values 0..15 and high
+    nibbles 16..31 (each minus 8)."""
+    splat = lambda v: ir.Constant(_vec(_I8, 32), [v] * 32)  # noqa: E731
+    runs = []
+    for l in range(4):
+        b = _load_vec(builder, builder.gep(p, [_const_i64(16 + 32 * l)]), _I8, 32)
+        runs.append((builder.sub(builder.and_(b, splat(15)), splat(8)), 4 * l))
+        runs.append((builder.sub(builder.lshr(b, splat(4)), splat(8)), 16 + 4 * l))
+    return _f16_scales8(builder, p), runs
+
+
+def _f16_scales8(builder: ir.IRBuilder, p):
+    h = builder.load(builder.bitcast(p, _vec(_I16, R8).as_pointer()), align=1)
+    return builder.fpext(builder.bitcast(h, _vec(ir.HalfType(), R8)), _vec(_F32, R8))
+
+
+def _group_dot_intrinsic(block_bytes: int, unpack):
+    """An intrinsic f(buf, gbase, q, s, nb, out, r0): out[r0 + k] = dot of row k of the 8-row
+    group at byte gbase (nb group blocks) with the activation row (q, s), k < 8."""
+
+    @intrinsic
+    def group_dot(typingctx, buf, gbase, q, s, nb, out, r0):
+        if not all(isinstance(a, types.Array) for a in (buf, q, s, out)):
+            return None
+        sig = types.none(buf, types.int64, q, s, types.int64, out, types.int64)
+
+        def codegen(context, builder, sig, args):
+            wbuf = context.make_array(sig.args[0])(context, builder, args[0])
+            qa = context.make_array(sig.args[2])(context, builder, args[2])
+            sa = context.make_array(sig.args[3])(context, builder, args[3])
+            oa = context.make_array(sig.args[5])(context, builder, args[5])
+            grp = builder.gep(wbuf.data, [args[1]])
+            accp = cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, R8), None))
+            bcast4 = ir.Constant(_vec(_I32, 32), [i % 4 for i in range(32)])
+            with cgutils.for_range(builder, args[4]) as loop:
+                b = loop.index
+                d8, runs = unpack(builder, builder.gep(grp, [builder.mul(b, _const_i64(block_bytes))]))
+                act = builder.gep(qa.data, [builder.mul(b, _const_i64(QK))])
+                isum = None
+                for w, off in runs:
+                    a4 = _load_vec(builder, builder.gep(act, [_const_i64(off)]), _I8, 4)
+                    a = builder.shuffle_vector(a4, a4, bcast4)
+                    prod = builder.mul(builder.sext(w, _vec(_I32, 32)), builder.sext(a, _vec(_I32, 32)))
+                    pairs = _pair_sum(builder, prod, 32)            # vpmaddwd
+                    isum = pairs if isum is None else builder.add(isum, pairs)
+                rows = _pair_sum(builder, isum, 16)                 # 8 lanes: one per row
+                sa_b = builder.load(builder.gep(sa.data, [b]))
+                sv = builder.insert_element(ir.Constant(_vec(_F32, R8), None), sa_b, ir.Constant(_I32, 0))
+                sv = builder.shuffle_vector(sv, sv, ir.Constant(_vec(_I32, R8), [0] * R8))
+                term = builder.fmul(builder.sitofp(rows, _vec(_F32, R8)), builder.fmul(d8, sv, flags=["fast"]),
+                                    flags=["fast"])
+                builder.store(builder.fadd(builder.load(accp), term, flags=["fast"]), accp)
+            dst = builder.bitcast(builder.gep(oa.data, [args[6]]), _vec(_F32, R8).as_pointer())
+            builder.store(builder.load(accp), dst, align=4)
+            return context.get_dummy_value()
+        return sig, codegen
+    return group_dot
+
+
+group_dot_q8_0_r8 = _group_dot_intrinsic(16 + 8 * QK, _unpack_q8_0_r8)
+group_dot_q4_0_r8 = _group_dot_intrinsic(16 + 4 * QK, _unpack_q4_0_r8)
+

@@ -14,6 +14,8 @@ class TypeInfo:
     block_size: int  # weights per block
     type_size: int   # bytes per block
     row_meta: int = 0  # bytes before a row's blocks (ik_llama.cpp's per-row scales: IQ4_KS, IQ2_KS ...)
+    interleave: int = 0  # rows stored interleaved (ik_llama.cpp's _R4 / _R8 CPU layouts), else 0
+    base: str = ""       # the plain type whose blocks an interleaved type holds
 
     def row_bytes(self, n: int) -> int:
         if n % self.block_size:
@@ -57,6 +59,23 @@ _TYPES = [
     TypeInfo("IQ4_KS", 144, 256, 136, row_meta=4),
     TypeInfo("IQ2_KS", 145, 256, 70, row_meta=2),
     TypeInfo("IQ4_KSS", 146, 256, 128, row_meta=4),
+    # ik_llama.cpp's row-interleaved CPU layouts: groups of 4 or 8 rows stored block by block;
+    # the same bytes per row as the plain type (ggml.c type_traits)
+    TypeInfo("Q4_0_R8", 202, 32, 18, interleave=8, base="Q4_0"),
+    TypeInfo("Q8_0_R8", 208, 32, 34, interleave=8, base="Q8_0"),
+    TypeInfo("Q2_K_R4", 210, 256, 84, interleave=4, base="Q2_K"),
+    TypeInfo("Q3_K_R4", 211, 256, 110, interleave=4, base="Q3_K"),
+    TypeInfo("Q4_K_R4", 212, 256, 144, interleave=4, base="Q4_K"),
+    TypeInfo("Q5_K_R4", 213, 256, 176, interleave=4, base="Q5_K"),
+    TypeInfo("Q6_K_R4", 214, 256, 210, interleave=4, base="Q6_K"),
+    TypeInfo("IQ4_NL_R4", 220, 32, 18, interleave=4, base="IQ4_NL"),
+    TypeInfo("IQ4_XS_R8", 223, 256, 136, interleave=8, base="IQ4_XS"),
+    TypeInfo("IQ2_K_R4", 337, 256, 76, interleave=4, base="IQ2_K"),
+    TypeInfo("IQ3_K_R4", 338, 256, 110, interleave=4, base="IQ3_K"),
+    TypeInfo("IQ4_K_R4", 339, 256, 144, interleave=4, base="IQ4_K"),
+    TypeInfo("IQ5_K_R4", 340, 256, 176, interleave=4, base="IQ5_K"),
+    TypeInfo("IQ4_KS_R4", 344, 256, 136, row_meta=4, interleave=4, base="IQ4_KS"),
+    TypeInfo("Q8_K_R8", 399, 256, 258, interleave=8, base="Q8_K"),   # 8 f16 scales + 8 x 256 int8 per 8 rows
 ]
 
 BY_ID: dict[int, TypeInfo] = {t.id: t for t in _TYPES}
@@ -69,6 +88,15 @@ F32, F16, Q4_0, Q8_0, BF16, Q6_0 = 0, 1, 2, 8, 30, 133
 # their row decoders (f32 paths); Q8_0 / Q4_0 also have integer dot kernels
 COMPUTE_TYPES = frozenset({F32, F16, BF16, Q8_0, Q4_0, Q6_0, 3, 6, 7, 20, 10, 11, 12, 13, 14, 23,
                            137, 138, 139, 140, 141, 144, 145, 146})
+
+
+def interleaved_form(t: int) -> TypeInfo | None:
+    """The _R4 / _R8 type that holds type t's blocks row-interleaved, if there is one."""
+    name = type_info(t).name
+    for ti in _TYPES:
+        if ti.base == name:
+            return ti
+    return None
 
 
 def type_info(t: int | str) -> TypeInfo:
