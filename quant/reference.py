@@ -107,6 +107,9 @@ def quantize(x: np.ndarray, qtype: int, imatrix: np.ndarray | None = None) -> np
         n = np.shape(x)[-1] if np.ndim(x) >= 2 else np.size(x)
         if imatrix.size != n:
             raise ValueError(f"imatrix has {imatrix.size} values but the rows have {n} columns")
+    if type_info(qtype).interleave:                            # ik's _R4/_R8 layouts: base type, repacked
+        from . import interleaved
+        return interleaved.quantize(x, qtype, imatrix)
     if qtype in _LEGACY_CHUNK and (imatrix is not None or qtype in (Q6_0, 20)):
         from . import legacy
         return legacy.quantize_chunk(_rows(x), qtype, imatrix)
@@ -166,10 +169,17 @@ def quantize_row(x: np.ndarray, qtype: int) -> np.ndarray:
     raise NotImplementedError(f"reference quantize: type {type_info(qtype).name} not supported")
 
 
-def dequantize(raw: np.ndarray, qtype: int, n: int) -> np.ndarray:
+def dequantize(raw: np.ndarray, qtype: int, n: int, n_per_row: int | None = None) -> np.ndarray:
     """Decode the first `n` values of raw bytes `raw` (flat, C order) of type `qtype` to f32
-    (one row of n values for the types with per-row metadata)."""
+    (one row of n values for the types with per-row metadata).  _R4/_R8 types: n covers whole
+    groups of rows of n_per_row values (default n / interleave: one group, as ik's to_float)."""
     ti = type_info(qtype)
+    if ti.interleave:
+        from . import interleaved
+        npr = n // ti.interleave if n_per_row is None else n_per_row
+        if npr <= 0 or n % (npr * ti.interleave):
+            raise ValueError(f"{ti.name}: {n} values are not whole groups of {ti.interleave} rows of {npr}")
+        return interleaved.dequantize(raw, qtype, n // npr, npr).reshape(-1)
     from . import iqk, kquants, legacy
     for family in (legacy, kquants):
         if qtype in (family.LEGACY_TYPES if family is legacy else family.KQUANT_TYPES):

@@ -52,15 +52,22 @@ class IkGgml:
         return out
 
     def dequantize(self, qtype: str | int, raw: np.ndarray, n_per_row: int) -> np.ndarray:
-        """(nrows, row_bytes) bytes -> (nrows, n_per_row) f32 with dequantize_row_<type> per row."""
+        """(nrows, row_bytes) bytes -> (nrows, n_per_row) f32 with dequantize_row_<type> per row
+        (per group of 4 / 8 rows for the _R4 / _R8 types, as ggml's to_float calls them)."""
         ti = type_info(qtype)
-        fn = getattr(self.lib, f"dequantize_row_{ti.name.lower().replace('_k', '_K') if ti.name.startswith('Q') else ti.name.lower()}")
+        name = ti.name.lower()
+        if ti.name.startswith("Q") and not ti.interleave:   # dequantize_row_q4_K, but ..._q4_k_r4
+            name = name.replace("_k", "_K")
+        fn = getattr(self.lib, f"dequantize_row_{name}")
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
         raw = np.ascontiguousarray(raw, dtype=np.uint8)
         out = np.empty((raw.shape[0], n_per_row), dtype=np.float32)
-        for r in range(raw.shape[0]):
-            fn(raw[r].ctypes.data, out[r].ctypes.data, n_per_row)
+        step = ti.interleave or 1
+        if raw.shape[0] % step:
+            raise ValueError(f"{raw.shape[0]} rows is not a multiple of {ti.name}'s {step} interleaved rows")
+        for r in range(0, raw.shape[0], step):
+            fn(raw[r].ctypes.data, out[r].ctypes.data, step * n_per_row)
         return out
 
 

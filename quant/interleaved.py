@@ -1,0 +1,604 @@
+"""ik_llama.cpp's row-interleaved CPU layouts (the _R4 / _R8 types), bit-exact with its files.
+
+An _R4 / _R8 tensor stores its rows in groups of I = 4 or 8 (quant.types: TypeInfo.interleave).
+Within a group, block column b (values [b*B, (b+1)*B) of every row) is one "R block" that holds
+the I plain blocks of that column, rearranged so that SIMD code loads 4 consecutive values of
+I rows at once.  A group is therefore
+
+    [row meta of rows 0..I-1]  R block 0 | R block 1 | ...     (I * row_bytes bytes)
+
+(row meta: only IQ4_KS_R4, the f32 row scales of its 4 rows).  Except for Q8_K_R8 every R
+block is a pure bit permutation of the I plain blocks: nothing is recomputed, so repacking and
+unpacking are exact inverses and ik's dequantize_row_<type>_r4/_r8 gives the same f32 as the
+plain decoder of the unpacked rows (checked in tests/test_interleaved.py against ik's bytes).
+
+How an R block is built from the I plain blocks (ik's repack_<type>), with L the per-value
+integer levels of a row (0..2^bits-1), k the row in the group, e a value index:
+
+* scales and other per-row fields are copied into arrays of I entries (d[k], or d[k] followed
+  by dmin[k]);
+* per-sub-block fields with index j (scale, min, extra bit, high scale bits) go to a packed
+  array at position is = I*j + k: byte is % N, bits w*(is // N) (N bytes of w-bit fields);
+* the levels of each 32-value sub-block s are "woven": byte 4*I*m + 4*k + i of the sub-block's
+  part holds L[32*s + i + off] for the offsets `off` of group m (one per bit field of the byte),
+  i = 0..3 -- e.g. the nibble pairs (0,8) (16,24) (4,12) (20,28) of the _R4 4-bit types.
+
+Q8_K_R8 has no plain file type: ik quantizes f32 rows to Q8_K (f32 d per 256) and stores d as
+f16.  `unpack` turns it into Q8_0 rows (every 32-block gets the super-block's f16 d): the
+same values exactly, in a type ikcli already decodes.  `plain_type` says which type unpack
+gives.
+
+The ik "online" repacking (+127 for Q8_0_R8 with AVX512, xor 0x88 on ARM, xor 0x80 for
+Q8_K_R8) only exists in memory; files hold the plain-order bytes implemented here.
+
+Public:
+    repack(raw, qtype_plain, nrows, n_per_row)   plain rows -> R rows (bytes)
+    unpack(raw_R, qtype_R, nrows, n_per_row)     R rows -> plain rows (bytes of plain_type)
+    dequantize(raw_R, qtype_R, nrows, n_per_row) R rows -> f32 (nrows, n_per_row)
+    quantize(x, qtype_R, imatrix)                f32 rows -> R bytes, as ggml_quantize_chunk
+    unpack_group(buf, qtype, gbase, n_per_row, out)   Numba: one group -> plain rows
+unpack_group is one table-driven loop for all 15 types: each plain byte is the OR of a few bit
+fields of R bytes (4 plain bytes at a time where the layout moves 4 values together).  The
+tables come from the NumPy repack itself, run at import on bit-labelled probe blocks (about
+20 ms), so the reference and the Numba path cannot disagree on a layout.  Cost, measured on
+the shared 2-core dev box (n_per_row 4096, CPU time): 1.1 (Q4_0_R8) to 3.0 (IQ5_K_R4) ns per
+value, several times the plain decoders' 0.3-0.5 ns: fine for loading or converting, slow to
+redo for every matvec.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .types import type_info
+
+# ids (quant.types)
+Q8_0, Q8_K = 8, 15
+Q4_0_R8, Q8_0_R8, Q2_K_R4, Q3_K_R4, Q4_K_R4, Q5_K_R4, Q6_K_R4 = 202, 208, 210, 211, 212, 213, 214
+IQ4_NL_R4, IQ4_XS_R8, IQ2_K_R4, IQ3_K_R4 = 220, 223, 337, 338
+IQ4_K_R4, IQ5_K_R4, IQ4_KS_R4, Q8_K_R8 = 339, 340, 344, 399
+
+R_TYPES = (Q4_0_R8, Q8_0_R8, Q2_K_R4, Q3_K_R4, Q4_K_R4, Q5_K_R4, Q6_K_R4, IQ4_NL_R4, IQ4_XS_R8,
+           IQ2_K_R4, IQ3_K_R4, IQ4_K_R4, IQ5_K_R4, IQ4_KS_R4, Q8_K_R8)
+QK_K = 256
+_Q8_K_BYTES = 296          # ik's block_q8_K: f32 d, f32 sum, int8 qs[256], int16 bsums[16]
+
+# ik's quantize_<type>_r4/_r8 run the base quantizer through QHelper (per-row imatrix weights,
+# degenerate blocks of this many values get weights 1e-9) for these types; the IQK _R4 types call
+# the base quantizer directly
+_QHELPER_BLOCK = {Q4_0_R8: 32, IQ4_NL_R4: 32, IQ4_XS_R8: 32, Q4_K_R4: 32, Q5_K_R4: 32,
+                  Q6_K_R4: 16, Q3_K_R4: 16, Q2_K_R4: 16}
+
+
+def is_interleaved(qtype: int | str) -> bool:
+    return type_info(qtype).interleave > 0
+
+
+def plain_type(qtype_r: int | str) -> int:
+    """The type whose row bytes `unpack` / `unpack_group` produce for R type qtype_r."""
+    ti = type_info(qtype_r)
+    if not ti.interleave:
+        raise ValueError(f"{ti.name} is not a row-interleaved (_R4/_R8) type")
+    return Q8_0 if ti.id == Q8_K_R8 else type_info(ti.base).id
+
+
+# ----------------------------------------------------------------------------------------
+# plain blocks -> fields (bit operations only: the repack must stay a bit permutation)
+# ----------------------------------------------------------------------------------------
+def _nib_halves(qs: np.ndarray) -> np.ndarray:
+    """qs (..., 16*s): byte 16*t + j holds value 32*t + j (low nibble) and 32*t + 16 + j (high)."""
+    q = qs.reshape(*qs.shape[:-1], -1, 16)
+    return np.concatenate([q & 15, q >> 4], axis=-1).reshape(*qs.shape[:-1], -1)
+
+
+def _nib_k4(qs: np.ndarray) -> np.ndarray:
+    """Q4_K/Q5_K/IQ5_K qs (..., 128): byte 32*h + j holds value 64*h + j (low), 64*h + 32 + j (high)."""
+    q = qs.reshape(*qs.shape[:-1], 4, 32)
+    return np.concatenate([q & 15, q >> 4], axis=-1).reshape(*qs.shape[:-1], 256)
+
+
+def _crumbs(qs: np.ndarray) -> np.ndarray:
+    """2-bit planes (..., 64): value 128*h + 32*s + j = bits 2s..2s+1 of byte 32*h + j."""
+    q = qs.reshape(*qs.shape[:-1], 2, 1, 32)
+    return ((q >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3).reshape(*qs.shape[:-1], 256)
+
+
+def _bit_planes(qh: np.ndarray) -> np.ndarray:
+    """(..., 32) bytes -> (..., 256): value e = bit e // 32 of byte e % 32."""
+    return ((qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1).reshape(*qh.shape[:-1], 256)
+
+
+def _u16_bits(b: np.ndarray, n: int) -> np.ndarray:
+    """(..., 2) bytes of a little-endian u16 -> its low n bits (..., n), bit j at j."""
+    v = b[..., 0].astype(np.uint16) | (b[..., 1].astype(np.uint16) << 8)
+    return ((v[..., None] >> np.arange(n, dtype=np.uint16)) & 1).astype(np.uint8)
+
+
+def _nibbles(b: np.ndarray) -> np.ndarray:
+    """(..., n) bytes -> (..., 2n) nibbles, low nibble first."""
+    return np.stack([b & 15, b >> 4], axis=-1).reshape(*b.shape[:-1], -1)
+
+
+def _crumbs_of(b: np.ndarray) -> np.ndarray:
+    """(..., n) bytes -> (..., 4n) 2-bit fields, lowest first."""
+    return ((b[..., None] >> (2 * np.arange(4, dtype=np.uint8))) & 3).reshape(*b.shape[:-1], -1)
+
+
+def _q3_k_scales(sc: np.ndarray) -> np.ndarray:
+    """Q3_K's 12 scale bytes -> 16 6-bit scales (low 4 bits from nibbles, high 2 from bytes 8..11)."""
+    lo = np.concatenate([sc[..., 0:8] & 15, sc[..., 0:8] >> 4], axis=-1)       # scales 0..15
+    hi = _crumbs_of(sc[..., 8:12])                                             # (.., 16): byte 8+i, crumb c
+    hi = hi.reshape(*sc.shape[:-1], 4, 4).swapaxes(-1, -2).reshape(*sc.shape[:-1], 16)
+    return lo | (hi << 4)
+
+
+def _k4_scales(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 scale bytes -> (8 scales, 8 mins), 6 bits each."""
+    a, b, c = sc[..., 0:4], sc[..., 4:8], sc[..., 8:12]
+    ls = np.concatenate([a & 63, (c & 15) | ((a >> 6) << 4)], axis=-1)
+    lm = np.concatenate([b & 63, (c >> 4) | ((b >> 6) << 4)], axis=-1)
+    return ls, lm
+
+
+# ----------------------------------------------------------------------------------------
+# R block assembly helpers; P is (n, I, S): n block columns of I plain blocks
+# ----------------------------------------------------------------------------------------
+Q4_PAIRS = ((0, 8), (16, 24), (4, 12), (20, 28))      # nibble pairs of the _R4 4-bit types
+CRUMBS = ((0, 4, 8, 12), (16, 20, 24, 28))           # 2-bit fields of the _R4 2/3-bit types
+
+
+def _weave(L: np.ndarray, groups, width: int) -> np.ndarray:
+    """L (n, I, V) levels -> (n, V // 32 * len(groups) * I * 4) bytes: for 32-value sub-block s,
+    group m, row k, i < 4, the byte holds the fields L[k, 32*s + i + off] for off in groups[m],
+    `width` bits each, first offset lowest."""
+    n, nrow, nv = L.shape
+    lb = L.reshape(n, nrow, nv // 32, 32)
+    i = np.arange(4)
+    out = np.zeros((n, nv // 32, len(groups), nrow, 4), dtype=np.uint8)
+    mask = (1 << width) - 1
+    for m, offs in enumerate(groups):
+        acc = np.zeros((n, nrow, nv // 32, 4), dtype=np.uint8)
+        for t, off in enumerate(offs):
+            acc |= (lb[..., off + i] & mask) << (width * t)
+        out[:, :, m] = acc.transpose(0, 2, 1, 3)
+    return out.reshape(n, -1)
+
+
+def _place(v: np.ndarray, nbytes: int, width: int) -> np.ndarray:
+    """Per-row fields v (n, I, J) -> packed (n, nbytes): field (k, j) has index is = I*j + k and
+    sits in byte is % nbytes at bit width * (is // nbytes)."""
+    n, nrow, nj = v.shape
+    flat = v.transpose(0, 2, 1).reshape(n, nj * nrow)
+    out = np.zeros((n, nbytes), dtype=np.uint8)
+    for s in range(flat.shape[1] // nbytes):
+        out |= flat[:, s * nbytes:(s + 1) * nbytes] << (width * s)
+    return out
+
+
+def _rows_of(P: np.ndarray, a: int, b: int) -> np.ndarray:
+    """Bytes [a, b) of every row's block, concatenated over the rows: (n, I * (b - a))."""
+    return P[:, :, a:b].reshape(P.shape[0], -1)
+
+
+def _extra_bits(P: np.ndarray, o: int) -> np.ndarray:
+    """The 16 extra bits (u16 at byte o) of the IQK blocks, (n, I, 16)."""
+    return _u16_bits(P[:, :, o:o + 2], 16)
+
+
+def _r_q4_0(P):      # Q4_0 -> Q4_0_R8: d[8], qs copied in runs of 4 bytes
+    return np.concatenate([_rows_of(P, 0, 2), _weave(_nib_halves(P[:, :, 2:18]),
+                                                     ((0, 16), (4, 20), (8, 24), (12, 28)), 4)], axis=1)
+
+
+def _r_iq4_nl(P):    # IQ4_NL -> IQ4_NL_R4
+    return np.concatenate([_rows_of(P, 0, 2), _weave(_nib_halves(P[:, :, 2:18]), Q4_PAIRS, 4)], axis=1)
+
+
+def _r_q8_0(P):      # Q8_0 -> Q8_0_R8
+    return np.concatenate([_rows_of(P, 0, 2), _weave(P[:, :, 2:34], [(4 * m,) for m in range(8)], 8)], axis=1)
+
+
+def _r_iq4_xs(P):    # IQ4_XS -> IQ4_XS_R8: d[8] | scales_h[16] | scales_l[32] | qs[1024]
+    sl = _nibbles(P[:, :, 4:8])
+    sh = _u16_bits(P[:, :, 2:4], 16).reshape(*P.shape[:2], 8, 2)
+    sh = sh[..., 0] | (sh[..., 1] << 1)
+    qs = _weave(_nib_halves(P[:, :, 8:136]), ((0, 4), (8, 12), (16, 20), (24, 28)), 4)
+    return np.concatenate([_rows_of(P, 0, 2), _place(sh, 16, 2), _place(sl, 32, 4), qs], axis=1)
+
+
+def _r_iq4_ks(P):    # IQ4_KS -> IQ4_KS_R4 (block part; the row scales go to the group header)
+    return np.concatenate([_place(P[:, :, 0:8], 32, 8), _weave(_nib_halves(P[:, :, 8:136]), Q4_PAIRS, 4)], axis=1)
+
+
+def _iqk_scales(P, o_h, o_l):
+    """IQ4_K/IQ5_K 6-bit sub-scale fields -> (scales_h[16], scales_l[32]) of the _R4 block."""
+    sl = _nibbles(P[:, :, o_l:o_l + 8])                      # scale j: nibble j
+    sh = _crumbs_of(P[:, :, o_h:o_h + 4])                    # scale j: crumb j
+    return _place(sh, 16, 2), _place(sl, 32, 4)
+
+
+def _r_iq4_k(P):     # IQ4_K -> IQ4_K_R4: d[4] | extra[8] | scales_h[16] | scales_l[32] | qs[512]
+    sh, sl = _iqk_scales(P, 4, 8)
+    qs = _weave(_nib_halves(P[:, :, 16:144]), Q4_PAIRS, 4)
+    return np.concatenate([_rows_of(P, 0, 2), _place(_extra_bits(P, 2), 8, 1), sh, sl, qs], axis=1)
+
+
+def _r_iq5_k(P):     # IQ5_K -> IQ5_K_R4: d[4] | extra[8] | scales_h[16] | scales_l[32] | qs[512] | qh[128]
+    sh, sl = _iqk_scales(P, 4, 8)
+    L = _nib_k4(P[:, :, 16:144]) | (_bit_planes(P[:, :, 144:176]) << 4)
+    qs = _weave(L & 15, Q4_PAIRS, 4)
+    qh = _weave(L >> 4, [(0, 8, 16, 24, 4, 12, 20, 28)], 1)
+    return np.concatenate([_rows_of(P, 0, 2), _place(_extra_bits(P, 2), 8, 1), sh, sl, qs, qh], axis=1)
+
+
+def _r_iq2_k(P):     # IQ2_K -> IQ2_K_R4: d[4] | extra[8] | scales[32] | qs[256]
+    qs = _weave(_crumbs(P[:, :, 12:76]), CRUMBS, 2)
+    return np.concatenate([_rows_of(P, 0, 2), _place(_extra_bits(P, 2), 8, 1),
+                           _place(_nibbles(P[:, :, 4:12]), 32, 4), qs], axis=1)
+
+
+def _r_iq3_k(P):     # IQ3_K -> IQ3_K_R4: d[4] | extra[8] | scales_h[8] | scales_l[32] | qs[256] | qh[128]
+    L = _crumbs(P[:, :, 14:78]) | (_bit_planes(P[:, :, 78:110]) << 2)
+    sh = _place(_u16_bits(P[:, :, 4:6], 16), 8, 1)
+    sl = _place(_nibbles(P[:, :, 6:14]), 32, 4)
+    qs = _weave(L & 3, CRUMBS, 2)
+    qh = _weave(L >> 2, [(0, 4, 8, 12, 16, 20, 24, 28)], 1)
+    return np.concatenate([_rows_of(P, 0, 2), _place(_extra_bits(P, 2), 8, 1), sh, sl, qs, qh], axis=1)
+
+
+def _r_q2_k(P):      # Q2_K -> Q2_K_R4: d[4] dmin[4] | scales[64] | qs[256]
+    qs = _weave(_crumbs(P[:, :, 16:80]), CRUMBS, 2)
+    return np.concatenate([_rows_of(P, 80, 82), _rows_of(P, 82, 84), _place(P[:, :, 0:16], 64, 8), qs], axis=1)
+
+
+def _r_q3_k(P):      # Q3_K -> Q3_K_R4: d[4] | scales_h[16] | scales_l[32] | qh[128] | qs[256]
+    L = _crumbs(P[:, :, 32:96]) | (_bit_planes(P[:, :, 0:32]) << 2)
+    ls = _q3_k_scales(P[:, :, 96:108])
+    qh = _weave(L >> 2, [(0, 4, 8, 12, 16, 20, 24, 28)], 1)
+    qs = _weave(L & 3, CRUMBS, 2)
+    return np.concatenate([_rows_of(P, 108, 110), _place(ls >> 4, 16, 2), _place(ls & 15, 32, 4), qh, qs], axis=1)
+
+
+def _k4_scale_fields(P):
+    ls, lm = _k4_scales(P[:, :, 4:16])
+    return _place((ls >> 4) | ((lm >> 4) << 2), 16, 4), _place((ls & 15) | ((lm & 15) << 4), 32, 8)
+
+
+def _r_q4_k(P):      # Q4_K -> Q4_K_R4: d[4] dmin[4] | scales_h[16] | scales_l[32] | qs[512]
+    sh, sl = _k4_scale_fields(P)
+    qs = _weave(_nib_k4(P[:, :, 16:144]), Q4_PAIRS, 4)
+    return np.concatenate([_rows_of(P, 0, 2), _rows_of(P, 2, 4), sh, sl, qs], axis=1)
+
+
+def _r_q5_k(P):      # Q5_K -> Q5_K_R4: d[4] dmin[4] | scales_h[16] | scales_l[32] | qh[128] | qs[512]
+    sh, sl = _k4_scale_fields(P)
+    L = _nib_k4(P[:, :, 48:176]) | (_bit_planes(P[:, :, 16:48]) << 4)
+    qh = _weave(L >> 4, [(0, 8, 4, 12, 16, 24, 20, 28)], 1)
+    qs = _weave(L & 15, Q4_PAIRS, 4)
+    return np.concatenate([_rows_of(P, 0, 2), _rows_of(P, 2, 4), sh, sl, qh, qs], axis=1)
+
+
+def _r_q6_k(P):      # Q6_K -> Q6_K_R4: d[4] | scales[64] | qh[256] | ql[512]
+    ql = P[:, :, 0:128].reshape(*P.shape[:2], 2, 2, 32)            # (half, 32-byte part, j)
+    qh = P[:, :, 128:192].reshape(*P.shape[:2], 2, 1, 32)
+    low = np.stack([ql[:, :, :, 0] & 15, ql[:, :, :, 1] & 15, ql[:, :, :, 0] >> 4, ql[:, :, :, 1] >> 4], axis=3)
+    high = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
+    L = (low | (high << 4)).reshape(*P.shape[:2], 256)
+    qh_r = _weave(L >> 4, ((0, 8, 4, 12), (16, 24, 20, 28)), 2)
+    ql_r = _weave(L & 15, Q4_PAIRS, 4)
+    return np.concatenate([_rows_of(P, 208, 210), _place(P[:, :, 192:208], 64, 8), qh_r, ql_r], axis=1)
+
+
+def _r_q8_k(P):      # ik's Q8_K blocks -> Q8_K_R8: d[8] as f16 | qs[2048]  (d rounded: not a permutation)
+    d = np.ascontiguousarray(P[:, :, 0:4]).view(np.float32)[..., 0].astype(np.float16)
+    qs = _weave(P[:, :, 8:264], [(4 * m,) for m in range(8)], 8)
+    return np.concatenate([d.view(np.uint8).reshape(P.shape[0], -1), qs], axis=1)
+
+
+_BUILD = {Q4_0_R8: _r_q4_0, Q8_0_R8: _r_q8_0, IQ4_NL_R4: _r_iq4_nl, IQ4_XS_R8: _r_iq4_xs,
+          IQ4_KS_R4: _r_iq4_ks, IQ4_K_R4: _r_iq4_k, IQ5_K_R4: _r_iq5_k, IQ2_K_R4: _r_iq2_k,
+          IQ3_K_R4: _r_iq3_k, Q2_K_R4: _r_q2_k, Q3_K_R4: _r_q3_k, Q4_K_R4: _r_q4_k,
+          Q5_K_R4: _r_q5_k, Q6_K_R4: _r_q6_k, Q8_K_R8: _r_q8_k}
+
+
+# ----------------------------------------------------------------------------------------
+# the unpack map: plain bit p of a block column comes from R bit G[p]
+# ----------------------------------------------------------------------------------------
+def _bits(b: np.ndarray) -> np.ndarray:
+    return np.unpackbits(b, axis=-1, bitorder="little")
+
+
+def _probe_permutation(qtype_r: int) -> np.ndarray:
+    """G for a bit-permuting R type, found by repacking bit-labelled plain blocks: probe t sets
+    plain bit p iff bit t of p is set, so R bit r reads back the index of its source bit."""
+    ti = type_info(qtype_r)
+    nrow, s = ti.interleave, ti.type_size
+    nbits = nrow * s * 8
+    nprobe = int(nbits - 1).bit_length()
+    labels = np.arange(nbits)
+    probes = ((labels[None, :] >> np.arange(nprobe)[:, None]) & 1).astype(np.uint8)      # (nprobe, nbits)
+    probes = np.concatenate([probes, np.ones((1, nbits), np.uint8)])                     # + all ones
+    P = np.packbits(probes, axis=-1, bitorder="little").reshape(-1, nrow, s)
+    R = _bits(_BUILD[ti.id](P))
+    if R.shape[1] != nbits or not R[-1].all():
+        raise AssertionError(f"{ti.name}: repack is not a bit permutation")
+    F = (R[:-1].astype(np.int64) << np.arange(nprobe)[:, None]).sum(axis=0)             # R bit r <- plain bit F[r]
+    if not np.array_equal(np.sort(F), labels):
+        raise AssertionError(f"{ti.name}: repack is not a bit permutation")
+    G = np.empty(nbits, dtype=np.int64)
+    G[F] = np.arange(nbits)
+    return G
+
+
+def _q8_k_r8_gather() -> np.ndarray:
+    """G for Q8_K_R8 -> Q8_0 rows: row k's 8 blocks of 34 bytes per 256 values take the f16 d[k]
+    (R bytes 2k, 2k+1) and value 32*t + c from R qs byte 32*(8*t + c // 4) + 4*k + c % 4."""
+    k = np.arange(8)[:, None, None]
+    t = np.arange(8)[None, :, None]
+    c = np.arange(32)[None, None, :]
+    src = np.empty((8, 8, 34), dtype=np.int64)
+    src[:, :, 0:2] = 2 * k + np.arange(2)
+    src[:, :, 2:] = 16 + 32 * (8 * t + c // 4) + 4 * k + c % 4
+    byte = src.reshape(-1)
+    return (8 * byte[:, None] + np.arange(8)).reshape(-1)
+
+
+def _gather_map(qtype_r: int) -> np.ndarray:
+    return _q8_k_r8_gather() if qtype_r == Q8_K_R8 else _probe_permutation(qtype_r)
+
+
+def _plain_block_bytes(qtype_r: int) -> int:
+    """Bytes per row of one block column in the unpacked (plain_type) form."""
+    return 8 * 34 if qtype_r == Q8_K_R8 else type_info(qtype_r).type_size
+
+
+def _gather_tables(G: np.ndarray, sp: int) -> tuple[np.ndarray, np.ndarray]:
+    """G as (entries, fields) for unpack_group.  A field (src byte, src shift, dst shift, mask)
+    is one bit run that lies within one R byte and one plain byte.  An entry (dst row, dst byte,
+    count, first field, end field) writes `count` plain bytes: byte dst + j is the OR of its
+    fields ((R[src + j] >> src shift) & mask) << dst shift.  count is 4 where 4 consecutive plain
+    bytes take the same fields from 4 consecutive R bytes (the woven layouts move 4 values at a
+    time), else 1."""
+    p = np.arange(G.size)
+    start = np.ones(G.size, dtype=bool)
+    start[1:] = (p[1:] % 8 == 0) | (G[1:] != G[:-1] + 1) | (G[1:] % 8 == 0)
+    first = np.flatnonzero(start)
+    length = np.diff(np.append(first, G.size))
+    per_byte: list[list[tuple[int, int, int, int]]] = [[] for _ in range(G.size // 8)]
+    for pb, rb, ss, ds, m in zip(p[first] // 8, G[first] // 8, G[first] % 8, p[first] % 8, (1 << length) - 1):
+        per_byte[pb].append((int(rb), int(ss), int(ds), int(m)))
+    ents, fields, b = [], [], 0
+    while b < len(per_byte):
+        fl = per_byte[b]
+        cnt = 4 if b % sp + 4 <= sp and all(
+            [(f[0] + j,) + f[1:] for f in fl] == per_byte[b + j] for j in range(1, 4)) else 1
+        ents.append((b // sp, b % sp, cnt, len(fields), len(fields) + len(fl)))
+        fields.extend(fl)
+        b += cnt
+    return np.array(ents, dtype=np.int32), np.array(fields, dtype=np.int32)
+
+
+def _build_tables():
+    slot = np.full(400, -1, dtype=np.int32)
+    # per type: interleave, R bytes and plain bytes per row per block, row meta, block size, entries [start, end)
+    info = np.zeros((len(R_TYPES), 7), dtype=np.int32)
+    ents, fields, gathers, ne, nf = [], [], {}, 0, 0
+    for s, t in enumerate(R_TYPES):
+        ti = type_info(t)
+        G = _gather_map(t)
+        e, f = _gather_tables(G, _plain_block_bytes(t))
+        e[:, 3:] += nf
+        gathers[t] = G
+        slot[t] = s
+        info[s] = (ti.interleave, ti.type_size, _plain_block_bytes(t), ti.row_meta, ti.block_size, ne, ne + len(e))
+        ents.append(e)
+        fields.append(f)
+        ne, nf = ne + len(e), nf + len(f)
+    return slot, info, np.concatenate(ents), np.concatenate(fields), gathers
+
+
+_SLOT, _INFO, _ENTS, _FIELDS, _GATHER = _build_tables()
+# one contiguous array per column: plain 1-d loads in the loop
+_E_ROW, _E_DST, _E_CNT, _E_F0, _E_F1 = (np.ascontiguousarray(c) for c in _ENTS.T)
+_F_SRC, _F_SSH, _F_DSH, _F_MASK = (np.ascontiguousarray(c) for c in _FIELDS.T)
+
+
+# ----------------------------------------------------------------------------------------
+# NumPy reference API
+# ----------------------------------------------------------------------------------------
+def _check_rows(ti, nrows: int, n_per_row: int) -> None:
+    if nrows % ti.interleave:
+        raise ValueError(f"{ti.name} needs a multiple of {ti.interleave} rows; the tensor is "
+                         f"{nrows} x {n_per_row}")
+    if n_per_row % ti.block_size:
+        raise ValueError(f"{ti.name}: rows of {n_per_row} values are not a multiple of {ti.block_size}; "
+                         f"the tensor is {nrows} x {n_per_row}")
+
+
+def _as_rows(raw: np.ndarray, nrows: int, row_bytes: int, name: str) -> np.ndarray:
+    raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    if raw.size < nrows * row_bytes:
+        raise ValueError(f"{name}: {nrows} rows need {nrows * row_bytes} bytes, got {raw.size}")
+    return raw[:nrows * row_bytes].reshape(nrows, row_bytes)
+
+
+def _r_type_of_plain(qtype_plain: int | str):
+    ti = type_info(qtype_plain)
+    if ti.id == Q8_K:
+        return ti, type_info(Q8_K_R8), _Q8_K_BYTES
+    for t in R_TYPES:
+        tr = type_info(t)
+        if tr.base == ti.name and t != Q8_K_R8:
+            return ti, tr, ti.type_size
+    raise ValueError(f"{ti.name} has no row-interleaved form")
+
+
+def repack(raw: np.ndarray, qtype_plain: int | str, nrows: int, n_per_row: int) -> np.ndarray:
+    """Plain rows (nrows, row_bytes) of qtype_plain -> the bytes of its _R4/_R8 form, (nrows,
+    row_bytes of the R type), as ik's repack_<type> (offline form).  Q8_K: ik's block_q8_K
+    (296 bytes per 256) -> Q8_K_R8."""
+    ti, tr, s = _r_type_of_plain(qtype_plain)
+    _check_rows(tr, nrows, n_per_row)
+    nb, nrow, meta = n_per_row // tr.block_size, tr.interleave, tr.row_meta
+    rows = _as_rows(raw, nrows, meta + nb * s, ti.name)
+    ng = nrows // nrow
+    P = rows[:, meta:].reshape(ng, nrow, nb, s).transpose(0, 2, 1, 3).reshape(ng * nb, nrow, s)
+    R = _BUILD[tr.id](np.ascontiguousarray(P)).reshape(ng, -1)
+    head = rows[:, :meta].reshape(ng, nrow * meta)
+    return np.concatenate([head, R], axis=1).reshape(nrows, tr.row_bytes(n_per_row))
+
+
+def unpack(raw_r: np.ndarray, qtype_r: int | str, nrows: int, n_per_row: int) -> np.ndarray:
+    """R rows -> rows of plain_type(qtype_r), (nrows, plain row_bytes): the exact inverse of
+    repack (Q8_K_R8: Q8_0 rows holding the same values)."""
+    tr = type_info(qtype_r)
+    if not tr.interleave:
+        raise ValueError(f"{tr.name} is not a row-interleaved (_R4/_R8) type")
+    _check_rows(tr, nrows, n_per_row)
+    nb, nrow, meta, s = n_per_row // tr.block_size, tr.interleave, tr.row_meta, tr.type_size
+    sp = _plain_block_bytes(tr.id)
+    rows = _as_rows(raw_r, nrows, tr.row_bytes(n_per_row), tr.name)
+    ng = nrows // nrow
+    groups = rows.reshape(ng, nrow * tr.row_bytes(n_per_row))
+    head = groups[:, :nrow * meta].reshape(ng, nrow, meta)
+    R = groups[:, nrow * meta:].reshape(ng * nb, nrow * s)
+    G = _GATHER[tr.id]
+    P = np.empty((ng * nb, nrow * sp), dtype=np.uint8)
+    for c in range(0, ng * nb, 1024):            # bounded memory: 8 bytes per bit in flight
+        P[c:c + 1024] = np.packbits(_bits(R[c:c + 1024])[:, G], axis=-1, bitorder="little")
+    P = P.reshape(ng, nb, nrow, sp).transpose(0, 2, 1, 3).reshape(ng, nrow, nb * sp)
+    return np.concatenate([head, P], axis=2).reshape(nrows, meta + nb * sp)
+
+
+def dequantize(raw_r: np.ndarray, qtype_r: int | str, nrows: int, n_per_row: int) -> np.ndarray:
+    """R rows -> f32 (nrows, n_per_row), the values of ik's dequantize_row_<type>_r4/_r8."""
+    from . import reference
+    plain = unpack(raw_r, qtype_r, nrows, n_per_row)
+    pt = plain_type(qtype_r)
+    return np.stack([reference.dequantize(plain[r], pt, n_per_row) for r in range(nrows)]) if nrows else \
+        np.zeros((0, n_per_row), np.float32)
+
+
+# ----------------------------------------------------------------------------------------
+# quantization (ggml_quantize_chunk for the R types)
+# ----------------------------------------------------------------------------------------
+def quantize_q8_k(x: np.ndarray) -> np.ndarray:
+    """f32 rows (nrows, n) -> ik's block_q8_K bytes (nrows, n/256*296) as its AVX2 build's
+    quantize_row_q8_K32 computes d and qs: d = amax/127, q = round-half-even(x * (127/amax)).
+    (sum and bsums, which only the dot products read, are d*sum(q) and int16 sums of 16.)"""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    nrows, n = x.shape
+    b = x.reshape(nrows, n // QK_K, QK_K)
+    amax = np.abs(b).max(axis=2, keepdims=True)
+    d = (amax / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint(b * inv), -128, 127).astype(np.int8)
+    out = np.zeros((nrows, n // QK_K, _Q8_K_BYTES), dtype=np.uint8)
+    out[..., 0:4] = d.view(np.uint8)
+    tot = q.astype(np.int32).sum(axis=2, keepdims=True)
+    out[..., 4:8] = (d * tot.astype(np.float32)).astype(np.float32).view(np.uint8)
+    out[..., 8:264] = q.view(np.uint8)
+    out[..., 264:296] = q.reshape(nrows, -1, 16, 16).astype(np.int16).sum(axis=3).astype(np.int16).view(np.uint8)
+    return out.reshape(nrows, -1)
+
+
+def _qhelper_groups(x: np.ndarray, imatrix: np.ndarray, block: int):
+    """ik's QHelper: per row, blocks where the weights, the values or their product are all ~0
+    get weights 1e-9 instead of the imatrix.  Yields (row indices, weights) batches."""
+    from .reference import fma32
+    nrows, n = x.shape
+    eps = np.float32(1e-9)
+    thr = np.float32(block) * (eps * eps)
+    w = imatrix.reshape(n // block, block)
+    xb = x.reshape(nrows, n // block, block)
+    sw2 = np.zeros(n // block, np.float32)
+    sx2 = np.zeros((nrows, n // block), np.float32)
+    swx = np.zeros((nrows, n // block), np.float32)
+    for j in range(block):                     # C's order (and its fused multiply-adds)
+        sw2 = fma32(w[:, j], w[:, j], sw2)
+        sx2 = fma32(xb[:, :, j], xb[:, :, j], sx2)
+        swx = fma32(w[:, j], np.abs(xb[:, :, j]), swx)
+    keep = (sw2 > thr) & (sx2 > thr) & (swx > thr)
+    plain = keep.all(axis=1)
+    if plain.any():
+        yield np.flatnonzero(plain), imatrix
+    for r in np.flatnonzero(~plain):
+        wr = np.where(keep[r][:, None], w, eps).astype(np.float32).reshape(-1)
+        yield np.array([r]), wr
+
+
+def quantize(x: np.ndarray, qtype_r: int | str, imatrix: np.ndarray | None = None) -> np.ndarray:
+    """f32 rows (nrows, n_per_row) -> the flat bytes ik's ggml_quantize_chunk writes for the R type:
+    the base type's quantizer (with QHelper's imatrix handling where ik uses it), then repack.
+    Q8_K_R8 ignores the imatrix, as ik does."""
+    from . import reference
+    tr = type_info(qtype_r)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    x = x.reshape(-1, x.shape[-1]) if x.ndim >= 2 else x.reshape(1, -1)
+    nrows, n = x.shape
+    _check_rows(tr, nrows, n)
+    if tr.id == Q8_K_R8:
+        return repack(quantize_q8_k(x), Q8_K, nrows, n).reshape(-1)
+    base = type_info(tr.base).id
+    rb = type_info(base).row_bytes(n)
+    if imatrix is None or tr.id not in _QHELPER_BLOCK:
+        plain = reference.quantize(x, base, imatrix).reshape(nrows, rb)
+    else:
+        imatrix = np.ascontiguousarray(imatrix, dtype=np.float32).reshape(-1)
+        if imatrix.size != n:
+            raise ValueError(f"imatrix has {imatrix.size} values but the rows have {n} columns")
+        plain = np.empty((nrows, rb), dtype=np.uint8)
+        for rows, w in _qhelper_groups(x, imatrix, _QHELPER_BLOCK[tr.id]):
+            plain[rows] = reference.quantize(x[rows], base, w).reshape(len(rows), rb)
+    return repack(plain, base, nrows, n).reshape(-1)
+
+
+# ----------------------------------------------------------------------------------------
+# Numba: one group -> plain rows
+# ----------------------------------------------------------------------------------------
+@njit(cache=True, nogil=True)
+def unpack_group(buf, qtype, gbase, n_per_row, out):
+    """Unpack the group of interleaved rows of R type `qtype` that starts at byte gbase of the
+    uint8 array buf into out (uint8, (interleave, plain row bytes)): the row bytes of
+    plain_type(qtype), ready for the plain decoders (quant.kernels.decode_rows_at).
+
+    One loop for every type, driven by the tables above.  4-byte entries work on 4 bytes at
+    once in a u32 (a field never crosses its byte lane: the mask drops what the shift brings
+    in from the next byte); measured 1.3-1.9x faster than byte-wise OR-ing into zeroed rows."""
+    if qtype < 0 or qtype >= _SLOT.size or _SLOT[qtype] < 0:
+        raise ValueError("unpack_group: not a row-interleaved (_R4/_R8) type")
+    s = _SLOT[qtype]
+    nrow = _INFO[s, 0]
+    sr = _INFO[s, 1]
+    sp = _INFO[s, 2]
+    meta = _INFO[s, 3]
+    nb = n_per_row // _INFO[s, 4]
+    e0 = _INFO[s, 5]
+    e1 = _INFO[s, 6]
+    if out.shape[0] < nrow or out.shape[1] < meta + nb * sp or gbase + nrow * (meta + nb * sr) > buf.size:
+        raise ValueError("unpack_group: out too small or group past the end of buf")
+    for k in range(nrow):                      # the group header holds the rows' meta in order
+        for t in range(meta):
+            out[k, t] = buf[gbase + k * meta + t]
+    for ib in range(nb):
+        src = gbase + nrow * meta + ib * nrow * sr
+        dst = meta + ib * sp
+        for e in range(e0, e1):
+            r = _E_ROW[e]
+            d = dst + _E_DST[e]
+            acc = np.uint32(0)
+            if _E_CNT[e] == 4:
+                for f in range(_E_F0[e], _E_F1[e]):
+                    a = src + _F_SRC[f]
+                    w = (np.uint32(buf[a]) | (np.uint32(buf[a + 1]) << 8) | (np.uint32(buf[a + 2]) << 16)
+                         | (np.uint32(buf[a + 3]) << 24))
+                    acc |= ((w >> _F_SSH[f]) & (np.uint32(_F_MASK[f]) * np.uint32(0x01010101))) << _F_DSH[f]
+                out[r, d] = acc & 255
+                out[r, d + 1] = (acc >> 8) & 255
+                out[r, d + 2] = (acc >> 16) & 255
+                out[r, d + 3] = acc >> 24
+            else:
+                for f in range(_E_F0[e], _E_F1[e]):
+                    acc |= ((np.uint32(buf[src + _F_SRC[f]]) >> _F_SSH[f]) & _F_MASK[f]) << _F_DSH[f]
+                out[r, d] = acc
