@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from quant.matmul import matmul, matmul_id, moe_up_gate, up_gate
+from .linear import matmul, matmul_id, moe_up_gate, up_gate
 from quant.tensor import QTensor
 
 from .hparams import GATING_SIGMOID

@@ -9,6 +9,7 @@ from . import perplexity_cmd, tokenize_cmd
 from . import sweep_bench_cmd
 from . import server_cmd
 from . import quantize_cmd
+from . import imatrix_cmd
 
 app = typer.Typer(
     name="ikcli",
@@ -27,6 +28,8 @@ app.command("server", help="An HTTP server with llama-server's API (OpenAI chat/
     server_cmd.server)
 app.command("quantize", help="Quantize a GGUF model (TYPE by name or number), llama-quantize style.")(
     quantize_cmd.quantize)
+app.command("imatrix", help="Importance matrix (mean squared activations per weight column), llama-imatrix style.")(
+    imatrix_cmd.imatrix)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,10 +15,13 @@ class QTensor:
     data:  uint8 array of shape (*batch, rows, row_bytes) — usually a view into a memory map.
     qtype: GGML type id.
     shape: logical shape in NumPy order (*batch, rows, cols); cols is GGML's ne[0].
+    name:  a free label (the engine puts the GGUF tensor name there); "" when unnamed.
+           Selecting one expert (t[i]) gives an unnamed tensor: the label names the whole.
     """
     data: np.ndarray
     qtype: int
     shape: tuple
+    name: str = ""
 
     @property
     def cols(self) -> int:

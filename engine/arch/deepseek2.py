@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from quant.matmul import dequantize, matmul, matmul_id, quantize_tensor
+from quant.matmul import dequantize, quantize_tensor
 from quant.tensor import QTensor
 from quant.types import BF16, F16, F32, Q8_0, type_info
 
@@ -29,6 +29,7 @@ from ..ffn import MoEWeights, ffn_silu, moe_ffn
 from ..gguf_file import ModelFileError
 from ..hparams import HParams, rope_attn_factor, yarn_kq_scale
 from ..kv_cache import KVCache, LayerCache, RowStore
+from ..linear import matmul, matmul_id
 from ..model import f32_qtensor
 from ..ops import rms_norm
 from ..rope import apply_rope
@@ -113,7 +114,10 @@ class DeepSeek2Arch:
         if int(np.prod(e.shape)) != int(np.prod(shape)) or e.shape[-1] != shape[-1]:
             raise ModelFileError(f"{self.w.mf.path}: tensor '{name}' has shape {list(e.ne)}, "
                                  f"expected {shape[2]} x {shape[1] * shape[0]}")
-        return QTensor.from_raw(e.raw, e.qtype, shape)
+        # the label is the operand's name in ik's graph (what llama-imatrix records): a 2-D file tensor is
+        # reshaped there ("… (reshaped)"; W_v_b's view is renamed "wv_b-N", which it does not record)
+        return QTensor(QTensor.from_raw(e.raw, e.qtype, shape).data, e.qtype, shape,
+                       name if len(e.shape) == 3 else (f"{name} (reshaped)" if "attn_k_b" in name else ""))
 
     # ---- tensors some modes need and some files lack -----------------------------------
     def prepare(self, mla: int) -> None:

@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from quant.matmul import matmul
-
 from ..attention import standard_attention
 from ..ffn import MoEWeights, ffn_silu, moe_ffn
 from ..gguf_file import ModelFileError
 from ..hparams import GATING_SOFTMAX, HParams, yarn_kq_scale, rope_attn_factor
 from ..kv_cache import KVCache
+from ..linear import matmul
 from ..ops import rms_norm
 from ..rope import apply_rope
 from .common import Head, RunOptions, UBatch, rope_tables

@@ -1,0 +1,67 @@
+"""Weight products of the forward pass, with an optional observer (imatrix collection).
+
+Thin wrappers of quant.matmul's matmul, matmul_id, moe_up_gate and up_gate: the architectures
+import them from here, so a tool can watch every product of a weight tensor with its
+activations (llama-imatrix's eval callback) without the architectures knowing.  With no
+observer set a call costs one extra `if`.
+
+The observer is called *before* the product as
+
+    observer(op, weights, x, ids, rows)
+
+op: ggml's name for the operation: "mul_mat", "mul_mat_id", "fused_up_gate" (dense SiLU MLP
+first half) or "moe_fused_up_gate"; weights: the QTensors involved ((w,) or (gate, up)),
+each with its label in `.name` ("" for tensors made on the fly); x: the f32 activations
+(n, cols); ids / rows: for the expert ops, the expert id and activation row of each pair
+(None otherwise).  The observer must not modify x.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional
+
+import numpy as np
+
+from quant import matmul as _mm
+from quant.tensor import QTensor
+
+Observer = Callable[[str, tuple, np.ndarray, Optional[np.ndarray], Optional[np.ndarray]], None]
+
+_observer: Optional[Observer] = None
+
+
+@contextmanager
+def observing(observer: Observer) -> Iterator[None]:
+    """Call `observer` for every weight product made while the block runs (not re-entrant
+    across threads: one observer for the process)."""
+    global _observer
+    prev = _observer
+    _observer = observer
+    try:
+        yield
+    finally:
+        _observer = prev
+
+
+def matmul(w: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    if _observer is not None:
+        _observer("mul_mat", (w,), x, None, None)
+    return _mm.matmul(w, x, out)
+
+
+def matmul_id(w: QTensor, x: np.ndarray, ids: np.ndarray, x_rows: np.ndarray) -> np.ndarray:
+    if _observer is not None:
+        _observer("mul_mat_id", (w,), x, ids, x_rows)
+    return _mm.matmul_id(w, x, ids, x_rows)
+
+
+def moe_up_gate(gate: QTensor, up: QTensor, x: np.ndarray, ids: np.ndarray, x_rows: np.ndarray) -> np.ndarray:
+    if _observer is not None:
+        _observer("moe_fused_up_gate", (gate, up), x, ids, x_rows)
+    return _mm.moe_up_gate(gate, up, x, ids, x_rows)
+
+
+def up_gate(gate: QTensor, up: QTensor, x: np.ndarray) -> np.ndarray:
+    if _observer is not None:
+        _observer("fused_up_gate", (gate, up), x, None, None)
+    return _mm.up_gate(gate, up, x)
