@@ -4,7 +4,9 @@
 
 The per-tensor choices are engine.quantize_plan's (ik_llama.cpp's rules for the base types ikcli
 can produce); the bytes come from quant.reference.  The output is written to a temporary file
-in the destination folder and renamed only once complete.
+in the destination folder and renamed only once complete.  --imatrix: a legacy .dat file
+(engine.imatrix), looked up per tensor with llama-quantize's fallbacks; each expert of a 3-D
+tensor gets its own block of weights.
 """
 from __future__ import annotations
 
@@ -59,8 +61,11 @@ def _nbytes(t: int, ne: tuple) -> Optional[int]:
         return None
 
 
-def _convert(entry, new_type: int, nthread: int = 1):
+def _convert(entry, new_type: int, nthread: int = 1, imatrix=None):
     """Re-encode one tensor (any number of dims, row-wise in chunks) as new_type; flat uint8 bytes.
+
+    imatrix: None, ne[0] per-column weights, or ne[0] * ne[2] of them (one block per expert of a
+    3-D tensor: each expert's rows use theirs, as llama-quantize does).
 
     Chunks of rows run on `nthread` threads (NTHREADS): the NumPy quantizers spend most of
     their time in array operations that release the GIL."""
@@ -78,16 +83,23 @@ def _convert(entry, new_type: int, nthread: int = 1):
     out = np.empty((rows, out_rb), dtype=np.uint8)
     # chunks small enough to spread a tensor over the threads, large enough to amortize NumPy calls
     chunk = max(1, min((1 << 22) // ne0, -(-rows // max(1, 2 * nthread))))
+    plane = rows                           # rows sharing one block of imatrix weights
+    if imatrix is not None:
+        imatrix = np.asarray(imatrix, dtype=np.float32).reshape(-1, ne0)
+        plane = rows // imatrix.shape[0]
+        chunk = min(chunk, plane)
 
     def one(i: int) -> None:
-        part = src[i:i + chunk]
+        n = min(chunk, plane - i % plane)  # a chunk never spans two experts
+        part = src[i:i + n]
         if entry.qtype == F32:
             x = part.view(np.float32)
         else:
             x = dequantize(QTensor(part, entry.qtype, (part.shape[0], ne0)))
-        out[i:i + part.shape[0]] = reference.quantize(x, new_type).reshape(part.shape[0], out_rb)
+        w = imatrix[i // plane] if imatrix is not None else None
+        out[i:i + part.shape[0]] = reference.quantize(x, new_type, imatrix=w).reshape(part.shape[0], out_rb)
 
-    starts = range(0, rows, chunk)
+    starts = [p + j for p in range(0, rows, plane) for j in range(0, plane, chunk)]
     if nthread > 1 and len(starts) > 1:
         with ThreadPoolExecutor(max_workers=nthread) as pool:
             list(pool.map(one, starts))
@@ -102,11 +114,13 @@ def _emit(writer, data) -> None:
     writer.write_tensor_data(data)
 
 
-def _copy_kv(writer, reader, ftype_value: int) -> None:
+def _copy_kv(writer, reader, ftype_value: int, skip: frozenset | set = frozenset()) -> None:
     from gguf import GGUFValueType
     from engine.gguf_meta import field_value
     for name, f in reader.fields.items():
         if name.startswith("GGUF.") or name in ("general.architecture", "split.no", "split.count", "split.tensors.count"):
+            continue
+        if name in skip:              # replaced by this run's value (e.g. quantize.imatrix.*)
             continue
         if not f.types:
             continue
@@ -133,6 +147,84 @@ def _read_rules(specs: List[str]):
     return rules
 
 
+class _Imatrix:
+    def __init__(self, data: dict, dataset: str, last_call: int) -> None:
+        self.data, self.dataset, self.last_call = data, dataset, last_call
+
+
+def _prepare_imatrix(path: str, include: List[str], exclude: List[str]) -> "_Imatrix":
+    """llama-quantize's load_imatrix + prepare_imatrix: mean squares per entry, filtered by name."""
+    import numpy as np  # here, not at import: `ikcli --help` must stay light
+    from engine.imatrix import ImatrixError, mean_squares, read_dat
+    try:
+        dat = read_dat(path)
+    except ImatrixError as e:
+        raise CliError(str(e)) from None
+    data = mean_squares(dat)
+    if dat.dataset:
+        print(f"load_imatrix: imatrix dataset='{dat.dataset}'")
+    print(f"load_imatrix: loaded {len(data)} importance matrix entries from {path} computed on {dat.last_call} chunks")
+    for name in exclude:
+        data = {k: v for k, v in data.items() if name not in k}
+    if include:
+        data = {k: v for k, v in data.items() if any(n in k for n in include)}
+    if data:
+        print(f"prepare_imatrix: have {len(data)} importance matrix entries")
+    for k, v in data.items():
+        bad = v[~np.isfinite(v)]
+        if bad.size:
+            raise CliError(f"imatrix contains non-finite value {bad[0]} (entry {k})")
+    sys.stdout.flush()
+    return _Imatrix(data, dat.dataset, dat.last_call)
+
+
+def _tensor_weights(plans, entries, im: Optional["_Imatrix"], ft, ignore_rules: bool) -> Optional[dict]:
+    """Per quantized tensor, the imatrix values its quantizer gets (ik's lookup and checks); None
+    when no imatrix was given.  Errors (wrong size, missing data for a very low-bit type) are raised
+    before anything is written."""
+    from engine import quantize_plan as qp
+    data = im.data if im is not None else {}
+    if data:
+        common.log(f"================================ Have weights data with {len(data)} entries")
+    out: dict = {}
+    for p, e in zip(plans, entries):
+        if not p.quantize:
+            continue
+        w = None
+        key = qp.imatrix_lookup(p.name, data) if data else None
+        if key is not None:
+            v = data[key]
+            ne2 = e.ne[2] if len(e.ne) > 2 else 1
+            if v.size == e.ne[0] * ne2:
+                w = v
+            elif p.name != "token_embd.weight":
+                raise CliError(f"imatrix size {v.size} is different from tensor size {e.ne[0] * ne2} for {p.name}")
+            else:
+                common.log(f"====== llama_model_quantize_internal: imatrix size {v.size} is different from tensor "
+                           f"size {e.ne[0] * ne2} for {p.name}")
+        if w is None and not ignore_rules and p.name not in ("token_embd.weight", "output.weight") and (
+                p.new_type in qp.VERY_LOW_BIT or (p.new_type == qp.TYPE_ID["q2_k"] and ft.name == "Q2_K_S")):
+            raise CliError(f"Missing importance matrix for tensor {p.name} in a very low-bit quantization "
+                           f"(the result would be garbage)")
+        if w is not None:
+            out[p.name] = w
+    return out if data else None
+
+
+def _imatrix_kv(im: Optional["_Imatrix"], path: Optional[str], hide: bool) -> list:
+    """The quantize.imatrix.* metadata llama-quantize writes (int values as int32, as it does)."""
+    from gguf import GGUFValueType
+    if im is None or not im.data:
+        return []
+    kv = [("quantize.imatrix.file", "top_secret" if hide else path[:127], GGUFValueType.STRING)]
+    if im.dataset:
+        kv.append(("quantize.imatrix.dataset", "top_secret" if hide else im.dataset[:127], GGUFValueType.STRING))
+    kv.append(("quantize.imatrix.entries_count", 0 if hide else len(im.data), GGUFValueType.INT32))
+    if im.last_call > 0:
+        kv.append(("quantize.imatrix.chunks_count", 0 if hide else im.last_call, GGUFValueType.INT32))
+    return kv
+
+
 def quantize(
     args: List[str] = typer.Argument(..., metavar="IN.gguf [OUT.gguf] TYPE [NTHREADS]",
                                      help="input model, output file, quantization type (name or number), threads"),
@@ -150,12 +242,21 @@ def quantize(
                                              help="leave output.weight un(re)quantized"),
     dry_run: bool = typer.Option(False, "--dry-run",
                                  help="print the per-tensor plan with sizes and bits per weight; write nothing"),
-    imatrix: Optional[str] = typer.Option(None, "--imatrix", metavar="FILE", help="importance matrix (not supported yet)"),
+    imatrix: Optional[str] = typer.Option(None, "--imatrix", metavar="FILE",
+                                          help="importance matrix (.dat of llama-imatrix / ikcli imatrix) for the quantizers"),
+    include_weights: List[str] = typer.Option([], "--include-weights", metavar="NAME",
+                                              help="use the imatrix only for tensors whose name contains NAME (repeatable)"),
+    exclude_weights: List[str] = typer.Option([], "--exclude-weights", metavar="NAME",
+                                              help="do not use the imatrix for tensors whose name contains NAME (repeatable)"),
+    hide_imatrix: bool = typer.Option(False, "--hide-imatrix", help="do not store the imatrix details in the output"),
+    ignore_imatrix_rules: bool = typer.Option(False, "--ignore-imatrix-rules",
+                                              help="allow very low-bit types without importance data"),
 ) -> None:
     from engine import quantize_plan as qp
 
-    if imatrix is not None:
-        raise CliError("--imatrix is not supported yet by ikcli quantize")
+    if include_weights and exclude_weights:
+        raise CliError("--include-weights and --exclude-weights cannot be used together")
+    im = _prepare_imatrix(imatrix, include_weights, exclude_weights) if imatrix else None
     # positional arguments as llama-quantize reads them: IN [OUT] TYPE [NTHREADS]
     if len(args) < 2:
         raise CliError("bad arguments: expected IN.gguf [OUT.gguf] TYPE [NTHREADS]")
@@ -193,21 +294,23 @@ def quantize(
         common.log(f"Adding custom rule {r.pattern} -> {qp.TYPE_NAME[r.qtype]}")
     if pure and rules:
         common.log("quantize: note: --custom-q rules are not applied with --pure (as in ik_llama.cpp)")
+    if not ignore_imatrix_rules and (im is None or not im.data) and ft.name in qp.NEED_IMATRIX_FTYPES:
+        raise CliError("Please do not use IQ1_S, IQ1_M, IQ2_S, IQ2_XXS, IQ2_XS or Q2_K_S quantization without an "
+                       "importance matrix")
     if ft.name in ("MXFP4_R8", "Q4_0_4_4", "Q4_0_4_8", "Q4_0_8_8") or (ft.base < 0 and ft.name != "COPY"):
         raise CliError(f"type {ft.name} cannot be produced by ikcli")
 
     from engine.gguf_file import _open_one, open_model_file
     mf = open_model_file(fname_inp)
-    arch = mf.arch
-    mi = qp.ModelInfo(arch=arch, n_layer=int(mf.meta.get(f"{arch}.block_count", 0) or 0),
-                      n_expert=int(mf.meta.get(f"{arch}.expert_count", 0) or 0))
+    mi = qp.ModelInfo.from_meta(mf.meta)
     entries = list(mf.tensors.values())
-    if not ft.rules_implemented and not pure and ft.name != "COPY":
-        common.log(f"quantize: warning: the per-tensor mixture rules of {ft.name} are not implemented; using "
-                   f"{qp.TYPE_NAME[ft.base]} except the output/embedding/expert-attention rules")
-    plans, n_fallback = qp.plan_tensors([(e.name, e.ne, e.qtype) for e in entries], ft, mi, pure=pure,
-                                        leave_output=leave_output_tensor, output_type=out_type,
-                                        token_embd_type=emb_type, rules=rules, block_size=_block_size)
+    try:
+        plans, n_fallback = qp.plan_tensors([(e.name, e.ne, e.qtype) for e in entries], ft, mi, pure=pure,
+                                            leave_output=leave_output_tensor, output_type=out_type,
+                                            token_embd_type=emb_type, rules=rules, block_size=_block_size,
+                                            has_imatrix=im is not None and bool(im.data))
+    except qp.PlanError as e:          # e.g. an expert model's tensor without a blk.N. layer
+        raise CliError(str(e)) from None
     cannot = {}
     for p in plans:
         if p.quantize and not _can_produce(p.new_type):
@@ -222,6 +325,7 @@ def quantize(
                 raise CliError(f"requantizing from type {qp.TYPE_NAME.get(p.src_type, p.src_type)} is disabled "
                                f"(tensor {p.name}); use --allow-requantize")
     file_type = ft.ftype if ft.name != "COPY" else int(mf.meta.get("general.file_type", 0) or 0)
+    weights = _tensor_weights(plans, entries, im, ft, ignore_imatrix_rules)
 
     common.log(f"main: quantizing '{fname_inp}' to '{fname_out}' as {ft.name}"
                + (f" using {nthread} threads" if nthread > 0 else ""))
@@ -230,7 +334,7 @@ def quantize(
         return
     t0 = time.time()
     _write(fname_out, mf, _open_one(mf.paths[0]), entries, plans, file_type, n_fallback,
-           nthread if nthread > 0 else (os.cpu_count() or 1))
+           nthread if nthread > 0 else (os.cpu_count() or 1), weights, _imatrix_kv(im, imatrix, hide_imatrix))
     t1 = time.time()
     print()
     print(f"main: quantize time = {1000 * (t1 - t0):8.2f} ms")
@@ -278,7 +382,8 @@ def _progress(total_tensors: int):
                     console=Console(stderr=True), transient=True)
 
 
-def _write(fname_out, mf, reader, entries, plans, file_type, n_fallback, nthread: int = 1) -> None:
+def _write(fname_out, mf, reader, entries, plans, file_type, n_fallback, nthread: int = 1,
+           weights: Optional[dict] = None, extra_kv: Optional[list] = None) -> None:
     import numpy as np  # here, not at import: `ikcli --help` must stay light
     import gguf
     from engine.quantize_plan import TYPE_NAME, format_shape
@@ -294,7 +399,9 @@ def _write(fname_out, mf, reader, entries, plans, file_type, n_fallback, nthread
         writer.data_alignment = align
     bar = _progress(len(plans))
     try:
-        _copy_kv(writer, reader, file_type)
+        _copy_kv(writer, reader, file_type, {k for k, _, _ in extra_kv or []})
+        for k, v, vt in extra_kv or []:
+            writer.add_key_value(k, v, vt)
         for p, e in zip(plans, entries):
             nb = _nbytes(p.new_type, p.ne) if p.quantize else e.nbytes
             writer.add_tensor_info(p.name, tuple(reversed(p.ne)), np.float32, nb, raw_dtype=p.new_type)
@@ -313,7 +420,10 @@ def _write(fname_out, mf, reader, entries, plans, file_type, n_fallback, nthread
             head = (f"[{i + 1:4d}/{n:4d}] {p.name:>36s} - [{format_shape(p.ne)}], "
                     f"type = {TYPE_NAME.get(e.qtype, str(e.qtype)):>6s}, ")
             if p.quantize:
-                data = _convert(e, p.new_type, nthread)
+                w = (weights or {}).get(p.name)
+                if weights is not None and w is None:
+                    _log(f"====== llama_model_quantize_internal: did not find weights for {p.name}", bar)
+                data = _convert(e, p.new_type, nthread, w)
                 _log(head + f"converting to {TYPE_NAME[p.new_type]} .. size = {e.nbytes / MiB:8.2f} MiB -> "
                      f"{data.nbytes / MiB:8.2f} MiB", bar)
             else:
