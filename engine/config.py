@@ -27,6 +27,7 @@ class EngineConfig:
     ser_min: int = -1          # -ser K,t: smart expert reduction (off when K <= 0 or t <= 0)
     ser_thresh: float = 0.0
     tensor_overrides: list = field(default_factory=list)  # -ot (regex, buffer); first match wins
+    repack: bool = False       # -rtr: CPU weights repacked into row-interleaved types at load
 
     def threads(self, batch: bool) -> int:
         t = self.n_threads_batch if batch and self.n_threads_batch > 0 else self.n_threads

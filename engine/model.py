@@ -7,7 +7,7 @@ from typing import Callable
 import numpy as np
 
 from quant.tensor import QTensor
-from quant.types import COMPUTE_TYPES, F32, type_info
+from quant.types import COMPUTE_TYPES, F32, interleaved_form, type_info
 
 from .gguf_file import ModelFile, ModelFileError, TensorEntry, open_model_file
 from .hparams import HParams, read_hparams
@@ -26,10 +26,13 @@ def quiet_log(msg: str) -> None:
 class Weights:
     """Typed access to a model file's tensors by GGUF name, with clear errors for missing ones."""
 
-    def __init__(self, mf: ModelFile) -> None:
+    def __init__(self, mf: ModelFile, repack: bool = False) -> None:
         self.mf = mf
         self.used: set[str] = set()
         self.extra: dict[str, QTensor] = {}   # tensors computed at load (e.g. attn_kv_b)
+        self.repack = repack                  # -rtr: repack matrices into _R4/_R8 types
+        self.n_repacked = 0
+        self.repacked_bytes = 0
 
     def has(self, name: str) -> bool:
         return name in self.mf.tensors or name in self.extra
@@ -52,7 +55,27 @@ class Weights:
         if shape is not None and tuple(t.shape) != tuple(shape):
             raise ModelFileError(f"{self.mf.path}: tensor '{name}' has shape {list(t.ne)}, "
                                  f"expected {list(reversed(shape))}")
-        return t.qtensor()
+        q = t.qtensor()
+        if self.repack:
+            q = self._repacked(name, q)
+        q.name = name   # the label engine.linear's observers (imatrix) see
+        return q
+
+    # ik_llama.cpp repacks every CPU tensor except the token embedding (its rows are looked up,
+    # not multiplied), when its row count is a multiple of the group size
+    _NO_REPACK = ("token_embd.weight",)
+
+    def _repacked(self, name: str, q: QTensor) -> QTensor:
+        """q in its row-interleaved form, in memory (the mmap no longer backs it), or q itself."""
+        from quant import interleaved
+        ti = interleaved_form(q.qtype)
+        if name in self._NO_REPACK or ti is None or ti.id not in COMPUTE_TYPES or q.rows % ti.interleave:
+            return q
+        nrows = q.data.size // q.data.shape[-1]
+        raw = interleaved.repack(q.data.reshape(nrows, -1), q.qtype, nrows, q.cols)
+        self.n_repacked += 1
+        self.repacked_bytes += raw.nbytes
+        return QTensor(raw.reshape(q.data.shape), ti.id, q.shape)
 
     def vector(self, name: str, n: int | None = None) -> np.ndarray:
         t = self.entry(name)
@@ -156,8 +179,10 @@ def log_overrides(mf: ModelFile, overrides, log: Log) -> None:
                 break
 
 
-def load_model(path: str, log: Log = stderr_log, mla: int = 3, overrides: list | tuple = ()) -> Model:
-    """Open, validate and bind a GGUF model. Raises ModelFileError with a one-line message."""
+def load_model(path: str, log: Log = stderr_log, mla: int = 3, overrides: list | tuple = (),
+               repack: bool = False) -> Model:
+    """Open, validate and bind a GGUF model. Raises ModelFileError with a one-line message.
+    repack (-rtr): matrices with a row-interleaved form are repacked into it in memory."""
     from .tokenizer import Tokenizer
 
     mf = open_model_file(path, log)
@@ -169,7 +194,7 @@ def load_model(path: str, log: Log = stderr_log, mla: int = 3, overrides: list |
     if hp.n_vocab == 0:
         hp.n_vocab = tok.n_vocab
     log_hparams(mf, hp, log)
-    w = Weights(mf)
+    w = Weights(mf, repack=repack)
     if hp.arch == "llama":
         from .arch.llama import LlamaArch
         arch = LlamaArch(hp, w, log)
@@ -181,4 +206,6 @@ def load_model(path: str, log: Log = stderr_log, mla: int = 3, overrides: list |
     log_overrides(mf, overrides, log)
     buf = sum(mf.tensors[n].nbytes for n in w.used) + sum(t.nbytes for t in w.extra.values())
     log(f"llm_load_tensors: {'CPU':>10s} buffer size = {buf / 1024 ** 2:8.2f} MiB")
+    if w.n_repacked:
+        log(f"============ Repacked {w.n_repacked} tensors")
     return Model(mf, hp, tok, arch, log)

@@ -25,6 +25,8 @@ CtkOpt = typer.Option("f16", "-ctk", "--cache-type-k", help="KV cache type for K
 CtvOpt = typer.Option("f16", "-ctv", "--cache-type-v", help="KV cache type for V: f32, f16, bf16, q8_0, q4_0, q6_0 (quantized V needs -fa)")
 FmoeOpt = typer.Option("1", "-fmoe", "--fused-moe", help="fused MoE gate/up/SiLU (default on; -fmoe alone = on; -no-fmoe = off)")
 OtOpt = typer.Option(None, "-ot", "--override-tensor", help="REGEX=BUFFER[,...]: place tensors whose name matches (first rule wins); buffers: CPU (no GPU backend in this build)")
+RtrOpt = typer.Option(False, "-rtr", "--run-time-repack",
+                      help="repack CPU weights into row-interleaved _R4/_R8 types at load (no mmap for them)")
 SerOpt = typer.Option(None, "-ser", "--smart-expert-reduction", help="K,t: run at least K experts, drop the others whose score < t * top score")
 
 # Options that take a value but may be written alone (users' scripts from every era): the
@@ -135,7 +137,7 @@ def parse_overrides(values: Optional[list[str]]) -> list[tuple[str, str]]:
 
 @dataclass
 class EngineFlags:
-    """The engine flags every model-running command takes (-mla -fa -amb -ctk -ctv -fmoe -ser -ot)."""
+    """The engine flags every model-running command takes (-mla -fa -amb -ctk -ctv -fmoe -ser -ot -rtr)."""
     mla: int
     fa: str
     amb: int
@@ -144,11 +146,12 @@ class EngineFlags:
     fmoe: str
     ser: Optional[str]
     ot: Optional[List[str]]
+    rtr: bool
 
 
 _ENGINE_OPTIONS = [("mla", int, MlaOpt), ("fa", str, FaOpt), ("amb", int, AmbOpt), ("ctk", str, CtkOpt),
                    ("ctv", str, CtvOpt), ("fmoe", str, FmoeOpt), ("ser", Optional[str], SerOpt),
-                   ("ot", Optional[List[str]], OtOpt)]
+                   ("ot", Optional[List[str]], OtOpt), ("rtr", bool, RtrOpt)]
 
 
 def with_engine_flags(fn):
@@ -188,4 +191,4 @@ def engine_config(path: str, flags: EngineFlags, *, n_ctx: int, n_batch: int, n_
                         n_threads_batch=threads_batch, seed=seed, flash_attn=flash, mla=flags.mla,
                         attn_max_batch_mib=amb, type_k=type_k, type_v=type_v,
                         fused_moe=parse_bool("-fmoe", flags.fmoe), ser_min=ser_min, ser_thresh=ser_t,
-                        tensor_overrides=parse_overrides(flags.ot))
+                        tensor_overrides=parse_overrides(flags.ot), repack=flags.rtr)

@@ -98,7 +98,7 @@ def perplexity(
         base = open_base_logits(kl_base)
         ctx_size = base.n_ctx
     n_ctx = ctx_size if ctx_size > 0 else 0
-    m = load_model(path, common.log, mla=flags.mla, overrides=cfg.tensor_overrides)
+    m = load_model(path, common.log, mla=flags.mla, overrides=cfg.tensor_overrides, repack=cfg.repack)
     if n_ctx == 0:
         n_ctx = m.hp.n_ctx_train
     if n_ctx > m.hp.n_ctx_train:

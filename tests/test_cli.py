@@ -51,6 +51,27 @@ def test_perplexity_output_and_method(make_model, text_file, capsys):
     assert float(m.group(1)) == pytest.approx(math.exp(np.mean(nll)), rel=1e-4)
 
 
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+def test_run_time_repack(make_model, text_file, capsys, qtype):
+    """-rtr repacks the matrices (not token_embd) into Q8_0_R8 / Q4_0_R8 and logs it as ik does;
+    perplexity stays the same (the trained demo model gives identical figures; this random one
+    may differ in the last digits: f32 sums in another order)."""
+    path = make_model(qtype=qtype, preset="tiny-v3")
+    args = ["perplexity", "-m", path, "-f", text_file, "-c", "64", "--chunks", "2", "-t", "2"]
+    code, out, err = cli(capsys, *args)
+    assert code == 0, err
+    assert "Repacked" not in err
+    code_r, out_r, err_r = cli(capsys, *args, "-rtr")
+    assert code_r == 0, err_r
+    from engine.model import load_model, quiet_log
+    plain = load_model(path, quiet_log)
+    n_mat = sum(1 for e in plain.file.tensors.values() if len(e.shape) >= 2 and e.qtype != 0)
+    m = re.search(r"^============ Repacked (\d+) tensors$", err_r, re.M)
+    assert m and 0 < int(m.group(1)) <= n_mat - 1, err_r      # token_embd stays as it is
+    a, b = float(FINAL.match(out.strip().splitlines()[-1]).group(1)), float(FINAL.match(out_r.strip().splitlines()[-1]).group(1))
+    assert b == pytest.approx(a, rel=2e-3)
+
+
 def test_kl_divergence_roundtrip(make_model, text_file, tmp_path, capsys):
     base = tmp_path / "base.kld"
     path = make_model(qtype="f16")

@@ -242,3 +242,29 @@ def test_set_num_threads_roundtrip():
             assert M.get_num_threads()[1] == 1
     finally:
         M.set_num_threads(nb0, bl0 if bl0 is not None else nb0)
+
+
+# ------------------------------------------------------------------ row-interleaved kernels
+@pytest.mark.parametrize("qt", [Q8_0, Q4_0])
+@pytest.mark.parametrize("n", [1, 3, 20])
+def test_interleaved_r8_equals_plain(qt, n, monkeypatch):
+    """Q8_0_R8 / Q4_0_R8 (quant.simd's 8-row group kernels, and their row decoder on the tile
+    path) give the plain type's results: the same integer block sums, f32 sums in another order."""
+    from quant import interleaved
+    from quant.types import interleaved_form
+    monkeypatch.setattr(M, "TILE_BYTES", 16 * 4 * 256)
+    rng = np.random.default_rng(7 + n)
+    E, rows, cols = 3, 48, 256
+    w = M.quantize_tensor(np.stack([_weights(rng, rows, cols) for _ in range(E)]), qt)
+    rt = interleaved_form(qt)
+    raw = interleaved.repack(w.data.reshape(E * rows, -1), qt, E * rows, cols)
+    wr = QTensor(raw.reshape(w.data.shape), rt.id, w.shape)
+    for e in range(E):
+        assert np.array_equal(M.dequantize(wr[e]), M.dequantize(w[e]))
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    scale = np.abs(x) @ np.abs(M.dequantize(w[1])).T
+    assert np.all(np.abs(M.matmul(wr[1], x) - M.matmul(w[1], x)) <= F32_TOL * scale)
+    ids = rng.integers(0, E, 2 * n)
+    rows_ = np.repeat(np.arange(n), 2)
+    yr, yp = M.matmul_id(wr, x, ids, rows_), M.matmul_id(w, x, ids, rows_)
+    assert np.allclose(yr, yp, rtol=0, atol=F32_TOL * float(scale.max()))
