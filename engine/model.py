@@ -33,6 +33,7 @@ class Weights:
         self.repack = repack                  # -rtr: repack matrices into _R4/_R8 types
         self.n_repacked = 0
         self.repacked_bytes = 0
+        self.kept: dict[str, int] = {}        # -rtr: plain type -> tensors left as they are
 
     def has(self, name: str) -> bool:
         return name in self.mf.tensors or name in self.extra
@@ -66,10 +67,17 @@ class Weights:
     _NO_REPACK = ("token_embd.weight",)
 
     def _repacked(self, name: str, q: QTensor) -> QTensor:
-        """q in its row-interleaved form, in memory (the mmap no longer backs it), or q itself."""
+        """q in its row-interleaved form, in memory (the mmap no longer backs it), or q itself.
+        Only where the interleaved form has a faster kernel than the plain one (Q8_0_R8, Q4_0_R8):
+        the others would be computed by unpacking their rows again, slower than the plain rows."""
         from quant import interleaved
+        from quant.matmul import has_interleaved_kernel
         ti = interleaved_form(q.qtype)
-        if name in self._NO_REPACK or ti is None or ti.id not in COMPUTE_TYPES or q.rows % ti.interleave:
+        if name in self._NO_REPACK or ti is None or q.rows % ti.interleave:
+            return q
+        if not has_interleaved_kernel(ti.id):
+            tn = type_info(q.qtype).name.lower()
+            self.kept[tn] = self.kept.get(tn, 0) + 1
             return q
         nrows = q.data.size // q.data.shape[-1]
         raw = interleaved.repack(q.data.reshape(nrows, -1), q.qtype, nrows, q.cols)
@@ -208,4 +216,7 @@ def load_model(path: str, log: Log = stderr_log, mla: int = 3, overrides: list |
     log(f"llm_load_tensors: {'CPU':>10s} buffer size = {buf / 1024 ** 2:8.2f} MiB")
     if w.n_repacked:
         log(f"============ Repacked {w.n_repacked} tensors")
+    for tn, n in w.kept.items():
+        log(f"-rtr: {n} {tn} tensors kept in their plain layout (ikcli has no faster kernel for "
+            f"{interleaved_form(type_info(tn).id).name.lower()})")
     return Model(mf, hp, tok, arch, log)

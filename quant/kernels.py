@@ -59,6 +59,8 @@ from numba.extending import intrinsic  # noqa: E402
 
 from . import kquants as _kquants, legacy as _legacy, simd as _simd  # noqa: E402  (decode only; via the module: import cycle)
 from .iqk import decode_row_iqk, is_iqk  # noqa: E402  (ik_llama.cpp's IQK types; decode only)
+from . import interleaved as _interleaved  # noqa: E402  (the _R4/_R8 layouts)
+from .types import BY_ID as _BY_ID  # noqa: E402
 
 F32_ID, F16_ID, Q4_0_ID, Q8_0_ID, BF16_ID, Q6_0_ID = 0, 1, 2, 8, 30, 133
 Q4_0_R8_ID, Q8_0_R8_ID = 202, 208   # ik_llama.cpp's 8-row interleaved forms (quant.simd)
@@ -109,6 +111,78 @@ def _bits_to_f32(typingctx, u):
 def _f16_at(buf, o, lut):
     """f32 value of the little-endian f16 stored at byte offset o."""
     return lut[np.int64(buf[o]) | (np.int64(buf[o + 1]) << 8)]
+
+
+# _R4/_R8 types without a decoder of their own: R type id -> (interleave, plain type id, plain
+# block size, plain block bytes, plain row meta); rows decode through quant.interleaved's
+# unpack_group (a whole group at a time) and the plain type's decoder
+def _r_table() -> np.ndarray:
+    t = np.zeros((400, 5), np.int64)
+    for ti in _BY_ID.values():
+        if ti.interleave and ti.id < 400:
+            pt = _BY_ID[_interleaved.plain_type(ti.id)]
+            t[ti.id] = (ti.interleave, pt.id, pt.block_size, pt.type_size, pt.row_meta)
+    return t
+
+
+_R_TABLE = _r_table()
+
+
+@njit(**_opts)
+def _decode_plain_row(buf, pt, base, cols, qk, lut, y):
+    """The plain decoders of the types _R4/_R8 layouts unpack to (not F16/BF16/F32)."""
+    if pt == Q8_0_ID:
+        for b in range(cols // qk):
+            o = base + b * (qk + 2)
+            d = _f16_at(buf, o, lut)
+            for j in range(qk):
+                y[b * qk + j] = d * np.float32(np.int8(buf[o + 2 + j]))
+    elif pt == Q4_0_ID:
+        h = qk // 2
+        for b in range(cols // qk):
+            o = base + b * (h + 2)
+            d = _f16_at(buf, o, lut)
+            for j in range(h):
+                v = np.int32(buf[o + 2 + j])
+                y[b * qk + j] = d * np.float32((v & 15) - 8)
+                y[b * qk + h + j] = d * np.float32((v >> 4) - 8)
+    elif pt == 3 or pt == 6 or pt == 7 or pt == 20:
+        _legacy.decode_row_legacy(buf, pt, base, cols, lut, y)
+    elif (pt >= 10 and pt <= 14) or pt == 23:
+        _kquants.decode_row_kquants(buf, pt, base, cols, lut, y)
+    else:
+        decode_row_iqk(buf, pt, base, cols, lut, y)
+
+
+@njit(**_opts)
+def _decode_interleaved_rows(buf, qtype, base, stride, n, cols, qk, lut, y):
+    """decode_rows_at for an _R4/_R8 type: row r (from the byte offset; repacked tensors are
+    dense, so r = offset // row bytes) is row r % I of the group that starts at row r - r % I.
+    Each group is unpacked once for all of its rows among the n."""
+    il, pt, pbs, pts, pmeta = _R_TABLE[qtype, 0], _R_TABLE[qtype, 1], _R_TABLE[qtype, 2], \
+        _R_TABLE[qtype, 3], _R_TABLE[qtype, 4]
+    prb = pmeta + cols // pbs * pts                   # plain row bytes (what unpack_group writes)
+    rb = type_row_bytes(qtype, cols)
+    plain = np.empty((il, prb), np.uint8)
+    cur = -1
+    for i in range(n):
+        r = (base + i * stride) // rb
+        k = r % il
+        if r - k != cur:
+            cur = r - k
+            _interleaved.unpack_group(buf, qtype, cur * rb, cols, plain)
+        _decode_plain_row(plain[k], pt, 0, cols, qk, lut, y[i])
+
+
+_ROW_BYTES = np.zeros((400, 3), np.int64)      # type id -> (block size, block bytes, row meta)
+for _ti in _BY_ID.values():
+    if _ti.id < 400:
+        _ROW_BYTES[_ti.id] = (_ti.block_size, _ti.type_size, _ti.row_meta)
+
+
+@njit(**_opts)
+def type_row_bytes(qtype, cols):
+    return _ROW_BYTES[qtype, 2] + cols // _ROW_BYTES[qtype, 0] * _ROW_BYTES[qtype, 1]
 
 
 @njit(**_opts)
@@ -216,6 +290,8 @@ def decode_rows_at(buf, qtype, base, stride, n, cols, qk, lut, y):
     elif is_iqk(qtype):
         for i in range(n):
             decode_row_iqk(buf, qtype, base + i * stride, cols, lut, y[i])
+    elif qtype < 400 and _R_TABLE[qtype, 0] > 0:                     # the other _R4/_R8 types
+        _decode_interleaved_rows(buf, qtype, base, stride, n, cols, qk, lut, y)
     else:
         raise ValueError("decode_rows_at: unsupported type")
 

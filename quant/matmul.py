@@ -62,8 +62,8 @@ TILE_DEQUANT_THREADS: int | None = None
 
 # every type whose rows quant.kernels.decode_row decodes; types without integer dot kernels
 # (all but Q8_0 / Q4_0) go through the f32-decode paths (matvec_float, tiles + BLAS)
-_SUPPORTED = frozenset({F32, F16, BF16, Q8_0, Q4_0, Q6_0, K.Q8_0_R8_ID, K.Q4_0_R8_ID} | IQK_TYPES | LEGACY_TYPES
-                       | KQUANT_TYPES)
+_SUPPORTED = frozenset({F32, F16, BF16, Q8_0, Q4_0, Q6_0} | IQK_TYPES | LEGACY_TYPES | KQUANT_TYPES
+                       | {int(t) for t in np.flatnonzero(K._R_TABLE[:, 0])})   # every _R4/_R8 type
 _ELEM = {F32: 4, F16: 2, BF16: 2}   # alignment the kernels' views need (1 byte for block types)
 
 
@@ -79,6 +79,12 @@ def set_num_threads(n: int, blas: int | None = None) -> None:
 def get_num_threads() -> tuple[int, int | None]:
     """(numba threads, BLAS threads or None when numpy's BLAS is not OpenBLAS)."""
     return numba.get_num_threads(), get_blas_threads()
+
+
+def has_interleaved_kernel(qtype: int) -> bool:
+    """Whether an _R4/_R8 type has kernels of its own (faster than its plain type's); the others
+    are computed by unpacking their rows to the plain type first."""
+    return qtype in (K.Q8_0_R8_ID, K.Q4_0_R8_ID)
 
 
 def supported(qtype: int) -> bool:

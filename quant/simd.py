@@ -117,7 +117,7 @@ def _row_dot_intrinsic(block_bytes: int, unpack):
                 for j in range(NACC):
                     block(builder.add(builder.mul(loop.index, _const_i64(NACC)), _const_i64(j)), accs[j])
             tail0 = builder.mul(builder.udiv(nb, _const_i64(NACC)), _const_i64(NACC))
-            with cgutils.for_range_slice(builder, tail0, nb) as (b, _):
+            with cgutils.for_range_slice(builder, tail0, nb, _const_i64(1)) as (b, _):
                 block(b, accs[0])
             acc = builder.load(accs[0])
             for j in range(1, NACC):

@@ -88,7 +88,9 @@ F32, F16, Q4_0, Q8_0, BF16, Q6_0 = 0, 1, 2, 8, 30, 133
 # their row decoders (f32 paths); Q8_0 / Q4_0 also have integer dot kernels
 COMPUTE_TYPES = frozenset({F32, F16, BF16, Q8_0, Q4_0, Q6_0, 3, 6, 7, 20, 10, 11, 12, 13, 14, 23,
                            137, 138, 139, 140, 141, 144, 145, 146,
-                           202, 208})   # Q4_0_R8, Q8_0_R8: integer kernels of their own (quant.simd)
+                           202, 208,    # Q4_0_R8, Q8_0_R8: integer kernels of their own (quant.simd)
+                           # the other _R4/_R8 types: rows unpacked to their plain type, then decoded
+                           210, 211, 212, 213, 214, 220, 223, 337, 338, 339, 340, 344, 399})
 
 
 def interleaved_form(t: int) -> TypeInfo | None:

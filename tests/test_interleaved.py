@@ -9,7 +9,7 @@ import pytest
 
 from quant import interleaved as il
 from quant import reference
-from quant.types import interleaved_form, type_info
+from quant.types import BY_ID, interleaved_form, type_info
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "golden_interleaved.npz")
 NAMES = [type_info(t).name for t in il.R_TYPES]
@@ -169,3 +169,34 @@ def test_unpack_group_rejects_bad_arguments(g):
         il.unpack_group(raw, il.Q4_K_R4, 0, 512, out[:, :100])
     with pytest.raises(ValueError, match="past the end"):
         il.unpack_group(raw, il.Q4_K_R4, raw.size - 10, 512, out)
+
+
+# ------------------------------------------------------------------ the engine's kernels
+@pytest.mark.parametrize("name", [t.name for t in sorted(BY_ID.values(), key=lambda t: t.id) if t.interleave])
+def test_matmul_runs_every_r_type_like_its_plain_type(name):
+    """quant.matmul on an _R4/_R8 tensor (3-D, experts) equals the same on the unpacked plain
+    rows: decoded values bit for bit; products within f32 rounding (Q8_0_R8 / Q4_0_R8 have their
+    own integer kernels and sum in another order), on the few-token and the tile paths."""
+    from quant import matmul as M
+    from quant.tensor import QTensor
+    ti = type_info(name)
+    rng = np.random.default_rng(ti.id)
+    E, rows, cols = 2, 16, 512
+    x = rng.standard_normal((E * rows, cols)).astype(np.float32)
+    raw = il.quantize(x, ti.id).reshape(E, rows, -1)
+    pt = il.plain_type(ti.id)
+    plain = il.unpack(raw.reshape(E * rows, -1), ti.id, E * rows, cols).reshape(E, rows, -1)
+    wr, wp = QTensor(raw, ti.id, (E, rows, cols)), QTensor(plain, pt, (E, rows, cols))
+    for e in range(E):
+        assert np.array_equal(M.dequantize(wr[e]), M.dequantize(wp[e]))
+    # Q8_K_R8 unpacks to Q8_0, which multiplies int8-rounded activations; it is decoded to f32
+    f32_ref = ti.id == il.Q8_K_R8
+    for n in (1, 3, 24):
+        a = rng.standard_normal((n, cols)).astype(np.float32)
+        scale = float((np.abs(a) @ np.abs(M.dequantize(wp[1])).T).max())
+        want = a @ M.dequantize(wp[1]).T if f32_ref else M.matmul(wp[1], a)
+        assert np.allclose(M.matmul(wr[1], a), want, rtol=0, atol=2e-5 * scale)
+        ids = rng.integers(0, E, n)
+        want = np.stack([M.dequantize(wp[e]) @ a[i] for i, e in enumerate(ids)]) if f32_ref else \
+            M.matmul_id(wp, a, ids, np.arange(n))
+        assert np.allclose(M.matmul_id(wr, a, ids, np.arange(n)), want, rtol=0, atol=2e-5 * scale)
