@@ -36,8 +36,10 @@ def _can_produce(t: int) -> bool:
     from quant import reference
     from quant.types import type_info
     try:
-        bs = type_info(t).block_size
-        reference.quantize(np.zeros(max(bs, 1) * (256 // bs if bs and 256 % bs == 0 else 1), np.float32), t)
+        ti = type_info(t)
+        bs = ti.block_size
+        n = max(bs, 1) * (256 // bs if bs and 256 % bs == 0 else 1)
+        reference.quantize(np.zeros((max(1, ti.interleave), n), np.float32), t)   # _R4/_R8: whole groups
         return True
     except (NotImplementedError, KeyError, ValueError):
         return False

@@ -21,6 +21,10 @@ quant.kernels.quantize_act_q8: 32 int8 values and one f32 scale per block.
 Exactness: the block sums are exact integers as in the scalar kernels; only the order of the
 f32 additions differs (16 lanes, then a tree), which is within f32 rounding of the scalar
 loop.  tests/test_quant_kernels.py compares both against the NumPy references.
+
+Development note: numba's cache=True keys a cached kernel on its own module's source file only;
+after editing this module, delete quant/__pycache__/kernels.*.nb* (or touch quant/kernels.py),
+or the kernels keep the previously compiled IR.
 """
 from __future__ import annotations
 

@@ -55,6 +55,23 @@ def test_quantize_and_perplexity(make_model, text_file, tmp_path, capsys, qtype,
     assert abs(p1 - p0) / p0 < tol, (p0, p1)
 
 
+def test_seed_recipe_with_interleaved_types_runs(make_model, text_file, tmp_path, capsys):
+    """The seeds' recipe shape (q8_0 attention, iq3_k_r4 down, iq2_k_r4 gate/up) quantizes, loads and
+    runs; the _R4 tensors hold the same values as the plain iq3_k / iq2_k, so perplexity is the same."""
+    src = make_model(preset="small256", qtype="f16")
+    ppls = []
+    for suffix in ("_r4", ""):
+        out = str(tmp_path / f"recipe{suffix}.gguf")
+        rules = f"attn=q8_0,ffn_down=iq3_k{suffix},ffn_(gate|up)=iq2_k{suffix}"
+        code, _, err = cli(capsys, "quantize", "--custom-q", rules, src, out, "q8_0", "2")
+        assert code == 0, err
+        types, _ = types_of(out)
+        assert types["blk.1.ffn_down_exps.weight"] == (338 if suffix else 138)
+        assert types["blk.1.ffn_up_exps.weight"] == (337 if suffix else 137)
+        ppls.append(ppl(capsys, out, text_file))
+    assert ppls[0] == pytest.approx(ppls[1], rel=1e-6)
+
+
 def test_type_by_number_and_moe_rules(make_model, tmp_path, capsys):
     src = make_model(arch="deepseek2", qtype="f16")
     out = str(tmp_path / "ds.gguf")
