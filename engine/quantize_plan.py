@@ -24,6 +24,7 @@ instead of ik's "Unsupported tensor size" error.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -255,8 +256,9 @@ class TensorPlan:
     ne: tuple            # GGML order
     src_type: int
     new_type: int
-    quantize: bool       # False: copied as is
+    quantize: bool       # False: copied as is (or repacked, below)
     notes: list[str] = field(default_factory=list)   # log lines (custom type, fallback …)
+    repack: bool = False  # --repack: the same blocks rewritten in new_type's _R4/_R8 layout
 
 
 @dataclass
@@ -701,6 +703,42 @@ def plan_tensors(tensors: list[tuple[str, tuple, int]], ft: FType, mi: ModelInfo
                 new_type = INTERLEAVED[new_type][0]
         plans.append(TensorPlan(name, tuple(ne), src, new_type if q else src, q, notes))
     return plans, n_fallback
+
+
+# ik_llama.cpp never repacks the token embedding (its rows are looked up, not multiplied)
+NO_REPACK = ("token_embd.weight", "per_layer_token_embd.weight")
+
+
+def plan_repack(tensors: list[tuple[str, tuple, int]], patterns: list[str]) -> list[TensorPlan]:
+    """llama-quantize --repack: every tensor with an _R4/_R8 form whose row count is a multiple
+    of its group (and, with patterns, whose name one of the regexes finds) is rewritten in that
+    form without re-quantizing; the others are copied."""
+    from quant.types import interleaved_form
+    try:
+        rx = [re.compile(p) for p in patterns]
+    except re.error as e:
+        raise PlanError(f"invalid regex in --repack-pattern: {e}") from None
+    plans = []
+    for name, ne, src in tensors:
+        rows = math.prod(ne[1:]) if len(ne) > 1 else 1
+        ti = interleaved_form(src) if src in TYPE_NAME and _n_dims(ne) >= 2 else None
+        ok = (ti is not None and name not in NO_REPACK and ne[1] % ti.interleave == 0 and rows
+              and (not rx or any(r.search(name) for r in rx)))
+        plans.append(TensorPlan(name, ne, src, ti.id if ok else src, False, repack=bool(ok)))
+    return plans
+
+
+def repacked_ftype(ftype: int) -> FType | None:
+    """The ftype of a repacked model (ik's repacked_ftype): X -> X_R4 / X_R8 where that exists."""
+    hit = next((f for f in FTYPES if f[1] == ftype and f[0] != "COPY"), None)
+    if hit is None:
+        return None
+    for suffix in ("_R4", "_R8"):
+        try:
+            return parse_ftype(hit[0] + suffix)
+        except PlanError:
+            pass
+    return parse_ftype(hit[0])
 
 
 def format_shape(ne: tuple) -> str:

@@ -85,6 +85,8 @@ def _convert(entry, new_type: int, nthread: int = 1, imatrix=None):
     out = np.empty((rows, out_rb), dtype=np.uint8)
     # chunks small enough to spread a tensor over the threads, large enough to amortize NumPy calls
     chunk = max(1, min((1 << 22) // ne0, -(-rows // max(1, 2 * nthread))))
+    il = max(1, type_info(new_type).interleave)   # _R4/_R8: chunks of whole row groups
+    chunk = -(-chunk // il) * il
     plane = rows                           # rows sharing one block of imatrix weights
     if imatrix is not None:
         imatrix = np.asarray(imatrix, dtype=np.float32).reshape(-1, ne0)
@@ -253,6 +255,11 @@ def quantize(
     hide_imatrix: bool = typer.Option(False, "--hide-imatrix", help="do not store the imatrix details in the output"),
     ignore_imatrix_rules: bool = typer.Option(False, "--ignore-imatrix-rules",
                                               help="allow very low-bit types without importance data"),
+    repack: bool = typer.Option(False, "--repack",
+                                help="rewrite tensors into their _R4/_R8 variant without re-quantizing "
+                                     "(TYPE is then ignored)"),
+    repack_pattern: List[str] = typer.Option([], "--repack-pattern", metavar="REGEX,...",
+                                             help="with --repack: only tensors whose name one of these regexes finds"),
 ) -> None:
     from engine import quantize_plan as qp
 
@@ -306,6 +313,10 @@ def quantize(
     mf = open_model_file(fname_inp)
     mi = qp.ModelInfo.from_meta(mf.meta)
     entries = list(mf.tensors.values())
+    if repack:
+        _repack_only(fname_inp, fname_out, mf, _open_one, entries, [p for v in repack_pattern for p in v.split(",") if p],
+                     dry_run)
+        return
     try:
         plans, n_fallback = qp.plan_tensors([(e.name, e.ne, e.qtype) for e in entries], ft, mi, pure=pure,
                                             leave_output=leave_output_tensor, output_type=out_type,
@@ -355,7 +366,7 @@ def _print_plan(plans, entries, cannot) -> None:
         for n in p.notes:
             common.log(n)
         src, dst = TYPE_NAME.get(p.src_type, str(p.src_type)), TYPE_NAME.get(p.new_type, str(p.new_type))
-        ty = f"{src} -> {dst}" if p.quantize else src
+        ty = f"{src} -> {dst}" if (p.quantize or p.repack) else src
         size = f"{nb / MiB:10.3f}" if nb is not None else f"{'?':>10}"
         out.write(f"{p.name:<{w}}  [{format_shape(p.ne)}]  {ty:<16}  {size}\n")
         tot_org += e.nbytes
@@ -372,6 +383,32 @@ def _print_plan(plans, entries, cannot) -> None:
                   + "\n")
     common.log(f"llama_model_quantize_internal: model size  = {tot_org / MiB:8.2f} MB")
     common.log(f"llama_model_quantize_internal: quant size  = {tot_new / MiB:8.2f} MB")
+
+
+def _repack_only(fname_inp, fname_out, mf, open_one, entries, patterns: List[str], dry_run: bool) -> None:
+    """llama-quantize --repack: the same blocks, rows regrouped into the _R4/_R8 layouts."""
+    from engine import quantize_plan as qp
+    try:
+        plans = qp.plan_repack([(e.name, e.ne, e.qtype) for e in entries], patterns)
+    except qp.PlanError as e:
+        raise CliError(str(e)) from None
+    if not any(p.repack for p in plans):
+        print("=========================== llama_model_quantize_internal: nothing to do for only_repack option")
+        return
+    src_ft = int(mf.meta.get("general.file_type", 0) or 0)
+    new_ft = qp.repacked_ftype(src_ft)
+    old_name = next((n for n, f, _ in qp.FTYPES if f == src_ft and n != "COPY"), str(src_ft))
+    print(f"===================== Model ftype: {old_name}: Repacked ftype: {new_ft.name if new_ft else old_name}")
+    common.log(f"main: repacking '{fname_inp}' to '{fname_out}'")
+    if dry_run:
+        _print_plan(plans, entries, {})
+        return
+    t0 = time.time()
+    _write(fname_out, mf, open_one(mf.paths[0]), entries, plans, new_ft.ftype if new_ft else src_ft, 0)
+    t1 = time.time()
+    print()
+    print(f"main: quantize time = {1000 * (t1 - t0):8.2f} ms")
+    print(f"main:    total time = {1000 * (t1 - t0):8.2f} ms")
 
 
 def _progress(total_tensors: int):
@@ -421,7 +458,12 @@ def _write(fname_out, mf, reader, entries, plans, file_type, n_fallback, nthread
                 _log(note, bar)
             head = (f"[{i + 1:4d}/{n:4d}] {p.name:>36s} - [{format_shape(p.ne)}], "
                     f"type = {TYPE_NAME.get(e.qtype, str(e.qtype)):>6s}, ")
-            if p.quantize:
+            if p.repack:
+                from quant import interleaved
+                rows = e.n_elements // p.ne[0]
+                data = interleaved.repack(e.raw.view(np.ndarray).reshape(rows, -1), e.qtype, rows, p.ne[0]).reshape(-1)
+                _log(head + f"repacking to {TYPE_NAME[p.new_type]} .. size = {e.nbytes / MiB:8.2f} MiB", bar)
+            elif p.quantize:
                 w = (weights or {}).get(p.name)
                 if weights is not None and w is None:
                     _log(f"====== llama_model_quantize_internal: did not find weights for {p.name}", bar)

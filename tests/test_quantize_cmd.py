@@ -72,6 +72,26 @@ def test_seed_recipe_with_interleaved_types_runs(make_model, text_file, tmp_path
     assert ppls[0] == pytest.approx(ppls[1], rel=1e-6)
 
 
+def test_repack_rewrites_layouts_only(make_model, text_file, tmp_path, capsys):
+    """--repack: same blocks in the _R4/_R8 layout (token_embd and non-matching names kept), the
+    repacked ftype, and the same perplexity; an f16 model has nothing to repack."""
+    src = make_model(preset="small256", qtype="q4_0")
+    out = str(tmp_path / "r.gguf")
+    code, so, err = cli(capsys, "quantize", "--repack", "--repack-pattern", "ffn_,attn_kv", src, out, "q4_0")
+    assert code == 0, err
+    assert re.search(r"^===================== Model ftype: \S+: Repacked ftype: \S+$", so, re.M)
+    types, r = types_of(out)
+    assert types["blk.1.ffn_up_exps.weight"] == 202 and types["blk.0.attn_kv_b.weight"] in (202, 8)
+    assert types["token_embd.weight"] == types_of(src)[0]["token_embd.weight"]
+    assert types["blk.0.attn_output.weight"] == types_of(src)[0]["blk.0.attn_output.weight"]   # no match
+    from engine.quantize_plan import parse_ftype, repacked_ftype
+    assert repacked_ftype(parse_ftype("Q4_0").ftype).name == "Q4_0_R8"
+    assert ppl(capsys, out, text_file) == pytest.approx(ppl(capsys, src, text_file), rel=1e-3)
+    code, so, err = cli(capsys, "quantize", "--repack", make_model(preset="small256", qtype="f16"),
+                        str(tmp_path / "n.gguf"), "q4_0")
+    assert code == 0 and "nothing to do for only_repack option" in so and not (tmp_path / "n.gguf").exists()
+
+
 def test_type_by_number_and_moe_rules(make_model, tmp_path, capsys):
     src = make_model(arch="deepseek2", qtype="f16")
     out = str(tmp_path / "ds.gguf")
