@@ -255,6 +255,8 @@ def quantize(
     hide_imatrix: bool = typer.Option(False, "--hide-imatrix", help="do not store the imatrix details in the output"),
     ignore_imatrix_rules: bool = typer.Option(False, "--ignore-imatrix-rules",
                                               help="allow very low-bit types without importance data"),
+    keep_split: bool = typer.Option(False, "--keep-split",
+                                    help="write the output in the same shards as the input (PREFIX-0000i-of-0000n.gguf)"),
     repack: bool = typer.Option(False, "--repack",
                                 help="rewrite tensors into their _R4/_R8 variant without re-quantizing "
                                      "(TYPE is then ignored)"),
@@ -315,7 +317,7 @@ def quantize(
     entries = list(mf.tensors.values())
     if repack:
         _repack_only(fname_inp, fname_out, mf, _open_one, entries, [p for v in repack_pattern for p in v.split(",") if p],
-                     dry_run)
+                     dry_run, keep_split)
         return
     try:
         plans, n_fallback = qp.plan_tensors([(e.name, e.ne, e.qtype) for e in entries], ft, mi, pure=pure,
@@ -347,7 +349,8 @@ def quantize(
         return
     t0 = time.time()
     _write(fname_out, mf, _open_one(mf.paths[0]), entries, plans, file_type, n_fallback,
-           nthread if nthread > 0 else (os.cpu_count() or 1), weights, _imatrix_kv(im, imatrix, hide_imatrix))
+           nthread if nthread > 0 else (os.cpu_count() or 1), weights, _imatrix_kv(im, imatrix, hide_imatrix),
+           keep_split=keep_split)
     t1 = time.time()
     print()
     print(f"main: quantize time = {1000 * (t1 - t0):8.2f} ms")
@@ -385,7 +388,8 @@ def _print_plan(plans, entries, cannot) -> None:
     common.log(f"llama_model_quantize_internal: quant size  = {tot_new / MiB:8.2f} MB")
 
 
-def _repack_only(fname_inp, fname_out, mf, open_one, entries, patterns: List[str], dry_run: bool) -> None:
+def _repack_only(fname_inp, fname_out, mf, open_one, entries, patterns: List[str], dry_run: bool,
+                 keep_split: bool) -> None:
     """llama-quantize --repack: the same blocks, rows regrouped into the _R4/_R8 layouts."""
     from engine import quantize_plan as qp
     try:
@@ -404,7 +408,8 @@ def _repack_only(fname_inp, fname_out, mf, open_one, entries, patterns: List[str
         _print_plan(plans, entries, {})
         return
     t0 = time.time()
-    _write(fname_out, mf, open_one(mf.paths[0]), entries, plans, new_ft.ftype if new_ft else src_ft, 0)
+    _write(fname_out, mf, open_one(mf.paths[0]), entries, plans, new_ft.ftype if new_ft else src_ft, 0,
+           keep_split=keep_split)
     t1 = time.time()
     print()
     print(f"main: quantize time = {1000 * (t1 - t0):8.2f} ms")
@@ -421,83 +426,113 @@ def _progress(total_tensors: int):
                     console=Console(stderr=True), transient=True)
 
 
+def _split_outputs(fname_out: str, mf, entries, keep_split: bool) -> list[tuple[str, list[int]]]:
+    """(output path, indices of its tensors) per output file: one file, or with --keep-split the
+    input's shards as llama_split_path names them (PREFIX-00001-of-00003.gguf)."""
+    if not keep_split or len(mf.paths) < 2:
+        return [(fname_out, list(range(len(entries))))]
+    prefix = fname_out[:-5] if fname_out.endswith(".gguf") else fname_out
+    n = len(mf.paths)
+    shard = {p: i for i, p in enumerate(mf.paths)}
+    return [(f"{prefix}-{i + 1:05d}-of-{n:05d}.gguf", [j for j, e in enumerate(entries) if shard[e.path] == i])
+            for i in range(n)]
+
+
 def _write(fname_out, mf, reader, entries, plans, file_type, n_fallback, nthread: int = 1,
-           weights: Optional[dict] = None, extra_kv: Optional[list] = None) -> None:
+           weights: Optional[dict] = None, extra_kv: Optional[list] = None, keep_split: bool = False) -> None:
+    """Write the output file(s); each one goes to a temporary name renamed when complete, and on
+    any failure every file of this run is removed."""
     import numpy as np  # here, not at import: `ikcli --help` must stay light
     import gguf
     from engine.quantize_plan import TYPE_NAME, format_shape
-    from quant.types import type_info
 
+    outputs = _split_outputs(fname_out, mf, entries, keep_split)
     out_dir = os.path.dirname(os.path.abspath(fname_out))
     if not os.path.isdir(out_dir):
         raise CliError(f"output folder '{out_dir}' does not exist")
-    tmp = os.path.join(out_dir, f".{os.path.basename(fname_out)}.tmp-{os.getpid()}")
-    writer = gguf.GGUFWriter(tmp, mf.arch or "llama")
-    align = mf.meta.get("general.alignment")
-    if isinstance(align, int) and align > 0:
-        writer.data_alignment = align
     bar = _progress(len(plans))
+    task = None
+    if bar is not None:
+        bar.start()
+        task = bar.add_task("quantize", total=len(plans), mib=0.0)
+    tot_org = tot_new = 0
+    done: list[str] = []
+    tmp = None
+    writer = None
     try:
-        _copy_kv(writer, reader, file_type, {k for k, _, _ in extra_kv or []})
-        for k, v, vt in extra_kv or []:
-            writer.add_key_value(k, v, vt)
-        for p, e in zip(plans, entries):
-            nb = _nbytes(p.new_type, p.ne) if p.quantize else e.nbytes
-            writer.add_tensor_info(p.name, tuple(reversed(p.ne)), np.float32, nb, raw_dtype=p.new_type)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        tot_org = tot_new = 0
-        n = len(plans)
-        task = None
-        if bar is not None:
-            bar.start()
-            task = bar.add_task("quantize", total=n, mib=0.0)
-        for i, (p, e) in enumerate(zip(plans, entries)):
-            for note in p.notes:
-                _log(note, bar)
-            head = (f"[{i + 1:4d}/{n:4d}] {p.name:>36s} - [{format_shape(p.ne)}], "
-                    f"type = {TYPE_NAME.get(e.qtype, str(e.qtype)):>6s}, ")
-            if p.repack:
-                from quant import interleaved
-                rows = e.n_elements // p.ne[0]
-                data = interleaved.repack(e.raw.view(np.ndarray).reshape(rows, -1), e.qtype, rows, p.ne[0]).reshape(-1)
-                _log(head + f"repacking to {TYPE_NAME[p.new_type]} .. size = {e.nbytes / MiB:8.2f} MiB", bar)
-            elif p.quantize:
-                w = (weights or {}).get(p.name)
-                if weights is not None and w is None:
-                    _log(f"====== llama_model_quantize_internal: did not find weights for {p.name}", bar)
-                data = _convert(e, p.new_type, nthread, w)
-                _log(head + f"converting to {TYPE_NAME[p.new_type]} .. size = {e.nbytes / MiB:8.2f} MiB -> "
-                     f"{data.nbytes / MiB:8.2f} MiB", bar)
-            else:
-                data = e.raw.view(np.ndarray).reshape(-1)
-                _log(head + f"size = {e.nbytes / MiB:8.3f} MB", bar)
-            _emit(writer, data)
-            tot_org += e.nbytes
-            tot_new += data.nbytes
-            if bar is not None:
-                bar.update(task, advance=1, mib=tot_new / MiB)
-        writer.close()
+        for i_split, (path, idx) in enumerate(outputs):
+            tmp = os.path.join(out_dir, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+            writer = gguf.GGUFWriter(tmp, mf.arch or "llama")
+            align = mf.meta.get("general.alignment")
+            if isinstance(align, int) and align > 0:
+                writer.data_alignment = align
+            _copy_kv(writer, reader, file_type, {k for k, _, _ in extra_kv or []})
+            for k, v, vt in extra_kv or []:
+                writer.add_key_value(k, v, vt)
+            if len(outputs) > 1:
+                writer.add_key_value("split.no", i_split, gguf.GGUFValueType.UINT16)
+                writer.add_key_value("split.count", len(outputs), gguf.GGUFValueType.UINT16)
+                writer.add_key_value("split.tensors.count", len(entries), gguf.GGUFValueType.INT32)
+            for j in idx:
+                p, e = plans[j], entries[j]
+                nb = _nbytes(p.new_type, p.ne) if p.quantize else e.nbytes
+                writer.add_tensor_info(p.name, tuple(reversed(p.ne)), np.float32, nb, raw_dtype=p.new_type)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            n = len(plans)
+            for j in idx:
+                p, e = plans[j], entries[j]
+                for note in p.notes:
+                    _log(note, bar)
+                head = (f"[{j + 1:4d}/{n:4d}] {p.name:>36s} - [{format_shape(p.ne)}], "
+                        f"type = {TYPE_NAME.get(e.qtype, str(e.qtype)):>6s}, ")
+                if p.repack:
+                    from quant import interleaved
+                    rows = e.n_elements // p.ne[0]
+                    data = interleaved.repack(e.raw.view(np.ndarray).reshape(rows, -1), e.qtype, rows,
+                                              p.ne[0]).reshape(-1)
+                    _log(head + f"repacking to {TYPE_NAME[p.new_type]} .. size = {e.nbytes / MiB:8.2f} MiB", bar)
+                elif p.quantize:
+                    w = (weights or {}).get(p.name)
+                    if weights is not None and w is None:
+                        _log(f"====== llama_model_quantize_internal: did not find weights for {p.name}", bar)
+                    data = _convert(e, p.new_type, nthread, w)
+                    _log(head + f"converting to {TYPE_NAME[p.new_type]} .. size = {e.nbytes / MiB:8.2f} MiB -> "
+                         f"{data.nbytes / MiB:8.2f} MiB", bar)
+                else:
+                    data = e.raw.view(np.ndarray).reshape(-1)
+                    _log(head + f"size = {e.nbytes / MiB:8.3f} MB", bar)
+                _emit(writer, data)
+                tot_org += e.nbytes
+                tot_new += data.nbytes
+                if bar is not None:
+                    bar.update(task, advance=1, mib=tot_new / MiB)
+            writer.close()
+            writer = None
+            done.append(tmp)
+            tmp = None
+        for t, (path, _) in zip(done, outputs):
+            os.replace(t, path)
         if bar is not None:
             bar.stop()
             bar = None
-        os.replace(tmp, fname_out)
     except BaseException:
         if bar is not None:
             bar.stop()
-        try:
-            writer.close()
-        except Exception:
-            pass
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        if writer is not None:
+            try:
+                writer.close()
+            except Exception:
+                pass
+        for t in done + ([tmp] if tmp else []):
+            try:
+                os.unlink(t)
+            except OSError:
+                pass
         raise
     common.log(f"llama_model_quantize_internal: model size  = {tot_org / MiB:8.2f} MB")
     common.log(f"llama_model_quantize_internal: quant size  = {tot_new / MiB:8.2f} MB")
     if n_fallback:
         n_q = sum(p.quantize for p in plans)
         common.log(f"llama_model_quantize_internal: WARNING: {n_fallback} of {n_q} tensor(s) required fallback quantization")
-    _ = type_info

@@ -92,6 +92,22 @@ def test_repack_rewrites_layouts_only(make_model, text_file, tmp_path, capsys):
     assert code == 0 and "nothing to do for only_repack option" in so and not (tmp_path / "n.gguf").exists()
 
 
+def test_keep_split_writes_the_input_shards(make_model, text_file, tmp_path, capsys):
+    src = make_model(arch="llama", qtype="f16", split=3)
+    code, _, err = cli(capsys, "quantize", "--keep-split", src, str(tmp_path / "k.gguf"), "q8_0")
+    assert code == 0, err
+    shards = sorted(os.listdir(tmp_path))
+    assert shards == [f"k-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    for i, name in enumerate(shards):
+        _, r = types_of(str(tmp_path / name))
+        assert r.fields["split.no"].parts[-1][0] == i and r.fields["split.count"].parts[-1][0] == 3
+    code, _, err = cli(capsys, "quantize", src, str(tmp_path / "one.gguf"), "q8_0")
+    assert code == 0, err
+    _, r = types_of(str(tmp_path / "one.gguf"))
+    assert "split.count" not in r.fields
+    assert ppl(capsys, str(tmp_path / shards[0]), text_file) == ppl(capsys, str(tmp_path / "one.gguf"), text_file)
+
+
 def test_type_by_number_and_moe_rules(make_model, tmp_path, capsys):
     src = make_model(arch="deepseek2", qtype="f16")
     out = str(tmp_path / "ds.gguf")
