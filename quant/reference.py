@@ -92,7 +92,13 @@ _LEGACY_CHUNK = (Q4_0, 3, 6, 7, Q6_0, 20)                   # Q4_0, Q4_1, Q5_0, 
 _KQUANTS = (10, 11, 12, 13, 14, 23)                          # Q2_K .. Q6_K, IQ4_XS
 
 
-def quantize(x: np.ndarray, qtype: int, imatrix: np.ndarray | None = None) -> np.ndarray:
+# inputs of at least this many values go to the Numba kernels of quant.kquants_fast (same bytes)
+FAST_MIN_VALUES = 1 << 16
+_FAST = (Q8_0, Q4_0, 10, 11, 12, 13, 14, 20, 23)             # Q8_0, Q4_0, Q2_K .. Q6_K, IQ4_NL, IQ4_XS
+
+
+def quantize(x: np.ndarray, qtype: int, imatrix: np.ndarray | None = None,
+             fast: bool | None = None) -> np.ndarray:
     """Quantize f32 rows x to the raw bytes of `qtype` exactly as ik_llama.cpp's
     ggml_quantize_chunk(qtype, x, ..., nrows, n_per_row, imatrix) writes them.
 
@@ -100,6 +106,8 @@ def quantize(x: np.ndarray, qtype: int, imatrix: np.ndarray | None = None) -> np
     imatrix: None or n_per_row f32 importance weights (an imatrix file's mean squared
     activations of the columns), the same for every row.  F32, F16, BF16 and Q8_0 ignore it,
     as ik does.  Returns a flat uint8 array of nrows * row_bytes(n_per_row) bytes.
+    fast: use quant.kquants_fast's Numba kernels where it has the type (the same bytes);
+    None: for inputs of FAST_MIN_VALUES values or more; False: always the NumPy references.
     (The KV cache's conversion, ggml's from_float, is `quantize_row`.)
     """
     if imatrix is not None:
@@ -110,6 +118,11 @@ def quantize(x: np.ndarray, qtype: int, imatrix: np.ndarray | None = None) -> np
     if type_info(qtype).interleave:                            # ik's _R4/_R8 layouts: base type, repacked
         from . import interleaved
         return interleaved.quantize(x, qtype, imatrix)
+    if fast is None:
+        fast = np.size(x) >= FAST_MIN_VALUES
+    if fast and qtype in _FAST and not (qtype == Q4_0 and imatrix is not None):
+        from . import kquants_fast
+        return kquants_fast.quantize(_rows(x), qtype, imatrix)
     if qtype in _LEGACY_CHUNK and (imatrix is not None or qtype in (Q6_0, 20)):
         from . import legacy
         return legacy.quantize_chunk(_rows(x), qtype, imatrix)
