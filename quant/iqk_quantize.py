@@ -1,8 +1,10 @@
 """Quantizers for ik_llama.cpp's IQK types, byte for byte like its ggml_quantize_chunk.
 
-Types: IQ2_K, IQ3_K, IQ4_K, IQ5_K, IQ6_K, IQ4_KS, IQ2_KS, without and with an importance
-matrix (checked identical to ik's bytes on every super-block of the golden data).  IQ4_KSS is
-not done yet (its search prunes quants to an even bit count and scrambles them).
+Types: IQ2_K, IQ3_K, IQ4_K, IQ5_K, IQ6_K, IQ4_KS, IQ4_KSS, IQ2_KS, without and with an
+importance matrix (checked identical to ik's bytes on every super-block of the golden data,
+and on 1024 random rows of 2048 per type, except one IQ2_KS row: its row-scale fit
+(make_qx_quants) has a candidate that wins by one ulp, so some f32 rounding still differs).  IQ4_KSS is IQ4_KS whose every group of four
+quants is pruned to an even number of set bits, then stored as 15 scrambled bits.
 
 The layouts are described in quant.iqk (which decodes them).  Each quantizer is a search:
 per sub-block of 16 or 32 values it tries candidate scales against the non-linear level
@@ -24,7 +26,10 @@ fused was read from the disassembly of ik_build's libggml.so (GCC 12, znver3 tun
 * sums of squares that GCC vectorizes (sum of x^2 over a super-block) are not fused: the
   squares are rounded, then added in order;
 * a weight qw*sqrtf(sigma2 + x*x) fuses x*x + sigma2;
-* IQ2_KS's prefix sums of w*x are not fused (IQ2_K's are).
+* IQ2_KS's prefix sums of w*x are not fused (IQ2_K's are);
+* IQ4_KSS (the same rules; confirmed by the identical bytes): prune_iq4ks's errors
+  dl*v - x are fma(dl, v, -x) and its score w*(e1*e1 - e0*e0) is w * fma(e1, e1, -(e0*e0));
+  the final mse's x - dl*q is fma(-dl, q, x).
 The best-index lookups use tables rebuilt from the level sets (equal to ik's iq3nl_index ..
 iq6nl_index).  IQ3_K's iterative refinement after its refit is dead code in ik (its result is
 never stored) and is left out.
@@ -34,8 +39,19 @@ f16 values are rounded to nearest even (the F16C instruction the build uses).
 imatrix semantics follow ik's QHelper: per row, the importance of each column, except that a
 block (16 or 32 columns) whose weights, values or weighted values are all ~0 gets weights 1e-9.
 
-Numba kernels process one super-block at a time (scalar loops, f32 arithmetic); `quantize`
-is the NumPy-level entry point.
+Speed: the searches evaluate every candidate scale of a sub-block at once.  ik's nearest-level
+lookup (table cell, then a compare) is replaced by the equal "count the thresholds x is at or
+above" form (see _thresholds), so the level picks of all (value, candidate) pairs are
+compares and selects in long loops that LLVM vectorizes (_pick_lanes); the per-candidate sums
+then run in ik's order, and the candidates are compared in ik's order.  IQ2_K / IQ2_KS's
+split search first finds, vectorized over i3, the first split of an (i1, i2) row that beats
+the current best, and scans the row in order from there only (usually there is none).
+Numba compiles a callee once per distinct constant argument, so the per-type parameters are
+passed as run-time values (_kparams) to keep the cold compile short.  Single-thread
+throughput against ik: scripts/bench_quantize_kernels.py.
+
+Numba kernels process one row or super-block per call (f32 arithmetic, nogil, no fastmath);
+`quantize` is the NumPy-level entry point.
 """
 from __future__ import annotations
 
@@ -178,6 +194,164 @@ def _bi(lset, off, x):
     return _best_index(lv, off, n, cells, lim, rel, x)
 
 
+# The search loops use another form of the same function: _best_index is non-decreasing in x
+# below a cut-off X_big (2^31, or where x - v0 reaches 2^31 for IQ6_K) and 0 from there on,
+# so the level it picks is levels[#{i : x >= T[i]}] (or levels[0] from X_big on), with T[i]
+# the least f32 where it exceeds i.  That is compares and selects only, which LLVM vectorizes
+# across the candidate scales.  (Checked against _best_index on every f32 of both signs up to
+# +inf, for every level set and half; tests/test_quantize_iqk.py checks samples around each T.)
+def _ord_key(x: np.ndarray) -> np.ndarray:
+    """f32 -> int64 keys in the order of the floats (-0 and +0 adjacent, not equal)."""
+    b = np.asarray(x, dtype=np.float32).view(np.int32).astype(np.int64)
+    return np.where(b >= 0, b, -(b & 0x7FFFFFFF) - 1)
+
+
+def _from_key(k: np.ndarray) -> np.ndarray:
+    b = np.where(k >= 0, k, (-(k + 1)) | 0x80000000)
+    return b.astype(np.uint32).view(np.float32)
+
+
+def _first_true(pred, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Least f32 x in [lo, hi] with pred(x) (elementwise; pred monotone, true at hi)."""
+    a, b = _ord_key(lo), _ord_key(hi)
+    while (a < b).any():
+        m = (a + b) // 2
+        t = pred(_from_key(m))
+        b = np.where(t, m, b)
+        a = np.where(t, a, m + 1)
+    return _from_key(a)
+
+
+def _best_index_np(half: np.ndarray, cells: np.ndarray, lim: int, rel: bool, x: np.ndarray) -> np.ndarray:
+    """_best_index (ik's best_index_iq*nl) for an array x on one half of a level set."""
+    n = half.size
+    v0 = half[0]
+    y = (x - v0).astype(np.float32) if rel else x
+    with np.errstate(invalid="ignore"):
+        ok = (y > -2147483649.0) & (y < 2147483648.0)
+        ix = np.where(ok, np.trunc(np.where(ok, y, 0)), -1).astype(np.int64)
+    if not rel:
+        ix = np.where(ok, ix - np.int64(v0), -1)
+    k = cells[np.clip(ix, 0, lim - 1)].astype(np.int64)
+    amb = k >= n
+    kl = np.where(amb, k - n, k)
+    lo_v, hi_v = half[np.minimum(kl, n - 1)], half[np.minimum(kl + 1, n - 1)]
+    up = amb & ~((x - lo_v).astype(np.float32) < (hi_v - x).astype(np.float32))
+    k = kl + up
+    return np.where(ix < 0, 0, np.where(ix >= lim, n - 1, k))
+
+
+def _thresholds(levels: np.ndarray, n: int, cells: np.ndarray, lim: int, rel: bool):
+    """(T, X_big): T = both halves' n-1 thresholds (flat f32), X_big per half."""
+    ts, big = [], []
+    for half in (levels[:n], levels[n:2 * n]):
+        half = half.astype(np.float32)
+        i = np.arange(n - 1)
+        lo = np.full(n - 1, half[0] - 4, dtype=np.float32)
+        hi = np.full(n - 1, half[0] + lim + 4, dtype=np.float32)
+        ts.append(_first_true(lambda x: _best_index_np(half, cells, lim, rel, x) > i, lo, hi))
+        if rel:
+            c = np.float32(2.0 ** 31)
+            big.append(_first_true(lambda x: (x - half[0]).astype(np.float32) >= c,
+                                   np.array([c - 1024], np.float32), np.array([c + 1024], np.float32))[0])
+        else:
+            big.append(np.float32(2.0 ** 31))
+    return np.concatenate(ts).astype(np.float32), np.array(big, dtype=np.float32)
+
+
+def _padded(levels: np.ndarray, n: int, thr: np.ndarray):
+    """Per half, thresholds padded with +inf to n (a multiple of 8: _fit_lanes takes 8 at a
+    time; +inf only selects for x = +inf, which X_big overrides) and the level each selects."""
+    tp = np.full((2, n), np.inf, dtype=np.float32)
+    lp = np.empty((2, n), dtype=np.float32)
+    for h in range(2):
+        tp[h, :n - 1] = thr[h * (n - 1):(h + 1) * (n - 1)]
+        lp[h] = levels[h * n + 1:(h + 1) * n + 1] if h == 0 else np.append(levels[n + 1:2 * n], levels[2 * n - 1])
+    return tp.reshape(-1), lp.reshape(-1)
+
+
+THR3, XBIG3 = _thresholds(LV3, 8, CELLS3, 111, False)
+THR4, XBIG4 = _thresholds(LV4, 16, CELLS4, 241, False)
+THR5, XBIG5 = _thresholds(LV5, 32, CELLS5, 247, False)
+THR6, XBIG6 = _thresholds(LV6, 64, CELLS6, 249, True)
+TP3, LP3 = _padded(LV3, 8, THR3)
+TP4, LP4 = _padded(LV4, 16, THR4)
+TP5, LP5 = _padded(LV5, 32, THR5)
+TP6, LP6 = _padded(LV6, 64, THR6)
+
+
+@njit(**_opts)
+def _lthr(lset):
+    """(padded thresholds, the levels they select, X_big) of level set lset."""
+    if lset == 4:
+        return TP4, LP4, XBIG4
+    if lset == 3:
+        return TP3, LP3, XBIG3
+    if lset == 5:
+        return TP5, LP5, XBIG5
+    return TP6, LP6, XBIG6
+
+
+@njit(**_opts)
+def _pick_lanes(xb, h, n, tp, vals, v0, big, sidv, al, q):
+    """q[j*nl + c] <- vals-entry of the level that ik's best index picks for sidv[c] * xb[j]
+    on half h of a level set (thresholds tp, X_big big; v0: the entry of level 0).  All
+    (value, lane) pairs at once, eight thresholds per pass: long independent loops with
+    loop-invariant operands, which LLVM vectorizes."""
+    nl = sidv.shape[0]
+    nv = xb.shape[0]
+    m = nv * nl
+    for j in range(nv):
+        xj = xb[j]
+        for c in range(nl):
+            al[j * nl + c] = sidv[c] * xj
+    for k in range(m):
+        q[k] = v0
+    for i in range(h * n, h * n + n, 8):
+        t0, t1, t2, t3 = tp[i], tp[i + 1], tp[i + 2], tp[i + 3]
+        t4, t5, t6, t7 = tp[i + 4], tp[i + 5], tp[i + 6], tp[i + 7]
+        u0, u1, u2, u3 = vals[i], vals[i + 1], vals[i + 2], vals[i + 3]
+        u4, u5, u6, u7 = vals[i + 4], vals[i + 5], vals[i + 6], vals[i + 7]
+        for k in range(m):
+            a = al[k]
+            r = q[k]
+            r = u0 if a >= t0 else r
+            r = u1 if a >= t1 else r
+            r = u2 if a >= t2 else r
+            r = u3 if a >= t3 else r
+            r = u4 if a >= t4 else r
+            r = u5 if a >= t5 else r
+            r = u6 if a >= t6 else r
+            r = u7 if a >= t7 else r
+            q[k] = v0 if a >= big else r
+
+
+@njit(**_opts)
+def _fit_lanes(xb, w, lv, off, n, tp, lp, xbig, sidv, al, q, sqx, sq2):
+    """_fit for many inverse scales sidv[c] at once, on levels lv[off:off+n] (one lane per c):
+    sqx[c] = sum w*q*x, sq2[c] = sum w*q*q, each summed in j order as ik does."""
+    nl = sidv.shape[0]
+    h = off // n
+    _pick_lanes(xb, h, n, tp, lp, lv[off], xbig[h], sidv, al, q)
+    for c in range(nl):
+        sqx[c] = f32(0.0)
+        sq2[c] = f32(0.0)
+    for j in range(xb.shape[0]):
+        xj = xb[j]
+        wj = w[j]
+        for c in range(nl):
+            qc = q[j * nl + c]
+            t = wj * qc
+            sqx[c] = _fma(t, xj, sqx[c])
+            sq2[c] = _fma(t, qc, sq2[c])
+
+
+def _lane_scratch() -> np.ndarray:
+    """Scratch for _search: rows sidv, sqx, sq2 (2 halves x 32 lanes), then al, q
+    (32 values x 32 lanes)."""
+    return np.zeros((5, 1024), dtype=np.float32)
+
+
 @njit(**_inl)
 def _best_index_iq2nl(tab, off, x):
     if x < f32(tab[off + 1]):
@@ -229,28 +403,6 @@ def _sum_sq(x):
 # IQ3_K, IQ4_K, IQ5_K, IQ6_K, IQ4_KS: scale search per sub-block against a level table
 # ----------------------------------------------------------------------------------------
 @njit(**_opts)
-def _fit(bi, xb, w, off, idv):
-    """Fit the sub-block xb at inverse scale idv to the levels lv[off:off+n] and (with -idv)
-    to their mirror image: (sumqx_p, sumq2_p, sumqx_m, sumq2_m)."""
-    sqx_p = f32(0.0)
-    sq2_p = f32(0.0)
-    sqx_m = f32(0.0)
-    sq2_m = f32(0.0)
-    lv, n, cells, lim, rel = _lset(bi)
-    for j in range(xb.shape[0]):
-        al = idv * xb[j]
-        q = lv[off + _best_index(lv, off, n, cells, lim, rel, al)]
-        t = w[j] * q
-        sqx_p = _fma(t, xb[j], sqx_p)
-        sq2_p = _fma(t, q, sq2_p)
-        q = lv[off + _best_index(lv, off, n, cells, lim, rel, -al)]
-        t = w[j] * q
-        sqx_m = _fma(t, xb[j], sqx_m)
-        sq2_m = _fma(t, q, sq2_m)
-    return sqx_p, sq2_p, sqx_m, sq2_m
-
-
-@njit(**_opts)
 def _weights(xb, qw, has_qw, sigma2, plain_sq, w):
     """ik's per-value weights: qw*sqrt(sigma2 + x^2) with an imatrix, else x^2 (plain_sq)
     or sigma2/4 + x^2."""
@@ -264,11 +416,12 @@ def _weights(xb, qw, has_qw, sigma2, plain_sq, w):
 
 
 @njit(**_opts)
-def _search(bi, xb, w, lv, n, ntry, step, first_checked, refit):
+def _search(bi, xb, w, lv, n, ntry, step, first_checked, refit, lanes):
     """The scale search of quantize_row_iq{3,4,5,6}_k / iq4_ks for one sub-block (max|x| >=
     1e-16): a first fit at d = max/|v0|, then 2*ntry+1 inverse scales (itry*step + v0)/max,
     each with the plain and the shifted levels and both signs; optionally a final refit.
-    Returns (d, shifted)."""
+    All fits are computed first, one lane each (_fit_lanes; lanes: _lane_scratch()), then
+    compared in ik's order.  Returns (d, shifted)."""
     amax = f32(0.0)
     mx = f32(0.0)
     for j in range(xb.shape[0]):
@@ -276,37 +429,56 @@ def _search(bi, xb, w, lv, n, ntry, step, first_checked, refit):
         if ax > amax:
             amax = ax
             mx = xb[j]
-    d = (-mx) / lv[0]
-    idv = f32(1.0) / d
-    sqx_p, sq2_p, sqx_m, sq2_m = _fit(bi, xb, w, 0, idv)
+    d0 = (-mx) / lv[0]
+    # lanes of the plain half: the first fit (+, -), then per itry (+, -); shifted: per itry
+    nt = 2 * ntry + 1
+    nl = 16 * ((2 * nt + 2 + 15) // 16)
+    sidv = lanes[0]
+    sqx = lanes[1]
+    sq2 = lanes[2]
+    idv = f32(1.0) / d0
+    sidv[0] = idv
+    sidv[1] = -idv
+    for t in range(nt):
+        idv = f32(step * (t - ntry) + np.int32(lv[0])) / mx
+        sidv[2 + 2 * t] = idv
+        sidv[3 + 2 * t] = -idv
+        idv = f32(step * (t - ntry) + np.int32(lv[n])) / mx
+        sidv[nl + 2 * t] = idv
+        sidv[nl + 2 * t + 1] = -idv
+    for c in range(2 * nt + 2, nl):
+        sidv[c] = f32(0.0)
+    for c in range(nl + 2 * nt, 2 * nl):
+        sidv[c] = f32(0.0)
+    tp, lp, xbig = _lthr(bi)
+    al = lanes[3, :nl * xb.shape[0]]
+    q = lanes[4, :nl * xb.shape[0]]
+    for h in range(2):
+        a, b = h * nl, h * nl + nl
+        _fit_lanes(xb, w, lv, h * n, n, tp, lp, xbig, sidv[a:b], al, q, sqx[a:b], sq2[a:b])
+    d = d0
     best = f32(0.0)
-    if not first_checked or sq2_p > 0:
-        d = sqx_p / sq2_p
-        best = d * sqx_p
-    if sq2_m > 0 and sqx_m * sqx_m > best * sq2_m:
-        d = sqx_m / sq2_m
-        best = d * sqx_m
+    if not first_checked or sq2[0] > 0:
+        d = sqx[0] / sq2[0]
+        best = d * sqx[0]
+    if sq2[1] > 0 and sqx[1] * sqx[1] > best * sq2[1]:
+        d = sqx[1] / sq2[1]
+        best = d * sqx[1]
     is_shifted = False
-    for itry in range(-ntry, ntry + 1):
-        for sh in range(2):
-            off = n * sh
-            idv = f32(step * itry + np.int32(lv[off])) / mx
-            sqx_p, sq2_p, sqx_m, sq2_m = _fit(bi, xb, w, off, idv)
-            if sq2_p > 0 and sqx_p * sqx_p > best * sq2_p:
-                d = sqx_p / sq2_p
-                best = d * sqx_p
-                is_shifted = sh == 1
-            if sq2_m > 0 and sqx_m * sqx_m > best * sq2_m:
-                d = sqx_m / sq2_m
-                best = d * sqx_m
-                is_shifted = sh == 1
+    for t in range(nt):
+        for c in (2 + 2 * t, 3 + 2 * t, nl + 2 * t, nl + 2 * t + 1):
+            if sq2[c] > 0 and sqx[c] * sqx[c] > best * sq2[c]:
+                d = sqx[c] / sq2[c]
+                best = d * sqx[c]
+                is_shifted = c >= nl
     if refit and d != 0:
+        blv, bn, bcells, blim, brel = _lset(bi)
         off = n if is_shifted else 0
         idv = f32(1.0) / d
         sumqx = f32(0.0)
         sumq2 = f32(0.0)
         for j in range(xb.shape[0]):
-            q = lv[off + _bi(bi, off, idv * xb[j])]
+            q = lv[off + _best_index(blv, off, bn, bcells, blim, brel, idv * xb[j])]
             t = w[j] * q
             sumqx = _fma(t, xb[j], sumqx)
             sumq2 = _fma(t, q, sumq2)
@@ -317,20 +489,28 @@ def _search(bi, xb, w, lv, n, ntry, step, first_checked, refit):
 
 # per type: levels per half, ntry, step, first fit checked, refit, sigma2 factor, x^2 weights
 @njit(**_opts)
-def _quantize_kblock(qtype, x, qw, has_qw, out, o):
-    """One super-block of IQ3_K / IQ4_K / IQ5_K / IQ6_K -> its bytes at out[o:]."""
+def _kparams(qtype):
+    """(level set, levels, levels per half, ntry, step, block bytes) of a type.  Returned by
+    a call, not passed as constants: numba would compile a callee per constant argument."""
     if qtype == IQ3_K:
-        _kblock(3, qtype, LV3, 8, 3, 2, 110, x, qw, has_qw, out, o)
-    elif qtype == IQ4_K:
-        _kblock(4, qtype, LV4, 16, 7, 1, 144, x, qw, has_qw, out, o)
-    elif qtype == IQ5_K:
-        _kblock(5, qtype, LV5, 32, 5, 1, 176, x, qw, has_qw, out, o)
-    else:
-        _kblock(6, qtype, LV6, 64, 5, 1, 212, x, qw, has_qw, out, o)
+        return 3, LV3, 8, 3, 2, 110
+    if qtype == IQ5_K:
+        return 5, LV5, 32, 5, 1, 176
+    if qtype == IQ6_K:
+        return 6, LV6, 64, 5, 1, 212
+    return 4, LV4, 16, 7, 1, 144                 # IQ4_K, IQ4_KS, IQ4_KSS
 
 
 @njit(**_opts)
-def _kblock(bi, qtype, lv, n, ntry, step, bsize, x, qw, has_qw, out, o):
+def _quantize_kblock(qtype, x, qw, has_qw, out, o, lanes):
+    """One super-block of IQ3_K / IQ4_K / IQ5_K / IQ6_K -> its bytes at out[o:]."""
+    bi, lv, n, ntry, step, bsize = _kparams(qtype)
+    _kblock(bi, qtype, lv, n, ntry, step, bsize, x, qw, has_qw, out, o, lanes)
+
+
+@njit(**_opts)
+def _kblock(bi, qtype, lv, n, ntry, step, bsize, x, qw, has_qw, out, o, lanes):
+    blv, bn, bcells, blim, brel = _lset(bi)        # for the inlined _best_index
     for k in range(bsize):
         out[o + k] = 0
     sumx2 = _sum_sq(x)
@@ -353,7 +533,7 @@ def _kblock(bi, qtype, lv, n, ntry, step, bsize, x, qw, has_qw, out, o):
         if amax < f32(1e-16):
             scales[ib] = f32(0.0)
             continue
-        d, shifted = _search(bi, xb, w, lv, n, ntry, step, qtype == IQ3_K, qtype != IQ4_K)
+        d, shifted = _search(bi, xb, w, lv, n, ntry, step, qtype == IQ3_K, qtype != IQ4_K, lanes)
         if qtype == IQ3_K and d == 0:
             scales[ib] = f32(0.0)
             continue
@@ -406,7 +586,7 @@ def _kblock(bi, qtype, lv, n, ntry, step, bsize, x, qw, has_qw, out, o):
         _weights(xb, qw[16 * ib:16 * ib + 16], has_qw, sigma2, plain_sq, w)
         ib32 = ib // 2
         for j in range(16):
-            k = _bi(bi, off, idl * xb[j])
+            k = _best_index(blv, off, bn, bcells, blim, brel, idl * xb[j])
             e = 16 * (ib % 2) + j                     # position in the 32 of sub-block pair ib32
             if qtype == IQ3_K:
                 out[o + 14 + 32 * (ib32 // 4) + e] |= np.uint8((k & 3) << (2 * (ib32 % 4)))
@@ -434,10 +614,11 @@ def _kblock(bi, qtype, lv, n, ntry, step, bsize, x, qw, has_qw, out, o):
 # IQ4_KS: row scale (f32) + per block of 32 a 7-bit scale and the shift bit
 # ----------------------------------------------------------------------------------------
 @njit(**_opts)
-def _quantize_iq4_ks_row(x, qw, has_qw, out):
+def _quantize_iq4_ks_row(x, qw, has_qw, out, lanes):
     """One row -> f32 row scale + 136-byte blocks in out (the row's bytes)."""
     nb = x.shape[0] // QK_K
-    lv, n = LV4, 16
+    bi, lv, n, ntry, step, _ = _kparams(IQ4_KS)
+    blv, bn, bcells, blim, brel = _lset(bi)
     for k in range(out.shape[0]):
         out[k] = 0
     scales = np.empty(nb * 8, dtype=np.float32)
@@ -456,7 +637,7 @@ def _quantize_iq4_ks_row(x, qw, has_qw, out):
             if amax < f32(1e-16):
                 scales[8 * ibl + ib] = f32(0.0)
                 continue
-            d, shifted = _search(4, xb, w, lv, n, 7, 1, False, False)
+            d, shifted = _search(bi, xb, w, lv, n, ntry, step, bi == 3, bi != 4, lanes)
             if shifted:
                 out[o + ib] = 1
             scales[8 * ibl + ib] = d
@@ -483,8 +664,8 @@ def _quantize_iq4_ks_row(x, qw, has_qw, out):
             xb = xbl[32 * ib:32 * ib + 32]
             _weights(xb, qw[QK_K * ibl + 32 * ib:QK_K * ibl + 32 * ib + 32], has_qw, sigma2, True, w)
             for j in range(16):
-                i1 = _bi(4, off, idl * xb[j])
-                i2 = _bi(4, off, idl * xb[j + 16])
+                i1 = _best_index(blv, off, bn, bcells, blim, brel, idl * xb[j])
+                i2 = _best_index(blv, off, bn, bcells, blim, brel, idl * xb[j + 16])
                 out[o + 8 + 16 * ib + j] = np.uint8(i1 | (i2 << 4))
                 q1 = lv[off + i1] * f32(l)
                 q2 = lv[off + i2] * f32(l)
@@ -503,6 +684,212 @@ def _put_f32(out, o, v):
     u = b.view(np.uint32)[0]
     for k in range(4):
         out[o + k] = np.uint8((u >> np.uint32(8 * k)) & np.uint32(255))
+
+
+# ----------------------------------------------------------------------------------------
+# IQ4_KSS: IQ4_KS with every group of four 4-bit quants pruned to an even number of set bits,
+# so that the 16-bit group fits in 15 bits (stored scrambled, beside one bit of the scale)
+# ----------------------------------------------------------------------------------------
+def _scramble_table() -> np.ndarray:
+    """table[v & 0x7fff] = j with j ^ (j << 1) == v, for every 16-bit v of even parity (the
+    decoder undoes it as w ^ (w >> 1) with w = j << 1)."""
+    j = np.arange(1 << 15, dtype=np.int32)
+    tab = np.empty(1 << 15, dtype=np.int32)
+    tab[(j ^ (j << 1)) & 0x7FFF] = j
+    return tab
+
+
+SCRAMBLE = _scramble_table()
+_PARITY4 = np.array([bin(i).count("1") & 1 for i in range(16)], dtype=np.int32)
+# the quants prune_iq4ks may move quant q to: q-2..q+2 of opposite bit-count parity, ascending
+_PRUNE_TO = np.full((16, 4), -1, dtype=np.int32)
+for _q in range(16):
+    _c = [qq for qq in range(max(_q - 2, 0), min(_q + 2, 15) + 1) if _PARITY4[qq] != _PARITY4[_q]]
+    _PRUNE_TO[_q, :len(_c)] = _c
+_FLT_MAX = f32(np.finfo(np.float32).max)
+
+
+@njit(**_inl)
+def _prune4(v, lv, off, xp, wp, g, dl):
+    """ik's prune_iq4ks: a group of four quants v (nibbles) with an odd number of set bits
+    gets the one change (a quant moved by 1 or 2 to one of odd bit-count difference) of least
+    weighted squared-error increase.  The old error is measured on the plain levels whatever
+    the table (as ik does)."""
+    if _PARITY4[(v ^ (v >> 4) ^ (v >> 8) ^ (v >> 12)) & 15] == 0:
+        return v
+    best = _FLT_MAX
+    jbest = 0
+    qbest = 0
+    for j in range(4):
+        q = (v >> (4 * j)) & 15
+        x = xp[g + j]
+        e0 = _fma(dl, LV4[q], -x)
+        e0sq = e0 * e0
+        for k in range(4):
+            qq = _PRUNE_TO[q, k]
+            if qq < 0:
+                break
+            e1 = _fma(dl, lv[off + qq], -x)
+            score = wp[g + j] * _fma(e1, e1, -e0sq)
+            if score < best:
+                best = score
+                jbest = j
+                qbest = qq
+    return (v & ~(15 << (4 * jbest))) | (qbest << (4 * jbest))
+
+
+IDXP4 = np.tile(np.arange(1, 17, dtype=np.float32), 2)     # _pick_lanes entries: indices
+
+
+@njit(**_opts)
+def _kss_search(xp, wp, mx, lanes):
+    """IQ4_KSS's scale search for one block (values and weights in group order): for itry in
+    -7..7 and each table half, the inverse scale (itry + v0)/max with both signs, quants
+    pruned per group (with this_d = 1/id for both signs, as ik does).  The nearest levels
+    of all 60 candidates come from _pick_lanes; pruning and sums are per candidate.
+    Returns d."""
+    lv = LV4
+    n = TP4.size // 2                  # 16 (a run-time value: one compiled _pick_lanes)
+    sidv = lanes[0]
+    sqx = lanes[1]
+    sq2 = lanes[2]
+    for h in range(2):
+        for t in range(15):
+            idv = f32(t - 7 + np.int32(lv[16 * h])) / mx
+            sidv[32 * h + 2 * t] = idv
+            sidv[32 * h + 2 * t + 1] = -idv
+        sidv[32 * h + 30] = f32(0.0)
+        sidv[32 * h + 31] = f32(0.0)
+    al = lanes[3]                      # 32 values x 32 lanes
+    qi = lanes[4]
+    for h in range(2):
+        off = 16 * h
+        _pick_lanes(xp, h, n, TP4, IDXP4, np.float32(0.0), XBIG4[h], sidv[32 * h:32 * h + 32], al, qi)
+        for c in range(30):
+            dl = f32(1.0) / sidv[32 * h + (c & ~1)]
+            sx = f32(0.0)
+            s2 = f32(0.0)
+            for g in range(0, 32, 4):
+                v = 0
+                for j in range(4):
+                    v |= np.int32(qi[(g + j) * 32 + c]) << (4 * j)
+                v = _prune4(v, lv, off, xp, wp, g, dl)
+                for j in range(4):
+                    q = lv[off + ((v >> (4 * j)) & 15)]
+                    t = wp[g + j] * q
+                    sx = _fma(t, xp[g + j], sx)
+                    s2 = _fma(t, q, s2)
+            sqx[32 * h + c] = sx
+            sq2[32 * h + c] = s2
+    best = f32(0.0)
+    d = (-mx) / lv[0]
+    for t in range(15):
+        for h in range(2):
+            for c in (32 * h + 2 * t, 32 * h + 2 * t + 1):
+                if sq2[c] > 0 and sqx[c] * sqx[c] > best * sq2[c]:
+                    d = sqx[c] / sq2[c]
+                    best = d * sqx[c]
+    return d
+
+
+@njit(**_opts)
+def _kss_gather(xb, w, xp, wp):
+    """Values (and weights) in ik's group order: group k = x[2k], x[2k+16], x[2k+1], x[2k+17]."""
+    for k in range(8):
+        xp[4 * k] = xb[2 * k]
+        xp[4 * k + 1] = xb[2 * k + 16]
+        xp[4 * k + 2] = xb[2 * k + 1]
+        xp[4 * k + 3] = xb[2 * k + 17]
+        wp[4 * k] = w[2 * k]
+        wp[4 * k + 1] = w[2 * k + 16]
+        wp[4 * k + 2] = w[2 * k + 1]
+        wp[4 * k + 3] = w[2 * k + 17]
+
+
+@njit(**_opts)
+def _quantize_iq4_kss_row(x, qw, has_qw, out, lanes):
+    """One row -> f32 row scale + 128-byte blocks (8 u16 words per 32 values) in out."""
+    nb = x.shape[0] // QK_K
+    lv = LV4
+    for k in range(out.shape[0]):
+        out[k] = 0
+    scales = np.empty(nb * 8, dtype=np.float32)
+    w = np.empty(32, dtype=np.float32)
+    xp = np.empty(32, dtype=np.float32)
+    wp = np.empty(32, dtype=np.float32)
+    vv = np.empty((2, 8), dtype=np.int64)
+    mses = np.empty(2, dtype=np.float32)
+    blv, bn, bcells, blim, brel = _lset(_kparams(IQ4_KSS)[0])
+    amax_scale = f32(0.0)
+    for ibl in range(nb):
+        xbl = x[QK_K * ibl:QK_K * ibl + QK_K]
+        sigma2 = _sum_sq(xbl) * f32(2.0 / 256)
+        for ib in range(8):
+            xb = xbl[32 * ib:32 * ib + 32]
+            _weights(xb, qw[QK_K * ibl + 32 * ib:QK_K * ibl + 32 * ib + 32], has_qw, sigma2, True, w)
+            amax = f32(0.0)
+            mx = f32(0.0)
+            for j in range(32):
+                ax = abs(xb[j])
+                if ax > amax:
+                    amax = ax
+                    mx = xb[j]
+            if amax < f32(1e-16):
+                scales[8 * ibl + ib] = f32(0.0)
+                continue
+            _kss_gather(xb, w, xp, wp)
+            d = _kss_search(xp, wp, mx, lanes)
+            scales[8 * ibl + ib] = d
+            amax_scale = max(amax_scale, abs(d))
+    d = amax_scale / f32(127.0)
+    _put_f32(out, 0, d)
+    if d == 0:
+        return
+    idv = f32(1.0) / d
+    sumqx = f32(0.0)
+    sumq2 = f32(0.0)
+    for ibl in range(nb):
+        xbl = x[QK_K * ibl:QK_K * ibl + QK_K]
+        sigma2 = _sum_sq(xbl) * f32(2.0 / 256)
+        for ib in range(8):
+            xb = xbl[32 * ib:32 * ib + 32]
+            _weights(xb, qw[QK_K * ibl + 32 * ib:QK_K * ibl + 32 * ib + 32], has_qw, sigma2, True, w)
+            _kss_gather(xb, w, xp, wp)
+            l = _nint_fma(f32(0.5), _fma(idv, scales[8 * ibl + ib], f32(127.0)))
+            l = (max(0, min(127, l)) << 1) - 127            # odd: never 0
+            dl = d * f32(l)
+            idl = f32(1.0) / dl
+            for h in range(2):                  # plain, then shifted levels
+                off = 16 * h
+                mse = f32(0.0)
+                for g in range(8):
+                    v = 0
+                    for j in range(4):
+                        v |= _best_index(blv, off, bn, bcells, blim, brel, idl * xp[4 * g + j]) << (4 * j)
+                    v = _prune4(v, lv, off, xp, wp, 4 * g, dl)
+                    for j in range(4):
+                        e = _fma(-dl, lv[off + ((v >> (4 * j)) & 15)], xp[4 * g + j])
+                        mse = _fma(wp[4 * g + j] * e, e, mse)
+                    vv[h, g] = v
+                mses[h] = mse
+            shifted = mses[1] < mses[0]
+            off = 16 if shifted else 0
+            for g in range(8):
+                v = vv[1, g] if shifted else vv[0, g]
+                for j in range(4):
+                    q = f32(np.int32(lv[off + ((v >> (4 * j)) & 15)]) * l)
+                    t = wp[4 * g + j] * q
+                    sumqx = _fma(t, xp[4 * g + j], sumqx)
+                    sumq2 = _fma(t, q, sumq2)
+            l += 127
+            if shifted:
+                l |= 1
+            o = 4 + 128 * ibl + 16 * ib
+            for g in range(8):
+                v = vv[1, g] if shifted else vv[0, g]
+                _put_u16(out, o + 2 * g, (SCRAMBLE[v & 0x7FFF] << 1) | ((l >> g) & 1))
+    if sumq2 > 0:
+        _put_f32(out, 0, (sumqx / sumq2) * f32(1.01))
 
 
 # ----------------------------------------------------------------------------------------
@@ -605,6 +992,16 @@ def _iq2k_search(xb, w, sumx, sumw, idx, max_i1, min_i3, fused_prefix):
     c26, c8, c6, c22 = f32(-26.0), f32(-8.0), f32(6.0), f32(22.0)
     wt = sumw[n]
     xt = sumx[n]
+    # the last run's terms, which depend on i3 only: dx and the rounded products dw*c
+    pre = np.empty((5, n), dtype=np.float32)
+    for i3 in range(n):
+        dw = wt - sumw[i3]
+        pre[0, i3] = xt - sumx[i3]
+        pre[1, i3] = dw * c17
+        pre[2, i3] = dw * c22
+        pre[3, i3] = dw * c31
+        pre[4, i3] = dw * c26
+    dxs, p17, p22, p31, p26 = pre[0], pre[1], pre[2], pre[3], pre[4]
     for i1 in range(max_i1):
         aw = sumw[i1] - sumw[0]
         ax = sumx[i1] - sumx[0]
@@ -620,7 +1017,28 @@ def _iq2k_search(xb, w, sumx, sumw, idx, max_i1, min_i3, fused_prefix):
             qx_3 = _fma(ax, c17, bx)
             q2_4 = _fma(aw * c22, c22, (bw * c6) * c6)
             qx_4 = _fma(ax, c22, bx * c6)
-            for i3 in range(max(i2, min_i3), n):
+            lo = max(i2, min_i3)
+            # Filter: with `best` as it is now, which is the first i3 that improves on it?
+            # (The sequential scan changes nothing before it.)  All n lanes, those below lo
+            # masked: a fixed-length loop that LLVM vectorizes; the scan runs rarely.
+            first = n
+            for i3 in range(n):
+                cw = sumw[i3] - sumw[i2]
+                cx = sumx[i3] - sumx[i2]
+                dx = dxs[i3]
+                s2a = _fma(p17[i3], c17, q2_1 + cw)
+                sxa = _fma(dx, c17, qx_1 + cx)
+                s2b = _fma(p22[i3], c22, _fma(cw * c6, c6, q2_2))
+                sxb = _fma(dx, c22, _fma(cx, c6, qx_2))
+                s2c = _fma(p31[i3], c31, _fma(cw * c13, c13, q2_3))
+                sxc = _fma(dx, c31, _fma(cx, c13, qx_3))
+                s2d = _fma(p26[i3], c26, _fma(cw * c8, c8, q2_4))
+                sxd = _fma(dx, c26, _fma(cx, c8, qx_4))
+                ok = (((s2a > 0) & (sxa * sxa > best * s2a)) | ((s2b > 0) & (sxb * sxb > best * s2b))
+                      | ((s2c > 0) & (sxc * sxc > best * s2c)) | ((s2d > 0) & (sxd * sxd > best * s2d)))
+                first = min(first, i3 if ok & (i3 >= lo) else n)
+            # the scan changes nothing before the first i3 that beats `best`
+            for i3 in range(first, n):
                 cw = sumw[i3] - sumw[i2]
                 cx = sumx[i3] - sumx[i2]
                 dw = wt - sumw[i3]
@@ -800,8 +1218,9 @@ def _quantize_iq2_ks_row(x, qw, has_qw, out):
 # rows
 # ----------------------------------------------------------------------------------------
 @njit(**_opts)
-def _quantize_rows(x, qtype, imat, has_imat, out):
-    """x (nrows, n) f32 -> out (nrows, row_bytes) uint8; imat: n column weights (has_imat)."""
+def _quantize_rows(x, qtype, imat, has_imat, out, lanes):
+    """x (nrows, n) f32 -> out (nrows, row_bytes) uint8; imat: n column weights (has_imat);
+    lanes: _lane_scratch()."""
     nrows, n = x.shape
     nb = n // QK_K
     w = np.zeros(n, dtype=np.float32)
@@ -813,10 +1232,13 @@ def _quantize_rows(x, qtype, imat, has_imat, out):
             _row_weights(imat, xr, block, w)
         orow = out[r]
         if qtype == IQ4_KS:
-            _quantize_iq4_ks_row(xr, w, has_imat, orow)
+            _quantize_iq4_ks_row(xr, w, has_imat, orow, lanes)
             continue
         if qtype == IQ2_KS:
             _quantize_iq2_ks_row(xr, w, has_imat, orow)
+            continue
+        if qtype == IQ4_KSS:
+            _quantize_iq4_kss_row(xr, w, has_imat, orow, lanes)
             continue
         for ibl in range(nb):
             xs = xr[QK_K * ibl:QK_K * ibl + QK_K]
@@ -824,10 +1246,10 @@ def _quantize_rows(x, qtype, imat, has_imat, out):
             if qtype == IQ2_K:
                 _quantize_iq2_k_block(xs, ws, has_imat, orow, bsize * ibl)
             else:
-                _quantize_kblock(qtype, xs, ws, has_imat, orow, bsize * ibl)
+                _quantize_kblock(qtype, xs, ws, has_imat, orow, bsize * ibl, lanes)
 
 
-QUANTIZE_TYPES = frozenset({IQ4_K, IQ2_K, IQ3_K, IQ5_K, IQ6_K, IQ4_KS, IQ2_KS})
+QUANTIZE_TYPES = frozenset({IQ4_K, IQ2_K, IQ3_K, IQ5_K, IQ6_K, IQ4_KS, IQ4_KSS, IQ2_KS})
 
 
 def quantize(x: np.ndarray, qtype: int, imatrix: np.ndarray | None = None) -> np.ndarray:
@@ -859,5 +1281,5 @@ def quantize(x: np.ndarray, qtype: int, imatrix: np.ndarray | None = None) -> np
         if im.size != n:
             raise ValueError(f"{ti.name}: imatrix has {im.size} values for rows of {n}")
     out = np.zeros((nrows, ti.row_bytes(n)), dtype=np.uint8)
-    _quantize_rows(x, ti.id, im, imatrix is not None, out)
+    _quantize_rows(x, ti.id, im, imatrix is not None, out, _lane_scratch())
     return out.reshape(-1)

@@ -120,6 +120,30 @@ def test_best_index_is_nearest_level():
             assert iqk_quantize._bi(4, off, np.float32(x)) == want, (off, x)
 
 
+@pytest.mark.parametrize("lset", [3, 4, 5, 6])
+def test_lane_pick_equals_best_index(lset):
+    """The searches' vectorized level pick (thresholds; _pick_lanes) gives ik's best index
+    (_bi) at and around every threshold, on random values and at the range edges, for both
+    halves of every level set.  (Checked offline on every f32; this samples.)"""
+    tp, _, xbig = iqk_quantize._lthr(lset)
+    n = tp.size // 2
+    idx = np.tile(np.arange(1, n + 1, dtype=np.float32), 2)
+    rng = np.random.default_rng(lset)
+    for h in range(2):
+        t = tp[h * n:h * n + n - 1]
+        pts = [t, np.nextafter(t, np.float32(-np.inf)), np.nextafter(t, np.float32(np.inf)), t - 1, t + 1,
+               rng.uniform(-300, 300, 2000).astype(np.float32), rng.standard_normal(500).astype(np.float32),
+               np.array([0.0, -0.0, np.nan, np.inf, -np.inf, 2.0 ** 31, -2.0 ** 31, 3e9, -3e9, 1e-30], np.float32),
+               np.array([xbig[h], np.nextafter(xbig[h], np.float32(0))], np.float32)]
+        xs = np.concatenate(pts).astype(np.float32)
+        al = np.empty(xs.size, np.float32)
+        got = np.empty(xs.size, np.float32)
+        iqk_quantize._pick_lanes(xs, h, n, tp, idx, np.float32(0), xbig[h], np.ones(1, np.float32), al, got)
+        want = np.array([iqk_quantize._bi(lset, h * n, x) for x in xs])
+        bad = np.flatnonzero(got.astype(np.int64) != want)
+        assert bad.size == 0, (h, xs[bad[:5]], got[bad[:5]], want[bad[:5]])
+
+
 @pytest.mark.parametrize("bad", ["len", "imatrix", "type"])
 def test_bad_input_one_line_errors(bad):
     x = np.zeros((2, 512), dtype=np.float32)
