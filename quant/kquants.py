@@ -333,6 +333,18 @@ def _op(fused: bool):
     return _fma32 if fused else _mul_add
 
 
+def _sums_lx_l2(wx: np.ndarray, w: np.ndarray, L: np.ndarray, op) -> tuple[np.ndarray, np.ndarray]:
+    """(sum w*x*l, sum w*l^2) over the rows (G, n) in element order, each a*b + c done by op
+    (fused or not) with the f32 products w*x (wx) and w*l rounded first."""
+    sumlx = np.zeros(L.shape[0], _F32)
+    suml2 = np.zeros(L.shape[0], _F32)
+    for i in range(L.shape[1]):
+        lf = L[:, i].astype(_F32)
+        sumlx = op(wx[:, i], lf, sumlx)
+        suml2 = op((w[:, i] * lf).astype(_F32), lf, suml2)
+    return sumlx, suml2
+
+
 def make_qx_quants(x: np.ndarray, nmax: int, w: np.ndarray | None = None,
                    fuse: dict = QX_FUSE_Q6K) -> tuple[np.ndarray, np.ndarray]:
     """ggml's make_qx_quants(n, nmax, x, L, rmse_type=1, qw) over the rows of x (G, n), with
@@ -749,12 +761,7 @@ def make_qp_quants(x: np.ndarray, nmax: int, w: np.ndarray, fuse: dict = QP_FUSE
         iscale = np.where(better, isc, iscale).astype(f32)
     L = np.minimum(nmax, _nearest_prod(iscale[:, None], x))
     wx = (w * x).astype(f32)
-    sumlx = np.zeros(G, f32)
-    suml2 = np.zeros(G, f32)
-    for i in range(n):
-        lf = L[:, i].astype(f32)
-        sumlx = op(wx[:, i], lf, sumlx)
-        suml2 = op((w[:, i] * lf).astype(f32), lf, suml2)
+    sumlx, suml2 = _sums_lx_l2(wx, w, L, op)
     active = ~zero
     for _ in range(5):
         changed = np.zeros(G, bool)
@@ -1057,12 +1064,7 @@ def make_q3_quants(x: np.ndarray, nmax: int, fuse: dict = Q3_FUSE) -> tuple[np.n
     w = (x * x).astype(_F32)
     wx = (w * x).astype(_F32)
     op, rm, add = _op(fuse["first"]), _op(fuse["rm"]), _op(fuse["add"])
-    sumlx = np.zeros(G, _F32)
-    suml2 = np.zeros(G, _F32)
-    for i in range(n):
-        lf = L[:, i].astype(_F32)
-        sumlx = op(wx[:, i], lf, sumlx)
-        suml2 = op((w[:, i] * lf).astype(_F32), lf, suml2)
+    sumlx, suml2 = _sums_lx_l2(wx, w, L, op)
     active = ~zero
     for _ in range(5):
         changed = np.zeros(G, bool)

@@ -147,6 +147,50 @@ def seq_sum_sq_f32(v):
     return s
 
 
+@njit(inline="always", error_model="numpy")
+def _absmax(v, o, n):
+    """(the largest |v[o + j]|, j < n; the signed element that has it, the first on ties)."""
+    amax = _F32(0)
+    mx = _F32(0)
+    for j in range(n):
+        a = abs(v[o + j])
+        if a > amax:
+            amax = a
+            mx = v[o + j]
+    return amax, mx
+
+
+@njit(inline="always", error_model="numpy")
+def _max_pos(v, o, n):
+    """max(0, v[o:o + n]) (NaN never wins)."""
+    m = _F32(0)
+    for j in range(n):
+        if v[o + j] > m:
+            m = v[o + j]
+    return m
+
+
+@njit(inline="always", error_model="numpy")
+def _pack_2bit(L, out, o):
+    """The low 2 bits of the 256 levels L as Q2_K's and Q3_K's qs: 4 planes of 32 per half."""
+    for n in range(2):
+        for l in range(32):
+            q = 0
+            for k in range(4):
+                q |= (L[128 * n + 32 * k + l] & 3) << (2 * k)
+            out[o + 32 * n + l] = np.uint8(q)
+
+
+@njit(inline="always", error_model="numpy")
+def _group_wsum(W, c0, ng, sw):
+    """sw[j] = the sum of the weights of group c0 + j (column of W) in element order (f32)."""
+    for j in range(ng):
+        s = _F32(0)
+        for i in range(W.shape[0]):
+            s = s + W[i, c0 + j]
+        sw[j] = s
+
+
 # ----------------------------------------------------------------------------------------
 # Q8_0, Q4_0 (quantize_row_q8_0_ref / q4_0_ref)
 # ----------------------------------------------------------------------------------------
@@ -155,12 +199,7 @@ def _q8_0_rows(x, out):
     nb = x.shape[0] // 32
     for b in range(nb):
         o = b * 34
-        amax = _F32(0)
-        for j in range(32):
-            a = abs(x[32 * b + j])
-            if a > amax:
-                amax = a
-        d = amax / _F32(127)
+        d = _absmax(x, 32 * b, 32)[0] / _F32(127)
         inv = _F32(1) / d if d != _F32(0) else _F32(0)
         _put_f16(out, o, _f16_bits(d))
         for j in range(32):
@@ -178,14 +217,7 @@ def _q4_0_rows(x, out):
     nb = x.shape[0] // 32
     for b in range(nb):
         o = b * 18
-        amax = _F32(0)
-        m = _F32(0)
-        for j in range(32):
-            a = abs(x[32 * b + j])
-            if a > amax:
-                amax = a
-                m = x[32 * b + j]
-        d = m / _F32(-8)
+        d = _absmax(x, 32 * b, 32)[1] / _F32(-8)
         inv = _F32(1) / d if d != _F32(0) else _F32(0)
         _put_f16(out, o, _f16_bits(d))
         for j in range(16):
@@ -478,13 +510,8 @@ def _q45_k_rows(x, five, out):
         _qkx2_lanes(X, W, G, nmax, rmin, _F32(0.1), nstep, False, 1, 1, 1, Lf, La, scales, mins)
         for sb in range(nsb):
             g0 = 8 * sb
-            max_scale = _F32(0)
-            max_min = _F32(0)
-            for j in range(8):
-                if scales[g0 + j] > max_scale:
-                    max_scale = scales[g0 + j]
-                if mins[g0 + j] > max_min:
-                    max_min = mins[g0 + j]
+            max_scale = _max_pos(scales, g0, 8)
+            max_min = _max_pos(mins, g0, 8)
             inv_scale = _F32(63) / max_scale if max_scale > _F32(0) else _F32(0)
             inv_min = _F32(63) / max_min if max_min > _F32(0) else _F32(0)
             for j in range(8):
@@ -736,11 +763,8 @@ def _q45_k_rows_im(x, qw, five, out):
         _qkx3_lanes(X, W, G, nmax, _F32(-0.9), _F32(0.05), 36, Lf, La, scales, mins)
         for sb in range(nsb):
             g0 = 8 * sb
+            _group_wsum(W, g0, 8, sw)
             for j in range(8):
-                s = _F32(0)
-                for i in range(32):
-                    s = s + W[i, g0 + j]
-                sw[j] = s
                 for i in range(32):
                     L[32 * j + i] = np.int64(Lf[i, g0 + j])
             dblk = _make_qp(scales[g0:g0 + 8], 8, 63, sw, ls)
@@ -907,13 +931,7 @@ def _q6_k_rows(x, qw, use_qw, out):
             xo = base + 256 * sb
             o = 210 * (b0 + sb)
             scales = sc_all[16 * sb:16 * sb + 16]
-            amax = _F32(0)
-            mx = _F32(0)
-            for j in range(16):
-                a = abs(scales[j])
-                if a > amax:
-                    amax = a
-                    mx = scales[j]
+            amax, mx = _absmax(scales, 0, 16)
             if amax < _F32(1e-15):
                 for k in range(210):
                     out[o + k] = 0
@@ -951,12 +969,7 @@ def _q6_k_rows(x, qw, use_qw, out):
 def _pack_q2_k(L, sc, d16, dmin16, out, o):
     for j in range(16):
         out[o + j] = np.uint8(sc[j] & 255)
-    for n in range(2):
-        for l in range(32):
-            q = 0
-            for k in range(4):
-                q |= L[128 * n + 32 * k + l] << (2 * k)
-            out[o + 16 + 32 * n + l] = np.uint8(q & 255)
+    _pack_2bit(L, out, o + 16)
     _put_f16(out, o + 80, d16)
     _put_f16(out, o + 82, dmin16)
 
@@ -1012,13 +1025,8 @@ def _q2_k_rows(x, out):
         for s_ in range(nsb):
             g0 = 16 * s_
             xo = base + 256 * s_
-            max_scale = _F32(0)
-            max_min = _F32(0)
-            for j in range(16):
-                if scales[g0 + j] > max_scale:
-                    max_scale = scales[g0 + j]
-                if mins[g0 + j] > max_min:
-                    max_min = mins[g0 + j]
+            max_scale = _max_pos(scales, g0, 16)
+            max_min = _max_pos(mins, g0, 16)
             isc = _F32(15) / max_scale if max_scale > _F32(0) else _F32(0)
             imn = _F32(15) / max_min if max_min > _F32(0) else _F32(0)
             d16 = _f16_bits(max_scale / _F32(15) if max_scale > _F32(0) else _F32(0))
@@ -1074,11 +1082,7 @@ def _q2_k_rows_im(x, qw, out):
         for s_ in range(nsb):
             g0 = 16 * s_
             xo = base + 256 * s_
-            for j in range(16):
-                t = _F32(0)
-                for i in range(16):
-                    t = t + W[i, g0 + j]
-                sw[j] = t
+            _group_wsum(W, g0, 16, sw)
             dm = _make_qp(scales[g0:g0 + 16], 16, 15, sw, ls)
             mm = _make_qp(mins[g0:g0 + 16], 16, 15, sw, lm)
             for j in range(16):
@@ -1203,12 +1207,10 @@ def _q3_k_rows(x, qw, use_qw, out):
         if use_qw:
             _qx_lanes(X, W, G, 4, Lf, sc_all)
             for sb in range(nsb):
+                _group_wsum(W, 16 * sb, 16, w)
                 for j in range(16):
-                    s = _F32(0)
-                    for i in range(16):
-                        s = s + W[i, 16 * sb + j]
                     X2[j, sb] = sc_all[16 * sb + j]
-                    W2[j, sb] = s
+                    W2[j, sb] = w[j]
             _qx_lanes(X2, W2, nsb, 32, L2, dblk)
         else:
             _q3_lanes(X, G, 4, Lf, sc_all)
@@ -1220,13 +1222,7 @@ def _q3_k_rows(x, qw, use_qw, out):
                 for j in range(16):
                     ls[j] = np.int64(L2[j, sb])
             else:
-                amax = _F32(0)
-                mxs = _F32(0)
-                for j in range(16):
-                    a = abs(sc_all[16 * sb + j])
-                    if a > amax:
-                        amax = a
-                        mxs = sc_all[16 * sb + j]
+                mxs = _absmax(sc_all, 16 * sb, 16)[1]
                 if mxs != _F32(0):
                     iscale = _F32(-32) / mxs
                     d16 = _f16_bits(_F32(1) / iscale)
@@ -1256,12 +1252,7 @@ def _q3_k_rows(x, qw, use_qw, out):
                     if L[32 * m + l] > 3:
                         h |= 1 << m
                 out[o + l] = np.uint8(h)
-            for n in range(2):
-                for l in range(32):
-                    q = 0
-                    for k in range(4):
-                        q |= (L[128 * n + 32 * k + l] & 3) << (2 * k)
-                    out[o + 32 + 32 * n + l] = np.uint8(q)
+            _pack_2bit(L, out, o + 32)
             _put_f16(out, o + 108, d16)
 
 
@@ -1458,13 +1449,7 @@ def _iq4_rows(x, qw, use_qw, xs, out):
             o = (s0 + sb) * size
             g0 = nblk * sb
             if xs:
-                amax = _F32(0)
-                mxs = _F32(0)
-                for j in range(8):
-                    a = abs(dall[g0 + j])
-                    if a > amax:
-                        amax = a
-                        mxs = dall[g0 + j]
+                mxs = _absmax(dall, g0, 8)[1]
                 dsb = (-mxs) / _F32(32)
                 idsb = _F32(1) / dsb if dsb != _F32(0) else _F32(0)
                 _put_f16(out, o, _f16_bits(dsb))
