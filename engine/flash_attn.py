@@ -13,12 +13,21 @@ cache, scratch is bounded by the block sizes.  Two paths, picked by `use_kernel_
   first dv values of the row, is read from the same scratch).  Scores and probabilities
   come from 4 rows x 4 cells register-blocked loops; scores are kept in the log2 domain (q
   is pre-scaled by scale*log2(e)) so the softmax needs only a vectorizable exp2.
+  Opt-in (IKCLI_FA_BF16=1), where the CPU has AVX512-BF16 and a kv head has >= 12 query
+  rows (16-lane chunks at least 3/4 full; dk, dv multiples of 16), engine.flash_bf16 runs
+  instead: the same split-K structure with bf16 dot products (~1.7x faster for 16 latent heads
+  of 576/512 at 3584 cells) and an f32 refinement of the scores near the running max; outputs
+  within ~2.5e-3 (relative L2) of this f32 kernel.  Off by default: ik_llama.cpp computes f16
+  caches in f32 (its AVX512 helpers convert f16 to f32), and the 1B random test model's
+  perplexity moved ~3% with it at -ub 4 (README, performance).
 * many queries (prompt processing): tiles of cells are decoded to f32 once per query tile
   and every kv head is updated with two batched BLAS products (scores, P·V) around one
   Numba pass for the masked online softmax; tiles no query of the query tile sees are
   skipped.
 """
 from __future__ import annotations
+
+import os
 
 import numba
 import numpy as np
@@ -403,6 +412,23 @@ def flash_attn(q: np.ndarray, k: RowStore, v: RowStore | None, n_kv: int, n_head
     raise ValueError(f"flash_attn: unknown path {path!r}")
 
 
+# bf16 dot products (engine.flash_bf16) for the kernel path where the CPU has AVX512-BF16:
+# opt-in with IKCLI_FA_BF16=1 (see the module docstring); tests flip this to compare kernels
+USE_BF16 = os.environ.get("IKCLI_FA_BF16", "0") == "1"
+_BF16_HOST: bool | None = None
+
+
+def _bf16_ok(rows: int, dk: int, dv: int) -> bool:
+    global _BF16_HOST
+    if _BF16_HOST is None:
+        from .flash_bf16 import available
+        _BF16_HOST = available()
+    if not _BF16_HOST:
+        return False
+    from .flash_bf16 import supports
+    return supports(rows, dk, dv)
+
+
 def _flash_kernel(q, k, v, n_kv, hkv, dk, dv, cell_pos, q_pos, scale):
     T, H, _ = q.shape
     G = H // hkv
@@ -411,8 +437,16 @@ def _flash_kernel(q, k, v, n_kv, hkv, dk, dv, cell_pos, q_pos, scale):
     qg = np.ascontiguousarray((q.reshape(T, hkv, G, dk) * np.float32(scale * LOG2E)).transpose(1, 0, 2, 3)
                               .reshape(hkv, R, dk), dtype=np.float32)
     rpos = np.repeat(q_pos, G)
-    nrb = -(-R // ROW_BLOCK)
     nth = numba.get_num_threads()
+    if USE_BF16 and _bf16_ok(R, dk, dv):
+        from . import flash_bf16
+        nch = -(-R // flash_bf16.LANES)
+        ngr = -(-nch // flash_bf16.CHUNKS_PER_ITEM)
+        nsplit = max(1, min(-(-SPLITS_PER_THREAD * nth // ngr), n_kv // MIN_SPLIT_CELLS))
+        out = flash_bf16.flash_kernel_bf16(qg, rpos, k, v, n_kv, dk, dv, cell_pos, nsplit, F16_TO_F32,
+                                           _head_bytes(k, hkv), _head_bytes(k if v is None else v, hkv))
+        return out.reshape(hkv, T, G, dv).transpose(1, 0, 2, 3).reshape(T, H, dv)
+    nrb = -(-R // ROW_BLOCK)
     # enough cell ranges for SPLITS_PER_THREAD items per thread, none shorter than MIN_SPLIT_CELLS
     nsplit = max(1, min(-(-SPLITS_PER_THREAD * nth // nrb), n_kv // MIN_SPLIT_CELLS))
     acc = np.empty((hkv, nsplit, R, dv), dtype=np.float32)
