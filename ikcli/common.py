@@ -146,7 +146,7 @@ class EngineFlags:
     fmoe: str
     ser: Optional[str]
     ot: Optional[List[str]]
-    rtr: bool
+    rtr: bool = False
 
 
 _ENGINE_OPTIONS = [("mla", int, MlaOpt), ("fa", str, FaOpt), ("amb", int, AmbOpt), ("ctk", str, CtkOpt),
