@@ -35,7 +35,6 @@ from numba.extending import intrinsic
 
 _I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 QK = 32          # values per block, weights and activations
-LANES = 16       # int32 pair sums per block = f32 accumulator lanes
 
 
 def _vec(t: ir.Type, n: int) -> ir.VectorType:
@@ -58,20 +57,20 @@ def _f16_scale(builder: ir.IRBuilder, p):
 
 
 def _unpack_q8_0(builder: ir.IRBuilder, p):
-    """Q8_0 block: f16 d, then 32 int8 values."""
-    return _f16_scale(builder, p), _load_vec(builder, builder.gep(p, [_const_i64(2)]), _I8, QK)
+    """Q8_0 block: f16 d, then 32 int8 values: one part of 32 lanes (activation offset 0)."""
+    return _f16_scale(builder, p), [(_load_vec(builder, builder.gep(p, [_const_i64(2)]), _I8, QK), 0)]
 
 
 def _unpack_q4_0(builder: ir.IRBuilder, p):
     """Q4_0 block: f16 d, then 16 bytes; value j < 16 is the low nibble of byte j, value 16 + j
-    the high nibble, each minus 8.  The 16 bytes are loaded once and doubled (one broadcast),
-    then lanes 16..31 shift right by 4: cheaper than unpacking two halves and joining them."""
+    the high nibble, each minus 8: two parts of 16 lanes (activation offsets 0 and 16), each
+    one and / shift of the same load (joining them into 32 lanes, with per-lane byte shifts, cost
+    more than a second pairwise sum: 20.6 -> 22.6 GB/s, 4096 x 4096, 2 threads, measured)."""
     b = _load_vec(builder, builder.gep(p, [_const_i64(2)]), _I8, QK // 2)
-    both = builder.shuffle_vector(b, b, ir.Constant(_vec(_I32, QK), [j % (QK // 2) for j in range(QK)]))
-    shift = ir.Constant(_vec(_I8, QK), [0] * (QK // 2) + [4] * (QK // 2))
-    splat = lambda v: ir.Constant(_vec(_I8, QK), [v] * QK)  # noqa: E731
-    w = builder.sub(builder.and_(builder.lshr(both, shift), splat(15)), splat(8))
-    return _f16_scale(builder, p), w
+    splat = lambda v: ir.Constant(_vec(_I8, QK // 2), [v] * (QK // 2))  # noqa: E731
+    lo = builder.sub(builder.and_(b, splat(15)), splat(8))
+    hi = builder.sub(builder.lshr(b, splat(4)), splat(8))
+    return _f16_scale(builder, p), [(lo, 0), (hi, QK // 2)]
 
 
 def _pair_sum(builder: ir.IRBuilder, v, n: int):
@@ -90,9 +89,11 @@ def _splat_f32(builder: ir.IRBuilder, v, n: int):
     return builder.shuffle_vector(sv, sv, ir.Constant(_vec(_I32, n), [0] * n))
 
 
-def _row_dot_intrinsic(block_bytes: int, unpack):
+def _row_dot_intrinsic(block_bytes: int, unpack, lanes: int):
     """An intrinsic f(buf, base, q, s, nb) -> f32: the dot of the weight row of nb blocks at byte
-    `base` of uint8 array buf with the activation row (q: int8 values, s: f32 block scales)."""
+    `base` of uint8 array buf with the activation row (q: int8 values, s: f32 block scales).
+    unpack gives a block's scale and its values as parts (int8 vector, activation offset) of
+    2 * lanes values each; their pairwise sums accumulate in `lanes` f32 lanes."""
 
     @intrinsic
     def row_dot(typingctx, buf, base, q, s, nb):
@@ -105,15 +106,19 @@ def _row_dot_intrinsic(block_bytes: int, unpack):
             qa = context.make_array(sig.args[2])(context, builder, args[2])
             sa = context.make_array(sig.args[3])(context, builder, args[3])
             row = builder.gep(wbuf.data, [args[1]])
-            accs = [cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, LANES), None)) for _ in range(NACC)]
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, lanes), None)) for _ in range(NACC)]
 
             def block(b, accp):
-                d, w = unpack(builder, builder.gep(row, [builder.mul(b, _const_i64(block_bytes))]))
-                a = _load_vec(builder, builder.gep(qa.data, [builder.mul(b, _const_i64(QK))]), _I8, QK)
-                prod = builder.mul(builder.sext(w, _vec(_I32, QK)), builder.sext(a, _vec(_I32, QK)))
-                sv = _splat_f32(builder, builder.fmul(d, builder.load(builder.gep(sa.data, [b]))), LANES)
-                term = builder.fmul(builder.sitofp(_pair_sum(builder, prod, QK), _vec(_F32, LANES)), sv,
-                                    flags=["fast"])
+                d, parts = unpack(builder, builder.gep(row, [builder.mul(b, _const_i64(block_bytes))]))
+                act = builder.gep(qa.data, [builder.mul(b, _const_i64(QK))])
+                isum = None
+                for w, off in parts:
+                    a = _load_vec(builder, builder.gep(act, [_const_i64(off)]), _I8, 2 * lanes)
+                    prod = builder.mul(builder.sext(w, _vec(_I32, 2 * lanes)), builder.sext(a, _vec(_I32, 2 * lanes)))
+                    pairs = _pair_sum(builder, prod, 2 * lanes)         # vpmaddwd
+                    isum = pairs if isum is None else builder.add(isum, pairs)
+                sv = _splat_f32(builder, builder.fmul(d, builder.load(builder.gep(sa.data, [b]))), lanes)
+                term = builder.fmul(builder.sitofp(isum, _vec(_F32, lanes)), sv, flags=["fast"])
                 builder.store(builder.fadd(builder.load(accp), term, flags=["fast"]), accp)
 
             nb = args[4]
@@ -126,17 +131,17 @@ def _row_dot_intrinsic(block_bytes: int, unpack):
             acc = builder.load(accs[0])
             for j in range(1, NACC):
                 acc = builder.fadd(acc, builder.load(accs[j]), flags=["fast"])
-            red = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32, _vec(_F32, LANES)]),
-                                                 f"llvm.vector.reduce.fadd.v{LANES}f32")
+            red = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32, _vec(_F32, lanes)]),
+                                                 f"llvm.vector.reduce.fadd.v{lanes}f32")
             r = builder.call(red, [ir.Constant(_F32, 0.0), acc])
-            r.fastmath.add("reassoc")           # a tree sum, not 16 sequential adds
+            r.fastmath.add("reassoc")           # a tree sum, not sequential adds
             return r
         return sig, codegen
     return row_dot
 
 
-row_dot_q8_0 = _row_dot_intrinsic(2 + QK, _unpack_q8_0)
-row_dot_q4_0 = _row_dot_intrinsic(2 + QK // 2, _unpack_q4_0)
+row_dot_q8_0 = _row_dot_intrinsic(2 + QK, _unpack_q8_0, 16)
+row_dot_q4_0 = _row_dot_intrinsic(2 + QK // 2, _unpack_q4_0, 8)
 
 
 # ----------------------------------------------------------------------------------------
