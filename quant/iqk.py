@@ -269,11 +269,36 @@ def _u16_at(buf, o):
 
 @njit(**_opts)
 def _f32_at(buf, o):
-    """f32 stored little-endian at byte offset o (any alignment)."""
-    t = np.empty(1, dtype=np.uint32)
-    t[0] = np.uint32(buf[o]) | (np.uint32(buf[o + 1]) << np.uint32(8)) | \
-        (np.uint32(buf[o + 2]) << np.uint32(16)) | (np.uint32(buf[o + 3]) << np.uint32(24))
-    return t.view(np.float32)[0]
+    """f32 stored little-endian at byte offset o (any alignment; no allocation)."""
+    u = np.uint32(np.uint32(buf[o]) | (np.uint32(buf[o + 1]) << np.uint32(8)) |
+                  (np.uint32(buf[o + 2]) << np.uint32(16)) | (np.uint32(buf[o + 3]) << np.uint32(24)))
+    return u.view(np.float32)
+
+
+_inl = dict(_opts, inline="always")
+
+
+@njit(**_inl)
+def _ls6(buf, o, g):
+    """IQ4_K / IQ5_K: six-bit scale g of the block at o (nibble g of scales_l at o+8 | 2-bit
+    field g of scales_h at o+4 << 4), minus 32."""
+    return (((np.int32(buf[o + 8 + g // 2]) >> (4 * (g % 2))) & 15) |
+            (((np.int32(buf[o + 4 + g // 4]) >> (2 * (g % 4))) & 3) << 4)) - 32
+
+
+@njit(**_inl)
+def _put_lo(yv, n, dl, tv, qv, sh, lmask):
+    """yv[j] = dl * tv[qv[j] >> sh & lmask] for j < n (n: a constant at every call)."""
+    for j in range(n):
+        yv[j] = dl * tv[(np.uint32(qv[j]) >> sh) & lmask]
+
+
+@njit(**_inl)
+def _put_lohi(yv, dl, tv, qv, sh, lmask, hv, hs, hmask, hshift):
+    """16 values with a high part: q = qv[j] >> sh & lmask | (hv[j] >> hs & hmask) << hshift."""
+    for j in range(16):
+        k = ((np.uint32(qv[j]) >> sh) & lmask) | (((np.uint32(hv[j]) >> hs) & hmask) << hshift)
+        yv[j] = dl * tv[k]
 
 
 @njit(**_opts)
@@ -296,9 +321,7 @@ def _decode_iqk(buf, qtype, base, cols, lut, y, tab):
                 tv = tab[4 * ((extra >> g) & 1):]
                 qv = buf[o + 12 + 32 * (ib // 4) + 16 * (g % 2):]
                 sh = np.uint32(2 * (ib % 4))
-                yv = yb[16 * g:16 * g + 16]
-                for j in range(16):
-                    yv[j] = dl * tv[(np.uint32(qv[j]) >> sh) & np.uint32(3)]
+                _put_lo(yb[16 * g:16 * g + 16], 16, dl, tv, qv, sh, np.uint32(3))
     elif qtype == IQ3_K:
         for b in range(nb):
             o = base + b * 110
@@ -315,11 +338,7 @@ def _decode_iqk(buf, qtype, base, cols, lut, y, tab):
                 hv = buf[o + 78 + 16 * (g % 2):]
                 sh = np.uint32(2 * (ib % 4))
                 hs = np.uint32(ib)
-                yv = yb[16 * g:16 * g + 16]
-                for j in range(16):
-                    k = ((np.uint32(qv[j]) >> sh) & np.uint32(3)) | \
-                        (((np.uint32(hv[j]) >> hs) & np.uint32(1)) << np.uint32(2))
-                    yv[j] = dl * tv[k]
+                _put_lohi(yb[16 * g:16 * g + 16], dl, tv, qv, sh, np.uint32(3), hv, hs, np.uint32(1), np.uint32(2))
     elif qtype == IQ4_K:
         for b in range(nb):
             o = base + b * 144
@@ -327,15 +346,11 @@ def _decode_iqk(buf, qtype, base, cols, lut, y, tab):
             d = _f16_at(buf, o, lut)
             extra = _u16_at(buf, o + 2)
             for g in range(16):
-                s = ((np.int32(buf[o + 8 + g // 2]) >> (4 * (g % 2))) & 15) | \
-                    (((np.int32(buf[o + 4 + g // 4]) >> (2 * (g % 4))) & 3) << 4)
-                dl = d * np.float32(s - 32)
+                dl = d * np.float32(_ls6(buf, o, g))
                 tv = tab[16 * ((extra >> g) & 1):]
                 qv = buf[o + 16 + 16 * (g // 2):]
                 sh = np.uint32(4 * (g % 2))
-                yv = yb[16 * g:16 * g + 16]
-                for j in range(16):
-                    yv[j] = dl * tv[(np.uint32(qv[j]) >> sh) & np.uint32(15)]
+                _put_lo(yb[16 * g:16 * g + 16], 16, dl, tv, qv, sh, np.uint32(15))
     elif qtype == IQ5_K:
         for b in range(nb):
             o = base + b * 176
@@ -343,20 +358,14 @@ def _decode_iqk(buf, qtype, base, cols, lut, y, tab):
             d = _f16_at(buf, o, lut)
             extra = _u16_at(buf, o + 2)
             for g in range(16):
-                s = ((np.int32(buf[o + 8 + g // 2]) >> (4 * (g % 2))) & 15) | \
-                    (((np.int32(buf[o + 4 + g // 4]) >> (2 * (g % 4))) & 3) << 4)
-                dl = d * np.float32(s - 32)
+                dl = d * np.float32(_ls6(buf, o, g))
                 tv = tab[32 * ((extra >> g) & 1):]
                 # chunks of 64 values: 32 bytes of nibbles (low nibbles first), qh bit e//32
                 qv = buf[o + 16 + 32 * (g // 4) + 16 * (g % 2):]
                 hv = buf[o + 144 + 16 * (g % 2):]
                 sh = np.uint32(4 * ((g % 4) // 2))
                 hs = np.uint32(g // 2)
-                yv = yb[16 * g:16 * g + 16]
-                for j in range(16):
-                    k = ((np.uint32(qv[j]) >> sh) & np.uint32(15)) | \
-                        (((np.uint32(hv[j]) >> hs) & np.uint32(1)) << np.uint32(4))
-                    yv[j] = dl * tv[k]
+                _put_lohi(yb[16 * g:16 * g + 16], dl, tv, qv, sh, np.uint32(15), hv, hs, np.uint32(1), np.uint32(4))
     elif qtype == IQ6_K:
         sc = buf.view(np.int8)
         for b in range(nb):
@@ -371,11 +380,7 @@ def _decode_iqk(buf, qtype, base, cols, lut, y, tab):
                 hv = buf[o + 148 + 32 * (g // 8) + 16 * (g % 2):]
                 sh = np.uint32(4 * ((g % 4) // 2))
                 hs = np.uint32(2 * ((g // 2) % 4))
-                yv = yb[16 * g:16 * g + 16]
-                for j in range(16):
-                    k = ((np.uint32(qv[j]) >> sh) & np.uint32(15)) | \
-                        (((np.uint32(hv[j]) >> hs) & np.uint32(3)) << np.uint32(4))
-                    yv[j] = dl * tv[k]
+                _put_lohi(yb[16 * g:16 * g + 16], dl, tv, qv, sh, np.uint32(15), hv, hs, np.uint32(3), np.uint32(4))
     elif qtype == IQ4_KS:
         d = _f32_at(buf, base)
         for b in range(nb):
@@ -425,9 +430,7 @@ def _decode_iqk(buf, qtype, base, cols, lut, y, tab):
                 tv = tab[4 * ((extra >> g) & 1):]
                 qv = buf[o + 6 + 32 * (g // 4):]
                 sh = np.uint32(2 * (g % 4))
-                yv = yb[32 * g:32 * g + 32]
-                for j in range(32):
-                    yv[j] = dl * tv[(np.uint32(qv[j]) >> sh) & np.uint32(3)]
+                _put_lo(yb[32 * g:32 * g + 32], 32, dl, tv, qv, sh, np.uint32(3))
     else:
         raise ValueError("decode_row_iqk: not an IQK type")
 

@@ -968,8 +968,18 @@ def _iq2k_weights(xb, qw, has_qw, sigma2, w):
             w[j] = f32(0.25) * sigma2 + xb[j] * xb[j]
 
 
+@njit(**_inl)
+def _better(sumq2, sumqx, best, d):
+    """ik's candidate test: (True, sumqx/sumq2, its score) when the candidate beats `best`,
+    else (False, d, best)."""
+    if sumq2 > 0 and sumqx * sumqx > best * sumq2:
+        dn = sumqx / sumq2
+        return True, dn, dn * sumqx
+    return False, d, best
+
+
 @njit(**_opts)
-def _iq2k_search(xb, w, sumx, sumw, idx, max_i1, min_i3, fused_prefix):
+def _iq2k_search(xb, w, sumx, sumw, idx, pre, max_i1, min_i3, fused_prefix):
     """Best (scale, shifted) for one sub-block (IQ2_K: 16 values, IQ2_KS: 32) over the splits
     i1 < max_i1 <= i2 <= i3 (i3 >= min_i3) of the sorted values into 4 runs (levels in order
     or reversed, plain or shifted table).  The sums are formed as GCC fuses them (module
@@ -993,7 +1003,7 @@ def _iq2k_search(xb, w, sumx, sumw, idx, max_i1, min_i3, fused_prefix):
     wt = sumw[n]
     xt = sumx[n]
     # the last run's terms, which depend on i3 only: dx and the rounded products dw*c
-    pre = np.empty((5, n), dtype=np.float32)
+    # (pre: (5, >= n) scratch from the caller)
     for i3 in range(n):
         dw = wt - sumw[i3]
         pre[0, i3] = xt - sumx[i3]
@@ -1043,38 +1053,22 @@ def _iq2k_search(xb, w, sumx, sumw, idx, max_i1, min_i3, fused_prefix):
                 cx = sumx[i3] - sumx[i2]
                 dw = wt - sumw[i3]
                 dx = xt - sumx[i3]
-                # levels -31 -13 1 17
-                sumq2 = _fma(dw * c17, c17, q2_1 + cw)
-                if sumq2 > 0:
-                    sumqx = _fma(dx, c17, qx_1 + cx)
-                    if sumqx * sumqx > best * sumq2:
-                        d = sumqx / sumq2
-                        best = d * sumqx
-                        shifted = False
-                # shifted -26 -8 6 22
-                sumq2 = _fma(dw * c22, c22, _fma(cw * c6, c6, q2_2))
-                if sumq2 > 0:
-                    sumqx = _fma(dx, c22, _fma(cx, c6, qx_2))
-                    if sumqx * sumqx > best * sumq2:
-                        d = sumqx / sumq2
-                        best = d * sumqx
-                        shifted = True
-                # reversed 17 1 -13 -31
-                sumq2 = _fma(dw * c31, c31, _fma(cw * c13, c13, q2_3))
-                if sumq2 > 0:
-                    sumqx = _fma(dx, c31, _fma(cx, c13, qx_3))
-                    if sumqx * sumqx > best * sumq2:
-                        d = sumqx / sumq2
-                        best = d * sumqx
-                        shifted = False
-                # reversed shifted 22 6 -8 -26
-                sumq2 = _fma(dw * c26, c26, _fma(cw * c8, c8, q2_4))
-                if sumq2 > 0:
-                    sumqx = _fma(dx, c26, _fma(cx, c8, qx_4))
-                    if sumqx * sumqx > best * sumq2:
-                        d = sumqx / sumq2
-                        best = d * sumqx
-                        shifted = True
+                # levels -31 -13 1 17, shifted -26 -8 6 22, reversed 17 1 -13 -31, reversed shifted
+                ok, d, best = _better(_fma(dw * c17, c17, q2_1 + cw), _fma(dx, c17, qx_1 + cx), best, d)
+                if ok:
+                    shifted = False
+                ok, d, best = _better(_fma(dw * c22, c22, _fma(cw * c6, c6, q2_2)),
+                                      _fma(dx, c22, _fma(cx, c6, qx_2)), best, d)
+                if ok:
+                    shifted = True
+                ok, d, best = _better(_fma(dw * c31, c31, _fma(cw * c13, c13, q2_3)),
+                                      _fma(dx, c31, _fma(cx, c13, qx_3)), best, d)
+                if ok:
+                    shifted = False
+                ok, d, best = _better(_fma(dw * c26, c26, _fma(cw * c8, c8, q2_4)),
+                                      _fma(dx, c26, _fma(cx, c8, qx_4)), best, d)
+                if ok:
+                    shifted = True
     return d, shifted
 
 
@@ -1091,6 +1085,7 @@ def _quantize_iq2_k_block(x, qw, has_qw, out, o):
     sumx = np.empty(17, dtype=np.float32)
     sumw = np.empty(17, dtype=np.float32)
     idx = np.empty(16, dtype=np.int64)
+    pre = np.empty((5, 16), dtype=np.float32)
     extra = 0
     max_abs_scale = f32(0.0)
     for ib in range(16):
@@ -1105,7 +1100,7 @@ def _quantize_iq2_k_block(x, qw, has_qw, out, o):
         if amax < f32(1e-16):
             scales[ib] = f32(0.0)
             continue
-        d, shifted = _iq2k_search(xb, w, sumx, sumw, idx, 16, 0, True)
+        d, shifted = _iq2k_search(xb, w, sumx, sumw, idx, pre, 16, 0, True)
         scales[ib] = d
         if shifted:
             extra |= 1 << ib
@@ -1157,6 +1152,7 @@ def _quantize_iq2_ks_row(x, qw, has_qw, out):
     sumx = np.empty(33, dtype=np.float32)
     sumw = np.empty(33, dtype=np.float32)
     idx = np.empty(32, dtype=np.int64)
+    pre = np.empty((5, 32), dtype=np.float32)
     for ibl in range(nb):
         xbl = x[QK_K * ibl:QK_K * ibl + QK_K]
         sigma2 = (f32(1.5) * _sum_sq(xbl)) * f32(1.0 / 256)
@@ -1173,7 +1169,7 @@ def _quantize_iq2_ks_row(x, qw, has_qw, out):
             if amax < f32(1e-16):
                 scales[8 * ibl + ib] = f32(0.0)
                 continue
-            d, shifted = _iq2k_search(xb, w, sumx, sumw, idx, 24, 8, False)
+            d, shifted = _iq2k_search(xb, w, sumx, sumw, idx, pre, 24, 8, False)
             scales[8 * ibl + ib] = d
             if shifted:
                 extra |= 1 << ib
