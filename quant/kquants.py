@@ -345,6 +345,46 @@ def _sums_lx_l2(wx: np.ndarray, w: np.ndarray, L: np.ndarray, op) -> tuple[np.nd
     return sumlx, suml2
 
 
+def _refine_L(x, w, wx, L, sumlx, suml2, active, lo, hi, rm, add, sl2_first: bool):
+    """The do_rmse passes of make_q3_quants / make_qp_quants (at most 5, in place on L (G, n)):
+    each element in turn takes its own least-squares level nearest(x * sl2 / slx), clipped to
+    lo..hi (lo None: no lower bound), where that raises sumlx^2 / suml2.  The sums without the
+    element are taken off with rm, the new level's added with add.  sl2_first: qp's order (skip
+    the element unless sl2 > 0 before the change); else q3's (require suml2 > 0 after it).
+    Rows not `active` are left as they are; returns (sumlx, suml2)."""
+    G, n = x.shape
+    f32 = _F32
+    active = active.copy()
+    for _ in range(5):
+        changed = np.zeros(G, bool)
+        for i in range(n):
+            li = L[:, i].astype(f32)
+            slx = rm(-wx[:, i], li, sumlx)
+            sl2 = rm(-(w[:, i] * li).astype(f32), li, suml2)
+            ok = active & (slx > 0)
+            if sl2_first:
+                ok &= sl2 > 0
+            with np.errstate(divide="ignore", invalid="ignore"):
+                nl = _nearest(((x[:, i] * sl2).astype(f32) / np.where(ok, slx, f32(1))).astype(f32))
+            nl = np.clip(nl, lo, hi)
+            cand = ok & (nl != L[:, i])
+            nf = nl.astype(f32)
+            slx2 = add(wx[:, i], nf, slx)
+            sl22 = add((w[:, i] * nf).astype(f32), nf, sl2)
+            acc = cand & (((slx2 * slx2).astype(f32) * suml2).astype(f32)
+                          > ((sumlx * sumlx).astype(f32) * sl22).astype(f32))
+            if not sl2_first:
+                acc &= sl22 > 0
+            L[:, i] = np.where(acc, nl, L[:, i])
+            sumlx = np.where(acc, slx2, sumlx)
+            suml2 = np.where(acc, sl22, suml2)
+            changed |= acc
+        active &= changed
+        if not active.any():
+            break
+    return sumlx, suml2
+
+
 def make_qx_quants(x: np.ndarray, nmax: int, w: np.ndarray | None = None,
                    fuse: dict = QX_FUSE_Q6K) -> tuple[np.ndarray, np.ndarray]:
     """ggml's make_qx_quants(n, nmax, x, L, rmse_type=1, qw) over the rows of x (G, n), with
@@ -762,30 +802,7 @@ def make_qp_quants(x: np.ndarray, nmax: int, w: np.ndarray, fuse: dict = QP_FUSE
     L = np.minimum(nmax, _nearest_prod(iscale[:, None], x))
     wx = (w * x).astype(f32)
     sumlx, suml2 = _sums_lx_l2(wx, w, L, op)
-    active = ~zero
-    for _ in range(5):
-        changed = np.zeros(G, bool)
-        for i in range(n):
-            li = L[:, i].astype(f32)
-            slx = rm(-wx[:, i], li, sumlx)
-            sl2 = rm(-(w[:, i] * li).astype(f32), li, suml2)
-            ok = active & (slx > 0) & (sl2 > 0)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                nl = _nearest(((x[:, i] * sl2).astype(f32) / np.where(ok, slx, f32(1))).astype(f32))
-            nl = np.minimum(nmax, nl)
-            cand = ok & (nl != L[:, i])
-            nf = nl.astype(f32)
-            slx2 = op(wx[:, i], nf, slx)
-            sl22 = op((w[:, i] * nf).astype(f32), nf, sl2)
-            acc = cand & (((slx2 * slx2).astype(f32) * suml2).astype(f32)
-                          > ((sumlx * sumlx).astype(f32) * sl22).astype(f32))
-            L[:, i] = np.where(acc, nl, L[:, i])
-            sumlx = np.where(acc, slx2, sumlx)
-            suml2 = np.where(acc, sl22, suml2)
-            changed |= acc
-        active &= changed
-        if not active.any():
-            break
+    sumlx, suml2 = _refine_L(x, w, wx, L, sumlx, suml2, ~zero, None, nmax, rm, op, True)
     scale = np.where(zero, f32(0), _div0(sumlx, suml2)).astype(f32)
     L = np.where(zero[:, None], 0, L)
     return scale, L
@@ -1055,7 +1072,6 @@ Q3_FUSE = {"first": True, "rm": True, "add": True}
 def make_q3_quants(x: np.ndarray, nmax: int, fuse: dict = Q3_FUSE) -> tuple[np.ndarray, np.ndarray]:
     """ggml's make_q3_quants(n, nmax, x, L, do_rmse=true) over the rows of x (G, n):
     (scale (G,) f32, L (G, n) int32 in 0..2*nmax-1)."""
-    G, n = x.shape
     amax, mx = _first_absmax(x)
     zero = amax < GROUP_MAX_EPS
     mx = np.where(zero, _F32(1), mx).astype(_F32)
@@ -1065,29 +1081,7 @@ def make_q3_quants(x: np.ndarray, nmax: int, fuse: dict = Q3_FUSE) -> tuple[np.n
     wx = (w * x).astype(_F32)
     op, rm, add = _op(fuse["first"]), _op(fuse["rm"]), _op(fuse["add"])
     sumlx, suml2 = _sums_lx_l2(wx, w, L, op)
-    active = ~zero
-    for _ in range(5):
-        changed = np.zeros(G, bool)
-        for i in range(n):
-            li = L[:, i].astype(_F32)
-            slx = rm(-wx[:, i], li, sumlx)
-            sl2 = rm(-(w[:, i] * li).astype(_F32), li, suml2)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                nl = _nearest((((x[:, i] * sl2).astype(_F32)) / np.where(slx > 0, slx, _F32(1))).astype(_F32))
-            nl = np.clip(nl, -nmax, nmax - 1)
-            cand = active & (slx > 0) & (nl != L[:, i])
-            nf = nl.astype(_F32)
-            slx2 = add(wx[:, i], nf, slx)
-            sl22 = add((w[:, i] * nf).astype(_F32), nf, sl2)
-            acc = cand & (sl22 > 0) & (((slx2 * slx2).astype(_F32) * suml2).astype(_F32)
-                                       > ((sumlx * sumlx).astype(_F32) * sl22).astype(_F32))
-            L[:, i] = np.where(acc, nl, L[:, i])
-            sumlx = np.where(acc, slx2, sumlx)
-            suml2 = np.where(acc, sl22, suml2)
-            changed |= acc
-        active &= changed
-        if not active.any():
-            break
+    sumlx, suml2 = _refine_L(x, w, wx, L, sumlx, suml2, ~zero, -nmax, nmax - 1, rm, add, False)
     scale = np.where(zero, _F32(0), _div0(sumlx, suml2)).astype(_F32)
     L = np.where(zero[:, None], 0, L + nmax)
     return scale, L

@@ -1,8 +1,7 @@
 """Numba quantizers for Q8_0, Q4_0, Q2_K .. Q6_K, IQ4_NL and IQ4_XS (with and without an imatrix).
 
 They write the same bytes as the NumPy references (quant.reference for Q8_0 / Q4_0,
-quant.kquants for the k-quants), which mirror ik_llama.cpp's ggml_quantize_chunk, several times
-faster than ik's own C:
+quant.kquants for the k-quants), which mirror ik_llama.cpp's ggml_quantize_chunk:
 
 * every f32 operation of C is done in f32 in C's order (fastmath off: LLVM neither reassociates
   nor contracts), with a fused multiply-add (`_fma`, llvm.fma: one rounding, as the FMA
@@ -526,14 +525,26 @@ def _q45_k_rows(x, five, out):
 
 @njit(inline="always", error_model="numpy")
 def _imatrix_weights(x, xo, qw, n, mult, w):
-    """w[:n] = qw * sqrt(sigma2 + x^2), sigma2 = mult * sum(x^2) / n (the sum unfused, the
-    inner x*x + sigma2 fused)."""
+    """w[:n] = qw * sqrt(sigma2 + x^2) for x[xo:xo + n], sigma2 = mult * sum(x^2) / n (the sum
+    unfused, the inner x*x + sigma2 fused); qw the imatrix (n_per_row values), read from the
+    offset xo modulo its length."""
+    q = qw[xo % qw.shape[0]:]
     s = _F32(0)
     for i in range(n):
         s = x[xo + i] * x[xo + i] + s
     sigma2 = (mult * s) / _F32(n)
     for i in range(n):
-        w[i] = qw[i] * _F32(math.sqrt(_fma(x[xo + i], x[xo + i], sigma2)))
+        w[i] = q[i] * _F32(math.sqrt(_fma(x[xo + i], x[xo + i], sigma2)))
+
+
+@njit(inline="always", error_model="numpy")
+def _to_lanes(x, xo, w, ng, gs, X, W, c0):
+    """The ng groups of gs values at x[xo:] (and their weights w[:ng * gs]) as the columns
+    c0 .. c0 + ng - 1 of X and W: element i of group j at [i, c0 + j]."""
+    for j in range(ng):
+        for i in range(gs):
+            X[i, c0 + j] = x[xo + gs * j + i]
+            W[i, c0 + j] = w[gs * j + i]
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -754,8 +765,7 @@ def _q45_k_rows_im(x, qw, five, out):
         base = 256 * b0
         for sb in range(nsb):
             xo = base + 256 * sb
-            r = xo % qw.shape[0]
-            _imatrix_weights(x, xo, qw[r:r + 256], 256, _F32(2.0), w)
+            _imatrix_weights(x, xo, qw, 256, _F32(2.0), w)
             for j in range(8):
                 for i in range(32):
                     X[i, 8 * sb + j] = x[xo + 32 * j + i]
@@ -1072,12 +1082,8 @@ def _q2_k_rows_im(x, qw, out):
         base = 256 * b0
         for s_ in range(nsb):
             xo = base + 256 * s_
-            r = xo % qw.shape[0]
-            _imatrix_weights(x, xo, qw[r:r + 256], 256, _F32(0.75), w)
-            for j in range(16):
-                for i in range(16):
-                    X[i, 16 * s_ + j] = x[xo + 16 * j + i]
-                    W[i, 16 * s_ + j] = w[16 * j + i]
+            _imatrix_weights(x, xo, qw, 256, _F32(0.75), w)
+            _to_lanes(x, xo, w, 16, 16, X, W, 16 * s_)
         _qkx3_lanes(X, W, G, 3, _F32(-0.9), _F32(0.05), 36, Lf, La, scales, mins)
         for s_ in range(nsb):
             g0 = 16 * s_
@@ -1198,12 +1204,8 @@ def _q3_k_rows(x, qw, use_qw, out):
         for sb in range(nsb):
             xo = base + 256 * sb
             if use_qw:
-                r = xo % qw.shape[0]
-                _imatrix_weights(x, xo, qw[r:r + 256], 256, _F32(2.0), w)
-            for j in range(16):
-                for i in range(16):
-                    X[i, 16 * sb + j] = x[xo + 16 * j + i]
-                    W[i, 16 * sb + j] = w[16 * j + i]
+                _imatrix_weights(x, xo, qw, 256, _F32(2.0), w)
+            _to_lanes(x, xo, w, 16, 16, X, W, 16 * sb)
         if use_qw:
             _qx_lanes(X, W, G, 4, Lf, sc_all)
             for sb in range(nsb):
@@ -1434,15 +1436,11 @@ def _iq4_rows(x, qw, use_qw, xs, out):
         for sb in range(nsb):
             xo = (s0 + sb) * sbs
             if use_qw:
-                r = xo % qw.shape[0]
-                _imatrix_weights(x, xo, qw[r:r + sbs], sbs, _F32(2.0), w)
+                _imatrix_weights(x, xo, qw, sbs, _F32(2.0), w)
             else:
                 for i in range(sbs):
                     w[i] = x[xo + i] * x[xo + i]
-            for j in range(nblk):
-                for i in range(32):
-                    X[i, nblk * sb + j] = x[xo + 32 * j + i]
-                    W[i, nblk * sb + j] = w[32 * j + i]
+            _to_lanes(x, xo, w, nblk, 32, X, W, nblk * sb)
         _iq4_lanes(X, W, G, 7, Lf, dall)
         for sb in range(nsb):
             xo = (s0 + sb) * sbs

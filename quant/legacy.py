@@ -29,7 +29,8 @@ from numba import njit
 # quant.kernels as a module, its attributes looked up when numba compiles (not at import):
 # kernels may import this module in turn, in either order
 from quant import kernels as _kernels
-from quant.reference import _blocks, f16_field as _f16, fma32 as _fma32, raw_bytes
+from quant.reference import (_blocks, _rows, f16_field as _f16, fma32 as _fma32,
+                             inv_or_zero as _inv_or_zero, raw_bytes)
 from quant.types import type_info
 
 Q4_1_ID, Q5_0_ID, Q5_1_ID, IQ4_NL_ID = 3, 6, 7, 20
@@ -164,10 +165,7 @@ def decode_row_legacy(buf, qtype, base, cols, lut, y):
 # NumPy reference quantizers (no importance matrix): the bytes of ggml's quantize_row_*_ref
 # ----------------------------------------------------------------------------------------
 # ik_llama.cpp is built with -O3 -march=native in GNU C, so GCC contracts `a*b + c` into one
-# fused multiply-add (a single rounding).  An FMA of f32 operands is reproduced here in f64:
-def _inv_or_zero(d: np.ndarray) -> np.ndarray:
-    with np.errstate(divide="ignore"):
-        return np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+# fused multiply-add (a single rounding); quant.reference.fma32 (_fma32) reproduces that.
 
 
 def _pack_fifth_bits(q: np.ndarray) -> np.ndarray:
@@ -201,8 +199,7 @@ def quantize_chunk(x: np.ndarray, qtype: int, imatrix: np.ndarray | None = None)
     path without imatrix too (weights x^2); IQ4_NL always runs quantize_row_iq4_nl_impl."""
     from quant import kquants as kq
     ti = type_info(qtype)
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    x = x.reshape(-1, x.shape[-1]) if x.ndim >= 2 else x.reshape(1, -1)
+    x = _rows(x)
     if ti.id == IQ4_NL_ID:
         return kq.quantize_iq4(x, imatrix, False)
     if imatrix is None and ti.id != Q6_0_ID:

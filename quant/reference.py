@@ -73,6 +73,12 @@ def f16_field(b: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
 
 
+def inv_or_zero(d: np.ndarray) -> np.ndarray:
+    """1 / d in f32, 0 where d is 0 (ggml's `id = d ? 1.0f/d : 0.0f`)."""
+    with np.errstate(divide="ignore"):
+        return np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+
+
 def fma32(a, b, c) -> np.ndarray:
     """a*b + c rounded once to f32, as where ik_llama.cpp's build fuses it.  The product of two
     f32 is exact in f64; the sum's double rounding (f64, then f32) differs from an FMA's single
@@ -149,8 +155,7 @@ def quantize_row(x: np.ndarray, qtype: int) -> np.ndarray:
     if qtype == Q8_0:
         b = _blocks(x)
         d = np.abs(b).max(axis=1, keepdims=True) / np.float32(127)
-        with np.errstate(divide="ignore"):
-            inv = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+        inv = inv_or_zero(d)
         q = round_half_away(b * inv).astype(np.int8)
         out = np.empty((b.shape[0], 34), dtype=np.uint8)
         out[:, :2] = d.astype(np.float16).view(np.uint8)
@@ -161,8 +166,7 @@ def quantize_row(x: np.ndarray, qtype: int) -> np.ndarray:
         imax = np.abs(b).argmax(axis=1)[:, None]            # first index on ties, like ggml
         m = np.take_along_axis(b, imax, axis=1)
         d = m / np.float32(-8)
-        with np.errstate(divide="ignore"):
-            inv = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+        inv = inv_or_zero(d)
         q = np.trunc(b * inv + np.float32(8.5)).astype(np.int32)
         q = np.minimum(q, 15).astype(np.uint8)               # lower end is >= 0 by construction
         out = np.empty((b.shape[0], 18), dtype=np.uint8)
@@ -231,8 +235,7 @@ def dequantize(raw: np.ndarray, qtype: int, n: int, n_per_row: int | None = None
 def _quantize_q6_0(b: np.ndarray) -> np.ndarray:
     imax = np.abs(b).argmax(axis=1)[:, None]
     d = (np.take_along_axis(b, imax, axis=1)[:, 0] / np.float32(-32)).astype(np.float32)
-    with np.errstate(divide="ignore"):
-        inv = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+    inv = inv_or_zero(d)
     xs = b * inv[:, None]                                     # scaled values, f32
     q = np.minimum(63, np.trunc(xs + np.float32(32.5)).astype(np.int32))
     qf = (q - 32).astype(np.float32)
@@ -245,11 +248,5 @@ def _quantize_q6_0(b: np.ndarray) -> np.ndarray:
         sumq2 = (sumq2 + w[:, a] * qf[:, a] * qf[:, a] + w[:, c] * qf[:, c] * qf[:, c]).astype(np.float32)
     with np.errstate(divide="ignore", invalid="ignore"):
         dd = np.where(sumq2 > 0, sumqx / np.where(sumq2 > 0, sumq2, 1), d).astype(np.float32)
-    out = np.zeros((len(b), 26), dtype=np.uint8)
-    out[:, :2] = dd.astype(np.float16).view(np.uint8).reshape(-1, 2)
-    lo, hi = q[:, :16], q[:, 16:]
-    out[:, 10:] = ((lo & 15) | ((hi & 15) << 4)).astype(np.uint8)
-    h = (lo >> 4) | ((hi >> 4) << 2)
-    for j in range(16):
-        out[:, 2 + j % 8] |= (h[:, j] << (4 * (j // 8))).astype(np.uint8)
-    return out.reshape(-1)
+    from .legacy import _pack_qx_0
+    return _pack_qx_0(q, dd, 6).reshape(-1)
