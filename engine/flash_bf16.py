@@ -49,7 +49,7 @@ from numba.extending import intrinsic
 from quant.kernels import QK, decode_rows_at
 from quant.types import BF16, F16, F32
 
-from .flash_attn import _exp2
+from .flash_attn import _combine, _exp2, _split_cells
 
 LANES = 16             # query rows per chunk = f32 lanes of one zmm
 CB = 16                # cells per block: one score accumulator per cell
@@ -496,12 +496,10 @@ def _fa_kernel_bf16(kbuf, kqt, kstride, khead, vbuf, vqt, vstride, vhead, v_is_k
     """One work item per (group of CHUNKS_PER_ITEM row chunks, range of cells)."""
     nch = qp.shape[1]
     ngr = (nch + CHUNKS_PER_ITEM - 1) // CHUNKS_PER_ITEM
-    per = (n_kv + nsplit - 1) // nsplit
-    per = (per + CB - 1) // CB * CB
     for it in prange(ngr * nsplit):
         gr, s = it // nsplit, it % nsplit
         ch0, ch1 = gr * CHUNKS_PER_ITEM, min(nch, gr * CHUNKS_PER_ITEM + CHUNKS_PER_ITEM)
-        c0, c1 = s * per, min(n_kv, s * per + per)
+        c0, c1 = _split_cells(n_kv, nsplit, s, CB)
         if c0 < c1:
             _attend_range_bf16(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, c0, c1, dk, dv,
                                cell_pos, qp, qf, rpos, ch0, ch1, s, lut, refine, acc, m, l)
@@ -509,36 +507,6 @@ def _fa_kernel_bf16(kbuf, kqt, kstride, khead, vbuf, vqt, vstride, vhead, v_is_k
             for g in range(qp.shape[0]):
                 for ch in range(ch0, ch1):
                     m[g, s, ch * LANES:(ch + 1) * LANES] = -np.inf
-
-
-@njit(**_opts)
-def _combine_bf16(acc, m, l, R, out):
-    """out (Hkv, R, dv) = merged splits of the transposed accumulators; rows that saw nothing
-    get zeros."""
-    hkv, nsplit = acc.shape[0], acc.shape[1]
-    dv = out.shape[2]
-    for g in range(hkv):
-        for r in range(R):
-            ch, lane = r // LANES, r % LANES
-            mx = -np.inf
-            for s in range(nsplit):
-                mx = max(mx, m[g, s, r])
-            o = out[g, r]
-            o[:] = 0.0
-            if mx == -np.inf:
-                continue
-            tot = np.float32(0.0)
-            for s in range(nsplit):
-                if m[g, s, r] == -np.inf:
-                    continue
-                w = _exp2(m[g, s, r] - mx)
-                tot += w * l[g, s, r]
-                a = acc[g, s, ch]
-                for d in range(dv):
-                    o[d] += w * a[d * LANES + lane]
-            inv = np.float32(1.0) / tot
-            for d in range(dv):
-                o[d] *= inv
 
 
 @njit(**_opts)
@@ -596,5 +564,5 @@ def flash_kernel_bf16(qg: np.ndarray, rpos: np.ndarray, k, v, n_kv: int, dk: int
                     vs.data.shape[1], vhead, v is None, n_kv, dk, dv, cell_pos, qp, qpad, rp, nsplit, lut,
                     np.float32(REFINE_LOG2), acc, m, l)
     out = np.empty((hkv, R, dv), dtype=np.float32)
-    _combine_bf16(acc, m, l, R, out)
+    _combine(acc, m, l, R, LANES, out)
     return out

@@ -61,8 +61,8 @@ class RowStore:
         x = np.ascontiguousarray(x, dtype=np.float32).reshape(t, self.width)
         if self.qtype == F32:
             self.data[i0:i0 + t] = x.view(np.uint8)
-        elif self.qtype == F16:
-            self.data[i0:i0 + t] = x.astype(np.float16).view(np.uint8)
+        elif self.qtype == F16:           # converted in place: no f16 temporary per token
+            self.data[i0:i0 + t].view(np.float16)[...] = x
         else:
             self.data[i0:i0 + t] = reference.quantize_row(x, self.qtype).reshape(t, -1)
 

@@ -228,3 +228,24 @@ def test_model_generation_with_bf16_kernel(make_model, monkeypatch, bf16_calls, 
     got = run()
     assert len(bf16_calls) >= 10 * 3, "generation did not take the bf16 kernel"
     close(got, ref, 1e-2)
+
+
+def test_off_by_default(monkeypatch):
+    """Without IKCLI_FA_BF16=1 the f32 kernel runs, even on shapes the bf16 kernel takes."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "IKCLI_FA_BF16"}
+    res = subprocess.run([sys.executable, "-c", "import engine.flash_attn as fa; print(fa.USE_BF16)"],
+                         env=env, capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert res.stdout.strip() == "False"
+    calls = []
+    monkeypatch.setattr(fb, "flash_kernel_bf16", lambda *a, **kw: calls.append(1))
+    monkeypatch.setattr(fa, "USE_BF16", False)
+    rng = np.random.default_rng(4)
+    q, k, cp, qp = latent_case(rng, 100, 1, CACHE_TYPES["f16"])
+    out = fa.flash_attn(q, k, None, 100, 1, 96, 64, cp, qp, 0.3, path="kernel")
+    assert not calls
+    K = k.read(100).reshape(100, 1, 96)
+    close(out, reference(q, K, K[:, :, :64], cp, qp, 0.3), 1e-4)
