@@ -371,8 +371,11 @@ def _mul_id(va: _View, vb: _View | None, x: np.ndarray, ids: np.ndarray,
     if few < P:
         xr = _round_act(va.qtype, x, act_x)
         with _tile_threads():
+            # order[few:] holds the other experts' pairs, grouped, experts ascending
+            start = few
             for e in np.flatnonzero(counts >= many):
-                pe = order[few:][ids[order[few:]] == e]
+                pe = order[start:start + counts[e]]
+                start += counts[e]
                 xe = xr[x_rows[pe]]
                 y = _product(_expert(va, e), xe)
                 out[pe] = y if vb is None else _silu_mul(y, _product(_expert(vb, e), xe))

@@ -80,8 +80,9 @@ def _pair_sum(builder: ir.IRBuilder, v, n: int):
     return builder.add(builder.shuffle_vector(v, v, even), builder.shuffle_vector(v, v, odd))
 
 
-NACC = 4         # independent accumulators per row: one FMA chain (4-cycle latency) bounded
-                 # Q4_0 at one 18-byte block per 4 cycles, ~10 GB/s on two cores
+NACC = 4         # independent accumulators per row, so consecutive blocks' FMAs do not wait on
+                 # each other; one thread, 4096 x 4096 Q8_0 / Q4_0 measured the same with 1 (25.5
+                 # / 12.5 GB/s): not latency-bound there, kept for cores that are
 
 
 def _splat_f32(builder: ir.IRBuilder, v, n: int):
