@@ -3,7 +3,7 @@
 Thin wrappers of quant.matmul's matmul, matmul_id, moe_up_gate and up_gate: the architectures
 import them from here, so a tool can watch every product of a weight tensor with its
 activations (llama-imatrix's eval callback) without the architectures knowing.  With no
-observer set a call costs one extra `if`.
+observer set a call costs one extra Python call and one `if`.
 
 The observer is called *before* the product as
 

@@ -25,8 +25,9 @@ def n_scored(n_ctx: int) -> int:
     return n_ctx - 1 - n_ctx // 2
 
 
-def chunk_logits(ctx, chunk: np.ndarray, bos_id: int | None, n_batch: int) -> np.ndarray:
-    """Logits (n_scored, n_vocab) for one chunk; the cache is cleared first."""
+def chunk_logits(ctx, chunk: np.ndarray, bos_id: int | None, n_batch: int, logits: bool = True) -> np.ndarray | None:
+    """Logits (n_scored, n_vocab) for one chunk; the cache is cleared first.  logits=False: the
+    same batches with no output rows at all (no output projection; imatrix --no-ppl), None."""
     n_ctx = len(chunk)
     first = n_ctx // 2
     toks = chunk.astype(np.int32).copy()
@@ -36,12 +37,14 @@ def chunk_logits(ctx, chunk: np.ndarray, bos_id: int | None, n_batch: int) -> np
     parts = []
     for s in range(0, n_ctx, n_batch):
         e = min(n_ctx, s + n_batch)
-        want = max(first, s)
+        want = max(first, s) if logits else e
         lg = ctx.decode(toks[s:e], logits_from=want - s if want < e else e - s)
         if len(lg):
             parts.append(lg)
-    logits = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
-    return logits[: n_ctx - 1 - first]
+    if not logits:
+        return None
+    out = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+    return out[: n_ctx - 1 - first]
 
 
 def log_softmax_rows(logits: np.ndarray) -> np.ndarray:

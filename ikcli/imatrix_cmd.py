@@ -110,14 +110,8 @@ def imatrix(
 
 
 def _read_text(path: str, escape: bool) -> str:
-    from .textio import prompt_from_file
-    if path == "-":
-        return prompt_from_file(sys.stdin.buffer.read().decode("utf-8", errors="replace"), escape)
-    try:
-        with open(path, "rb") as fh:
-            return prompt_from_file(fh.read().decode("utf-8", errors="replace"), escape)
-    except OSError as e:
-        raise CliError(f"cannot read text file '{path}': {e.strerror}") from None
+    from .perplexity_cmd import _read_text as read     # the same reading ('-' = stdin, one-line errors)
+    return read(path, escape)[0]
 
 
 def _compute(ctx, m, col, text: str, chunks: int, from_chunk: int, compute_ppl: bool) -> None:
@@ -126,6 +120,8 @@ def _compute(ctx, m, col, text: str, chunks: int, from_chunk: int, compute_ppl: 
     from engine.imatrix import ImatrixError
     from engine.linear import observing
     from engine.perplexity import PplAccumulator, chunk_logits, plan_chunks, token_nll
+
+    from .perplexity_cmd import _eta
 
     n_ctx, n_batch = ctx.n_ctx, ctx.n_batch
     common.log("compute_imatrix: tokenizing the input ..")
@@ -151,15 +147,12 @@ def _compute(ctx, m, col, text: str, chunks: int, from_chunk: int, compute_ppl: 
             for i in range(n_chunk):
                 t_start = time.perf_counter()
                 chunk = tokens[i * n_ctx:(i + 1) * n_ctx]
-                logits = chunk_logits(ctx, chunk, bos, n_batch)
+                if compute_ppl:
+                    logits = chunk_logits(ctx, chunk, bos, n_batch)
+                else:                                       # --no-ppl: no output projection at all
+                    chunk_logits(ctx, chunk, bos, n_batch, logits=False)
                 if i == 0:
-                    t = time.perf_counter() - t_start
-                    total = int(t * n_chunk)
-                    msg = f"compute_imatrix: {t:.2f} seconds per pass - ETA "
-                    if total >= 3600:
-                        msg += f"{total // 3600} hours "
-                        total %= 3600
-                    common.log(msg + f"{total / 60.0:.2f} minutes")
+                    _eta(time.perf_counter() - t_start, n_chunk, "compute_imatrix")
                 if compute_ppl:
                     acc.add(token_nll(logits, chunk[first + 1:]))
                     out.write(f"[{i + 1}]{acc.ppl:.4f},")

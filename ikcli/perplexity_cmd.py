@@ -50,9 +50,9 @@ class _Progress:
             self.bar.stop()
 
 
-def _eta(t_pass: float, n_pass: int) -> None:
+def _eta(t_pass: float, n_pass: int, who: str = "perplexity") -> None:
     total = int(t_pass * n_pass)
-    msg = f"perplexity: {t_pass:.2f} seconds per pass - ETA "
+    msg = f"{who}: {t_pass:.2f} seconds per pass - ETA "
     if total >= 3600:
         msg += f"{total // 3600} hours "
         total %= 3600

@@ -10,6 +10,7 @@ tensor gets its own block of weights.
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -30,8 +31,10 @@ def _log(msg: str, bar=None) -> None:
         common.log(msg)
 
 
+@functools.lru_cache(maxsize=None)
 def _can_produce(t: int) -> bool:
-    """Whether quant.reference can write type t (NotImplementedError: not yet)."""
+    """Whether quant.reference can write type t (NotImplementedError: not yet); asked per tensor,
+    answered once per type."""
     import numpy as np  # here, not at import: `ikcli --help` must stay light
     from quant import reference
     from quant.types import type_info
@@ -69,8 +72,8 @@ def _convert(entry, new_type: int, nthread: int = 1, imatrix=None):
     imatrix: None, ne[0] per-column weights, or ne[0] * ne[2] of them (one block per expert of a
     3-D tensor: each expert's rows use theirs, as llama-quantize does).
 
-    Chunks of rows run on `nthread` threads (NTHREADS): the NumPy quantizers spend most of
-    their time in array operations that release the GIL."""
+    Chunks of rows run on `nthread` threads (NTHREADS): the quantizers' Numba kernels are
+    nogil and NumPy's array operations release the GIL too."""
     from concurrent.futures import ThreadPoolExecutor
 
     import numpy as np  # here, not at import: `ikcli --help` must stay light
@@ -265,6 +268,11 @@ def quantize(
 ) -> None:
     from engine import quantize_plan as qp
 
+    if repack_pattern and not repack:
+        common.log("quantize: note: --repack-pattern is used only with --repack (ignored)")
+    if (include_weights or exclude_weights or hide_imatrix) and not imatrix:
+        common.log("quantize: note: --include-weights, --exclude-weights and --hide-imatrix are used only with "
+                   "--imatrix (ignored)")
     if include_weights and exclude_weights:
         raise CliError("--include-weights and --exclude-weights cannot be used together")
     im = _prepare_imatrix(imatrix, include_weights, exclude_weights) if imatrix else None
@@ -346,6 +354,7 @@ def quantize(
                + (f" using {nthread} threads" if nthread > 0 else ""))
     if dry_run:
         _print_plan(plans, entries, cannot)
+        _log_outputs(fname_out, mf, entries, keep_split)
         return
     t0 = time.time()
     _write(fname_out, mf, _open_one(mf.paths[0]), entries, plans, file_type, n_fallback,
@@ -406,6 +415,7 @@ def _repack_only(fname_inp, fname_out, mf, open_one, entries, patterns: List[str
     common.log(f"main: repacking '{fname_inp}' to '{fname_out}'")
     if dry_run:
         _print_plan(plans, entries, {})
+        _log_outputs(fname_out, mf, entries, keep_split)
         return
     t0 = time.time()
     _write(fname_out, mf, open_one(mf.paths[0]), entries, plans, new_ft.ftype if new_ft else src_ft, 0,
@@ -436,6 +446,14 @@ def _split_outputs(fname_out: str, mf, entries, keep_split: bool) -> list[tuple[
     shard = {p: i for i, p in enumerate(mf.paths)}
     return [(f"{prefix}-{i + 1:05d}-of-{n:05d}.gguf", [j for j, e in enumerate(entries) if shard[e.path] == i])
             for i in range(n)]
+
+
+def _log_outputs(fname_out: str, mf, entries, keep_split: bool) -> None:
+    """--dry-run --keep-split: the shards a real run would write (nothing is written)."""
+    outputs = _split_outputs(fname_out, mf, entries, keep_split)
+    if len(outputs) > 1:
+        for path, idx in outputs:
+            common.log(f"dry run: would write {path} ({len(idx)} tensors)")
 
 
 def _write(fname_out, mf, reader, entries, plans, file_type, n_fallback, nthread: int = 1,

@@ -205,8 +205,71 @@ def test_bad_inputs(case, ds_model, text_file, tmp_path):
         "both_filters": ["quantize", "--imatrix", str(bad), "--include-weights", "a", "--exclude-weights", "b",
                          ds_model, str(tmp_path / "q.gguf"), "Q4_0"],
     }[case]
+    needle = {
+        "no_text": "cannot read text file",
+        "short": "you need at least",
+        "bad_dat": f"failed to load {bad}",
+        "nothing": "nothing to do",
+        "quantize_bad_dat": "bad name length",
+        "both_filters": "--include-weights and --exclude-weights cannot be used together",
+    }[case]
     code, _, err = _run(None, *args)
     assert code == 1
     lines = [ln for ln in err.splitlines() if ln.startswith("ikcli: error:")]
     assert len(lines) == 1 and "Traceback" not in err, err
+    assert needle in lines[0], err           # this case's error, not another one that happens to fire
     assert not (tmp_path / "o.dat").exists()
+
+
+def test_include_exclude_weights_and_hide(runs, ds_model, tmp_path):
+    """--exclude-weights / --include-weights filter the imatrix entries by name (substring);
+    --hide-imatrix stores 'top_secret' and zero counts; the bytes of a tensor left without data
+    are those of a run without imatrix."""
+    from gguf import GGUFReader
+    dat_path = runs["ab"][0]
+    ent, _ = _entries(dat_path)
+    n_ffn = sum("ffn_" in n for n in ent)
+    assert 0 < n_ffn < len(ent)
+    plain, excl, incl = tmp_path / "p.gguf", tmp_path / "x.gguf", tmp_path / "i.gguf"
+    code, _, err = _run(None, "quantize", ds_model, str(plain), "Q4_0", "1")
+    assert code == 0, err
+    code, out, err = _run(None, "quantize", "--imatrix", str(dat_path), "--exclude-weights", "ffn_", "--hide-imatrix",
+                          ds_model, str(excl), "Q4_0", "1")
+    assert code == 0, err
+    assert f"prepare_imatrix: have {len(ent) - n_ffn} importance matrix entries" in out
+    assert "did not find weights for blk.1.ffn_gate_exps.weight" in err
+    kept = next(n for n in ent if "ffn_" not in n and n.endswith(".weight"))
+    assert f"did not find weights for {kept}" not in err
+    r = GGUFReader(str(excl))
+
+    def kv(name):
+        f = r.fields[name]
+        v = f.parts[f.data[0]]
+        return bytes(v).decode() if f.types[0].name == "STRING" else int(v[0])
+    assert kv("quantize.imatrix.file") == "top_secret" and kv("quantize.imatrix.dataset") == "top_secret"
+    assert kv("quantize.imatrix.entries_count") == 0 and kv("quantize.imatrix.chunks_count") == 0
+    t, t0 = ({x.name: x for x in GGUFReader(str(f)).tensors} for f in (excl, plain))
+    name = "blk.1.ffn_gate_exps.weight"
+    assert np.array_equal(np.asarray(t[name].data).view(np.uint8), np.asarray(t0[name].data).view(np.uint8))
+    code, out, err = _run(None, "quantize", "--imatrix", str(dat_path), "--include-weights", "ffn_up_exps",
+                          ds_model, str(incl), "Q4_0", "1")
+    assert code == 0, err
+    n_up = sum("ffn_up_exps" in n for n in ent)
+    assert n_up > 0 and f"prepare_imatrix: have {n_up} importance matrix entries" in out
+    assert "did not find weights for blk.0.ffn_down.weight" in err
+    assert "did not find weights for blk.1.ffn_gate_exps.weight" not in err     # ffn_up_exps' data, as ik
+
+
+def test_no_ppl_and_save_frequency(runs, ds_model, text_file, tmp_path):
+    """--no-ppl: no perplexity lines, the same statistics; --save-frequency N: OUT.at_N copies;
+    -ofreq N: saves along the way."""
+    path = tmp_path / "n.dat"
+    code, stdout, err = _run(None, "imatrix", "-m", ds_model, "-f", str(text_file), "-o", str(path), "-c", str(N_CTX),
+                             "-t", "1", "--chunks", "1", "--no-ppl", "--save-frequency", "2", "-ofreq", "2")
+    assert code == 0, err
+    assert "[1]" not in stdout and "Final estimate" not in stdout
+    assert path.read_bytes() == runs["a"][0].read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["n.dat", "n.dat.at_2", "n.dat.at_4"]
+    _, dat2 = _entries(tmp_path / "n.dat.at_2")
+    assert dat2.last_call == 2
+    assert f"save_imatrix: stored collected data after 2 chunks in {path}" in err

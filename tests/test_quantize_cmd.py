@@ -82,6 +82,7 @@ def test_repack_rewrites_layouts_only(make_model, text_file, tmp_path, capsys):
     assert re.search(r"^===================== Model ftype: \S+: Repacked ftype: \S+$", so, re.M)
     types, r = types_of(out)
     assert types["blk.1.ffn_up_exps.weight"] == 202 and types["blk.0.attn_kv_b.weight"] in (202, 8)
+    assert types["blk.0.attn_kv_b.weight"] == 202       # q4_0, 512 rows: repacked (a q8_0 here was never right)
     assert types["token_embd.weight"] == types_of(src)[0]["token_embd.weight"]
     assert types["blk.0.attn_output.weight"] == types_of(src)[0]["blk.0.attn_output.weight"]   # no match
     from engine.quantize_plan import parse_ftype, repacked_ftype
@@ -94,6 +95,10 @@ def test_repack_rewrites_layouts_only(make_model, text_file, tmp_path, capsys):
 
 def test_keep_split_writes_the_input_shards(make_model, text_file, tmp_path, capsys):
     src = make_model(arch="llama", qtype="f16", split=3)
+    code, _, err = cli(capsys, "quantize", "--keep-split", "--dry-run", src, str(tmp_path / "k.gguf"), "q8_0")
+    assert code == 0 and os.listdir(tmp_path) == [], err
+    assert [ln.split()[4] for ln in err.splitlines() if ln.startswith("dry run: would write")] == [
+        str(tmp_path / f"k-0000{i}-of-00003.gguf") for i in (1, 2, 3)]
     code, _, err = cli(capsys, "quantize", "--keep-split", src, str(tmp_path / "k.gguf"), "q8_0")
     assert code == 0, err
     shards = sorted(os.listdir(tmp_path))
@@ -232,3 +237,15 @@ def test_nthreads_gives_the_same_bytes(make_model, tmp_path, capsys, qtype):
     assert code == 0 and "using 4 threads" in err, err
     with open(one, "rb") as a, open(four, "rb") as b:
         assert a.read() == b.read()
+
+
+def test_flags_that_need_another_flag_say_so(make_model, tmp_path, capsys):
+    """--repack-pattern without --repack, imatrix filters without --imatrix: accepted (as ik) but noted."""
+    src = make_model(arch="llama", qtype="f16")
+    code, _, err = cli(capsys, "quantize", "--dry-run", "--repack-pattern", "ffn_", "--exclude-weights", "ffn_",
+                       src, str(tmp_path / "n.gguf"), "q8_0")
+    assert code == 0, err
+    assert "--repack-pattern is used only with --repack (ignored)" in err
+    assert "are used only with --imatrix (ignored)" in err
+    code, _, err = cli(capsys, "quantize", "--dry-run", src, str(tmp_path / "n.gguf"), "q8_0")
+    assert code == 0 and "(ignored)" not in err, err
