@@ -66,6 +66,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int = -1                # -1: random seed
     n_probs: int = 0              # how many top probabilities to report (0: none)
+    penalize_nl: bool = False     # llama.cpp's default: the newline token keeps its logit
 
     def __post_init__(self) -> None:
         # Validate here too, so parameters built from CLI flags get the same checks as requests.
@@ -79,6 +80,9 @@ class SamplingParams:
         self.frequency_penalty = _as_float("frequency_penalty", self.frequency_penalty)
         self.seed = _as_int("seed", self.seed)
         self.n_probs = _as_int("n_probs", self.n_probs)
+        if not isinstance(self.penalize_nl, (bool, np.bool_)):
+            raise ValueError(f"Sampling parameter 'penalize_nl' must be a boolean, got {self.penalize_nl!r}.")
+        self.penalize_nl = bool(self.penalize_nl)
         if not 0.0 <= self.top_p <= 1.0:
             raise ValueError(f"Sampling parameter 'top_p' must be between 0 and 1, got {self.top_p!r}.")
         if not 0.0 <= self.min_p <= 1.0:
@@ -115,7 +119,8 @@ class SamplingParams:
 # pieces of the chain (public so they can be tested and reused)
 # ---------------------------------------------------------------------------------------------
 
-def apply_penalties(logits: np.ndarray, history: Sequence[int], params: SamplingParams) -> np.ndarray:
+def apply_penalties(logits: np.ndarray, history: Sequence[int], params: SamplingParams,
+                    nl_token: int | None = None) -> np.ndarray:
     """logits (as float32) with llama.cpp's repetition penalties applied; the input is never
     modified (it is returned as is when no penalty applies, to spare a copy of the vocab).
 
@@ -123,6 +128,8 @@ def apply_penalties(logits: np.ndarray, history: Sequence[int], params: Sampling
     logit /= repeat_penalty if logit > 0 else logit *= repeat_penalty (so the penalty always
     lowers the token), then logit -= c * frequency_penalty + presence_penalty.
     Token ids outside [0, n_vocab) in history are ignored rather than crashing the request.
+    nl_token: the vocabulary's newline token, whose logit is left as it was unless
+    params.penalize_nl (llama.cpp's sampling does the same).
     """
     x = np.asarray(logits, dtype=np.float32).reshape(-1)
     n = params.repeat_last_n
@@ -143,7 +150,11 @@ def apply_penalties(logits: np.ndarray, history: Sequence[int], params: Sampling
     v = np.where(v <= 0, v * rp, v / rp)
     v = v - (counts.astype(np.float32) * np.float32(params.frequency_penalty)
              + np.float32(params.presence_penalty))
+    nl_keep = nl_token is not None and not params.penalize_nl and 0 <= nl_token < x.shape[0]
+    nl_logit = x[nl_token] if nl_keep else None
     x[ids] = v.astype(np.float32)
+    if nl_keep:
+        x[nl_token] = nl_logit
     return x
 
 
@@ -213,11 +224,12 @@ class Sampler:
     # grown 8x until the cumulative probability reaches p, which avoids sorting the vocab
     _TOP_P_FIRST = 256
 
-    def __init__(self, params: SamplingParams, n_vocab: int) -> None:
+    def __init__(self, params: SamplingParams, n_vocab: int, nl_token: int | None = None) -> None:
         if int(n_vocab) <= 0:
             raise ValueError(f"n_vocab must be positive, got {n_vocab!r}.")
         self.params = params
         self.n_vocab = int(n_vocab)
+        self.nl_token = nl_token      # newline token (not penalized unless params.penalize_nl)
         self.seed: int = params.seed if params.seed != -1 else secrets.randbits(32)
         self.rng = np.random.default_rng(self.seed)
         self.last_probs: TokenProbs | None = None  # filled by sample() when params.n_probs > 0
@@ -236,7 +248,7 @@ class Sampler:
         arr = np.asarray(logits)
         if arr.ndim != 1 or arr.shape[0] != self.n_vocab:
             raise ValueError(f"logits must have shape ({self.n_vocab},), got {arr.shape}.")
-        return _sanitize(apply_penalties(arr, history, self.params))
+        return _sanitize(apply_penalties(arr, history, self.params, self.nl_token))
 
     def _filter(self, x: np.ndarray, ordered_out: bool) -> tuple[np.ndarray, np.ndarray]:
         """Kept token ids and probabilities; sorted (value desc, id asc) when ordered_out or when

@@ -200,9 +200,19 @@ class ServingEngine:
             n += 1
         return n if n >= PROMPT_REUSE_MIN else 0
 
+    def _nl_token(self) -> int | None:
+        """The vocabulary's newline token (llama.cpp's linefeed id): "\n" as one token, else None."""
+        if not hasattr(self, "_nl"):
+            try:
+                ids = list(self.model.tokenizer.encode("\n", add_special=False))
+            except Exception:       # a tokenizer that cannot encode it: nothing to protect
+                ids = []
+            self._nl = int(ids[0]) if len(ids) == 1 else None
+        return self._nl
+
     def _assign(self, s: _Slot, job: Job) -> None:
         s.job, job.id_slot = job, s.id
-        s.sampler = Sampler(job.params, self.model.n_vocab)
+        s.sampler = Sampler(job.params, self.model.n_vocab, self._nl_token())
         keep = self._reusable(s, job.prompt) if job.cache_prompt else 0
         if keep:
             s.cache.seq_rm(keep)

@@ -143,6 +143,32 @@ def _token_list(v: Any, n_vocab: Optional[int], what: str) -> list[int]:
     return list(v)
 
 
+# llama.cpp request fields that change the output but that this server does not implement, each with
+# the test for its "off" value: a request that turns one on is refused (400) rather than answered as
+# if it had not asked (clients routinely send the off values, and JSON null, which stay accepted)
+_UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "ignore_eos": lambda v: v is False,
+    "logit_bias": lambda v: v == {} or v == [],
+    "grammar": lambda v: v == "",
+    "json_schema": lambda v: v == {},
+    "response_format": lambda v: isinstance(v, dict) and v.get("type", "text") == "text",
+    "mirostat": lambda v: v == 0,
+    "typical_p": lambda v: v == 1,
+    "tfs_z": lambda v: v == 1,
+    "dynatemp_range": lambda v: v == 0,
+    "xtc_probability": lambda v: v == 0,
+    "top_n_sigma": lambda v: v == 0,
+    "dry_multiplier": lambda v: v == 0,
+}
+
+
+def check_unsupported(body: dict) -> None:
+    on = [k for k, off in _UNSUPPORTED_FIELDS.items() if body.get(k) is not None and not off(body[k])]
+    if on:
+        raise bad_request(f"{', '.join(repr(k) for k in on)}: not supported by this server "
+                          f"(leave {'it' if len(on) == 1 else 'them'} out or at the default)")
+
+
 def _rand_id(prefix: str) -> str:
     return prefix + "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(32))
 
@@ -481,6 +507,7 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         if data.get("n_probs") not in (None, 0) or data.get("logprobs") not in (None, False, 0) \
                 or data.get("top_logprobs") not in (None, 0):
             raise bad_request("token probabilities ('n_probs', 'logprobs', 'top_logprobs') are not supported by this server yet")
+        check_unsupported(data)
         if default_seed != -1 and "seed" not in data:
             data["seed"] = default_seed
         try:
@@ -490,9 +517,11 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         except TypeError as e:
             raise bad_request(f"invalid sampling parameters: {e}") from None
 
-    def n_predict_of(body: dict, *names: str) -> int:
+    def n_predict_of(body: dict) -> int:
+        """The token limit of a request: n_predict, else max_tokens, else max_completion_tokens (llama.cpp's
+        order, the same on every endpoint), capped by the server's -n."""
         n = default_n_predict
-        for name in names:
+        for name in ("n_predict", "max_tokens", "max_completion_tokens"):
             if _field(body, name) is not _MISSING:
                 n = get_int(body, name, -1, lo=-1)
                 break
@@ -673,7 +702,7 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         body = await read_json(request)
         stream = get_bool(body, "stream", False)
         stop = get_stop(body)
-        n_predict = n_predict_of(body, "n_predict", "max_tokens")
+        n_predict = n_predict_of(body)
         params = sampling_params(body)
         raw_prompts, prompts = await prompts_of(body)
         gen = Generation()
@@ -720,7 +749,7 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         body = await read_json(request)
         stream = get_bool(body, "stream", False)
         stop = get_stop(body)
-        n_predict = n_predict_of(body, "max_tokens", "n_predict")
+        n_predict = n_predict_of(body)
         n = get_int(body, "n", 1)
         if n != 1:
             raise bad_request("Only one completion choice is allowed")
@@ -775,7 +804,7 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         body = await read_json(request)
         stream = get_bool(body, "stream", False)
         stop = get_stop(body)
-        n_predict = n_predict_of(body, "max_completion_tokens", "max_tokens", "n_predict")
+        n_predict = n_predict_of(body)
         n = get_int(body, "n", 1)
         if n != 1:
             raise bad_request("Only one completion choice is allowed")

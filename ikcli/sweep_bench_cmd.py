@@ -230,8 +230,8 @@ def sweep_bench(
     timings.print()
 
     if plot is not None:
-        from .sweep_plot import plot_runs
-        label = os.path.splitext(os.path.basename(path))[0]
+        from .sweep_plot import default_label, plot_runs
+        label = default_label(path)
         plot_runs([(label, results)], plot,
                   title=f"sweep-bench: {label}, n_ubatch = {ubatch_size}, flash_attn = {flash}, "
                         f"n_threads = {n_threads}/{n_threads_batch}")

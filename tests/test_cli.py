@@ -141,13 +141,21 @@ def test_tokenize_ids(shared_dir, capsys):
     assert out.splitlines()[1] == " 15043 -> ' Hello'"
 
 
-def test_help_does_not_import_numba():
+@pytest.mark.parametrize("argv,expect", [
+    (["--help"], ("perplexity", "tokenize", "imatrix")),
+    (["server", "--help"], ("--parallel",)),
+    (["sweep-bench", "--help"], ("--plot",)),
+    (["quantize", "--help"], ("--repack",)),
+    (["imatrix", "--help"], ("--in-file",)),
+])
+def test_help_does_not_import_numba(argv, expect):
     code = ("import sys; from ikcli.app import main\n"
-            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-            "assert 'numba' not in sys.modules and 'numpy' not in sys.modules, sorted(sys.modules)")
+            f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+            "heavy = {'numba', 'numpy', 'fastapi', 'uvicorn', 'engine', 'quant'} & set(sys.modules)\n"
+            "assert not heavy, sorted(heavy)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert "perplexity" in r.stdout and "tokenize" in r.stdout
+    assert all(e in r.stdout for e in expect), r.stdout
 
 
 @pytest.mark.parametrize("flags,echo", [

@@ -372,3 +372,21 @@ def test_from_request_rejects_bad_values(body, field):
 def test_from_request_rejects_non_object():
     with pytest.raises(ValueError, match="object"):
         SamplingParams.from_request(["temperature", 1.0])  # type: ignore[arg-type]
+
+
+def test_newline_token_is_not_penalized_by_default():
+    """llama.cpp's default penalize_nl = false: the newline token keeps its logit under the
+    repetition / frequency / presence penalties; penalize_nl = true penalizes it like any token."""
+    from engine.sampling import SamplingParams, apply_penalties
+    logits = np.array([2.0, 1.0, -1.0, 3.0], dtype=np.float32)
+    hist = [0, 1, 2, 3, 3]
+    p = SamplingParams(repeat_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    y = apply_penalties(logits, hist, p, nl_token=1)
+    assert y[1] == logits[1]
+    assert y[0] == np.float32(2.0 / 2.0 - 0.5 - 0.25) and y[2] == np.float32(-2.0 - 0.75)
+    y = apply_penalties(logits, hist, SamplingParams(repeat_penalty=2.0, frequency_penalty=0.5,
+                                                     presence_penalty=0.25, penalize_nl=True), nl_token=1)
+    assert y[1] == np.float32(1.0 / 2.0 - 0.75)
+    assert SamplingParams.from_request({"penalize_nl": True}).penalize_nl is True
+    with pytest.raises(ValueError, match="penalize_nl"):
+        SamplingParams.from_request({"penalize_nl": "yes"})

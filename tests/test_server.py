@@ -152,6 +152,7 @@ class FakeEngine:
         self.cv = threading.Condition()
         self.finals: "queue.Queue[FakeEvent]" = queue.Queue()
         self.submitted: list = []
+        self.cache_prompts: list = []
         self.model = SimpleNamespace(tokenizer=FakeTokenizer(),
                                      file=SimpleNamespace(meta={"tokenizer.chat_template": FAKE_TEMPLATE}))
 
@@ -171,7 +172,7 @@ class FakeEngine:
         with self.cv:
             return [{"id": i, "is_processing": j is not None} for i, j in enumerate(self.slots)]
 
-    def submit(self, prompt, params, n_predict, stop, on_event) -> FakeJob:
+    def submit(self, prompt, params, n_predict, stop, on_event, cache_prompt=True) -> FakeJob:
         if not prompt:
             raise ValueError("the prompt is empty")
         if len(prompt) >= self.n_ctx_slot:
@@ -179,6 +180,7 @@ class FakeEngine:
                              f"{self.n_ctx_slot} tokens allows")
         job = FakeJob()
         self.submitted.append((list(prompt), params, n_predict, list(stop)))
+        self.cache_prompts.append(cache_prompt)
         threading.Thread(target=self._run, args=(job, prompt, n_predict, stop, on_event), daemon=True).start()
         return job
 
@@ -381,6 +383,17 @@ BAD_REQUESTS = [
     ("/completion", {"prompt": "x", "n_probs": 5}, "token probabilities"),
     ("/v1/completions", {"prompt": "x", "logprobs": 2}, "token probabilities"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "token probabilities"),
+    # output-changing llama.cpp fields this server does not implement: refused, not silently dropped
+    ("/completion", {"prompt": "x", "ignore_eos": True}, "ignore_eos"),
+    ("/completion", {"prompt": "x", "logit_bias": [[5, -100]]}, "logit_bias"),
+    ("/completion", {"prompt": "x", "grammar": "root ::= \"a\""}, "grammar"),
+    ("/completion", {"prompt": "x", "mirostat": 2}, "mirostat"),
+    ("/completion", {"prompt": "x", "typical_p": 0.5, "tfs_z": 0.9}, "'typical_p', 'tfs_z'"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": -100}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": "9"},
+     "max_completion_tokens"),
 ]
 
 
@@ -392,6 +405,51 @@ def test_bad_requests_are_400_json(fake, path, body, contains):
         r = httpx.post(fake.base + path, json=body)
     assert_error(r, 400, contains=contains)
     assert httpx.get(fake.base + "/health").json()["status"] == "ok"
+
+
+def test_request_fields_reach_the_engine(fake):
+    """Fields the server accepts must change what the engine is asked to do."""
+    chat = [{"role": "user", "content": "hi"}]
+    off = {"ignore_eos": False, "logit_bias": {}, "grammar": "", "mirostat": 0, "typical_p": 1.0, "tfs_z": 1,
+           "top_n_sigma": 0, "xtc_probability": 0, "dry_multiplier": 0, "dynatemp_range": 0,
+           "response_format": {"type": "text"}, "json_schema": None}
+    for path, body in (("/completion", {"prompt": "x"}), ("/v1/completions", {"prompt": "x"}),
+                       ("/v1/chat/completions", {"messages": chat})):
+        # the off values of unsupported fields are accepted; the token limit follows llama.cpp's order
+        r = httpx.post(fake.base + path, json={**body, **off, "max_completion_tokens": 2})
+        assert r.status_code == 200, (path, r.text)
+        assert fake.engine.submitted[-1][2] == 2, path
+        httpx.post(fake.base + path, json={**body, "max_completion_tokens": 2, "max_tokens": 3}).raise_for_status()
+        assert fake.engine.submitted[-1][2] == 3, path
+        httpx.post(fake.base + path, json={**body, "max_tokens": 3, "n_predict": 4}).raise_for_status()
+        assert fake.engine.submitted[-1][2] == 4, path
+        httpx.post(fake.base + path, json={**body, "n_predict": 1, "cache_prompt": False}).raise_for_status()
+        assert fake.engine.cache_prompts[-1] is False, path
+        httpx.post(fake.base + path, json={**body, "n_predict": 1}).raise_for_status()
+        assert fake.engine.cache_prompts[-1] is True, path
+    body = {"prompt": "x", "n_predict": 1, "temperature": 0.25, "top_k": 7, "top_p": 0.5, "min_p": 0.125,
+            "repeat_penalty": 1.5, "repeat_last_n": 9, "presence_penalty": 0.75, "frequency_penalty": 0.5, "seed": 77}
+    httpx.post(fake.base + "/completion", json=body).raise_for_status()
+    p = fake.engine.submitted[-1][1]
+    assert {k: getattr(p, k) for k in body if k not in ("prompt", "n_predict")} == \
+        {k: v for k, v in body.items() if k not in ("prompt", "n_predict")}
+
+
+def test_server_defaults_seed_and_n_predict_cap():
+    eng = FakeEngine()
+    srv = ServerThread(_fake_app(eng, default_n_predict=4, default_seed=123, log_requests=False))
+    try:
+        d = httpx.post(srv.base + "/completion", json={"prompt": "x"}).json()
+        assert d["content"] == FAKE_ANSWER[:4] and d["stop_type"] == "limit"
+        _prompt, params, n_predict, _stop = eng.submitted[-1]
+        assert n_predict == 4 and params.seed == 123
+        httpx.post(srv.base + "/completion", json={"prompt": "x", "n_predict": 50, "seed": 5}).raise_for_status()
+        _prompt, params, n_predict, _stop = eng.submitted[-1]
+        assert n_predict == 4 and params.seed == 5         # -n caps the request; its own seed wins
+        httpx.post(srv.base + "/completion", json={"prompt": "x", "n_predict": 2}).raise_for_status()
+        assert eng.submitted[-1][2] == 2
+    finally:
+        srv.stop()
 
 
 def test_unknown_route_method_and_too_long_prompt(fake):
