@@ -306,10 +306,11 @@ _qopts = dict(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz"})
 
 
 @njit(**_qopts)
-def _quantize_row_q8(xr, qk, qr, sr):
+def _quantize_row_q8(xr, qk, qr, sr, br):
     """One row: the rule of the Q8_2 activation blocks ik_llama.cpp multiplies Q8_0 / Q4_0
     weights with: d = amax/127 rounded to bfloat16 (nearest even), q = x/d rounded to nearest
-    even and saturated to int8.  Matching it keeps perplexities within noise of the C++ tool."""
+    even and saturated to int8.  Matching it keeps perplexities within noise of the C++ tool.
+    br: each block's sum of q (the VNNI kernels' offset correction, quant.simd)."""
     for b in range(xr.shape[0] // qk):
         xv = xr[b * qk:b * qk + qk]
         qv = qr[b * qk:b * qk + qk]
@@ -322,25 +323,28 @@ def _quantize_row_q8(xr, qk, qr, sr):
             d = np.float32(math.ldexp(np.rint(m * 256.0) / 256.0, e))
         inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
         sr[b] = d
+        tot = 0
         for j in range(qk):
             r = np.rint(xv[j] * inv)
             qv[j] = np.int8(min(127.0, max(-128.0, r)))
+            tot += np.int32(qv[j])
+        br[b] = tot
 
 
 @njit(parallel=True, **_qopts)
-def quantize_act_q8(x, qk, q, s):
+def quantize_act_q8(x, qk, q, s, bs):
     """x (n, cols) f32 -> q (n, cols) int8, s (n, cols//qk) f32 with x ~= q * s (per block),
-    in parallel over rows."""
+    bs (n, cols//qk) int32 block sums of q, in parallel over rows."""
     for t in prange(x.shape[0]):
-        _quantize_row_q8(x[t], qk, q[t], s[t])
+        _quantize_row_q8(x[t], qk, q[t], s[t], bs[t])
 
 
 @njit(**_qopts)
-def quantize_act_q8_serial(x, qk, q, s):
+def quantize_act_q8_serial(x, qk, q, s, bs):
     """quantize_act_q8 on the calling thread: for a few rows, waking the pool costs more
     (tens of microseconds with OMP_WAIT_POLICY=PASSIVE) than the work."""
     for t in range(x.shape[0]):
-        _quantize_row_q8(x[t], qk, q[t], s[t])
+        _quantize_row_q8(x[t], qk, q[t], s[t], bs[t])
 
 
 # ----------------------------------------------------------------------------------------
@@ -437,16 +441,16 @@ _iopts = dict(cache=True, nogil=True)
 
 
 @njit(inline="always", **_iopts)
-def _int_row_dot(qtype, buf, base, nb, q, s, k):
-    """Dot of the Q8_0 / Q4_0 row at byte `base` with int8 activation row k of (q, s): the
+def _int_row_dot(qtype, buf, base, nb, q, s, bs, k):
+    """Dot of the Q8_0 / Q4_0 row at byte `base` with int8 activation row k of (q, s, bs): the
     explicit-vector block loops of quant.simd, one per type, chosen once per row."""
     if qtype == Q8_0_ID:
-        return _simd.row_dot_q8_0(buf, base, q[k], s[k], nb)
-    return _simd.row_dot_q4_0(buf, base, q[k], s[k], nb)
+        return _simd.row_dot_q8_0(buf, base, q[k], s[k], bs[k], nb)
+    return _simd.row_dot_q4_0(buf, base, q[k], s[k], bs[k], nb)
 
 
 @njit(**_iopts)
-def _int_run(qtype, buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, out):
+def _int_run(qtype, buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, bs, out):
     """out[k, r] = row r . activation k for rows r0:r1 (from byte ebase on), pairs k0:k1.
     Interleaved types go 8 rows at a time (r0, r1 are multiples of 8 for them)."""
     if qtype == Q8_0_R8_ID or qtype == Q4_0_R8_ID:
@@ -454,14 +458,14 @@ def _int_run(qtype, buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, out):
             gbase = ebase + r * stride
             for k in range(k0, k1):
                 if qtype == Q8_0_R8_ID:
-                    _simd.group_dot_q8_0_r8(buf, gbase, q[k], s[k], nb, out[k], r)
+                    _simd.group_dot_q8_0_r8(buf, gbase, q[k], s[k], bs[k], nb, out[k], r)
                 else:
-                    _simd.group_dot_q4_0_r8(buf, gbase, q[k], s[k], nb, out[k], r)
+                    _simd.group_dot_q4_0_r8(buf, gbase, q[k], s[k], bs[k], nb, out[k], r)
         return
     for r in range(r0, r1):
         base = ebase + r * stride
         for k in range(k0, k1):
-            out[k, r] = _int_row_dot(qtype, buf, base, nb, q, s, k)
+            out[k, r] = _int_row_dot(qtype, buf, base, nb, q, s, bs, k)
 
 
 @njit(**_opts)
@@ -485,8 +489,8 @@ def _silu_mul_run(r0, r1, k0, k1, out, outb):
 
 
 @njit(parallel=True, **_iopts)
-def matvec_int(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut, q, s, ge, gb, out, outb):
-    """Q8_0 / Q4_0 weights . int8 activations (q, s from quantize_act_q8, one row per pair),
+def matvec_int(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut, q, s, bs, ge, gb, out, outb):
+    """Q8_0 / Q4_0 weights . int8 activations (q, s, bs from quantize_act_q8, one row per pair),
     int32 block sums.  out, outb: (n_pairs, nrows)."""
     nb = cols // qk
     nrun = (nrows + ROW_RUN - 1) // ROW_RUN
@@ -494,9 +498,9 @@ def matvec_int(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut,
         g = i // nrun
         r0 = (i - g * nrun) * ROW_RUN
         r1 = min(nrows, r0 + ROW_RUN)
-        _int_run(qtype, bufa, ge[g] * esa, sa, r0, r1, gb[g], gb[g + 1], nb, qk, lut, q, s, out)
+        _int_run(qtype, bufa, ge[g] * esa, sa, r0, r1, gb[g], gb[g + 1], nb, qk, lut, q, s, bs, out)
         if fused:
-            _int_run(qtype, bufb, ge[g] * esb, sb, r0, r1, gb[g], gb[g + 1], nb, qk, lut, q, s, outb)
+            _int_run(qtype, bufb, ge[g] * esb, sb, r0, r1, gb[g], gb[g + 1], nb, qk, lut, q, s, bs, outb)
             _silu_mul_run(r0, r1, gb[g], gb[g + 1], out, outb)
 
 

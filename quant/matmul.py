@@ -227,16 +227,18 @@ def _f32_matrix(v: _View) -> np.ndarray:
                                            strides=(v.stride, 4), writeable=False)
 
 
-def _quantize_act(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """x (n, cols) -> int8 values and one scale per 32, ik_llama.cpp's Q8_2 rule (see kernels)."""
+def _quantize_act(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x (n, cols) -> int8 values, one scale per 32 (ik_llama.cpp's Q8_2 rule, see kernels) and
+    the int32 sum of each 32 values."""
     q = np.empty(x.shape, dtype=np.int8)
     s = np.empty((x.shape[0], x.shape[1] // K.QK), dtype=np.float32)
-    (K.quantize_act_q8 if x.shape[0] >= 16 else K.quantize_act_q8_serial)(x, K.QK, q, s)
-    return q, s
+    bs = np.empty(s.shape, dtype=np.int32)
+    (K.quantize_act_q8 if x.shape[0] >= 16 else K.quantize_act_q8_serial)(x, K.QK, q, s, bs)
+    return q, s, bs
 
 
 def _act(qt: int, x: np.ndarray) -> tuple[np.ndarray, ...]:
-    """The few-pair kernels' activations: (q, s) for Q8_0 / Q4_0, (x,) for float types."""
+    """The few-pair kernels' activations: (q, s, bs) for Q8_0 / Q4_0, (x,) for float types."""
     return _quantize_act(x) if qt in K.INT_DOT_TYPES else (x,)
 
 
@@ -259,7 +261,7 @@ def _few_pairs(va: _View, vb: _View | None, act: tuple[np.ndarray, ...], ge: np.
     kern(va.qtype, *geo, *act, ge, gb, out, outb)
 
 
-def _q8_rounded(x: np.ndarray, qs: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+def _q8_rounded(x: np.ndarray, qs: tuple[np.ndarray, ...] | None = None) -> np.ndarray:
     """x after a round trip through the Q8 activation blocks of the few-token path
     (qs: x already quantized).
 
@@ -268,7 +270,7 @@ def _q8_rounded(x: np.ndarray, qs: tuple[np.ndarray, np.ndarray] | None = None) 
     perplexities within 0.2% of ik_llama.cpp's (-mla 0) on the random Q8_0/Q4_0 models of
     scripts/compare_perplexity.py, except the chaotic 26-layer Lite one (1.8%, README).
     """
-    q, s = _quantize_act(x) if qs is None else qs
+    q, s = (_quantize_act(x) if qs is None else qs)[:2]
     return (q.reshape(x.shape[0], -1, K.QK).astype(np.float32) * s[:, :, None]).reshape(x.shape)
 
 

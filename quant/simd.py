@@ -28,6 +28,8 @@ or the kernels keep the previously compiled IR.
 """
 from __future__ import annotations
 
+import numba
+from llvmlite import binding as llb
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -35,6 +37,26 @@ from numba.extending import intrinsic
 
 _I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 QK = 32          # values per block, weights and activations
+
+
+def cpu_features() -> set[str]:
+    """The target features numba compiles for (its NUMBA_CPU_NAME / NUMBA_CPU_FEATURES rules),
+    e.g. {"+avx512vnni", ...}: target intrinsics may only be emitted when these have them."""
+    cfg = numba.config
+    if cfg.CPU_FEATURES is not None:
+        return set(cfg.CPU_FEATURES.split(","))
+    if cfg.CPU_NAME not in (None, "host"):
+        return set()                     # a named CPU without explicit features: assume none
+    try:
+        return set(llb.get_host_cpu_features().flatten().split(","))
+    except RuntimeError:
+        return set()
+
+
+# vpdpbusd on 256-bit vectors (AVX512-VNNI + VL).  numba's cache keys compiled code on the CPU
+# features too, so a cached VNNI kernel is never loaded on a CPU without them.  (No switch to
+# turn it off: the cache would not see it.  The generic forms stay importable for tests.)
+HAS_VNNI = {"+avx512vnni", "+avx512vl", "+avx512bw", "+avx512f"} <= cpu_features()
 
 
 def _vec(t: ir.Type, n: int) -> ir.VectorType:
@@ -85,44 +107,72 @@ NACC = 4         # independent accumulators per row, so consecutive blocks' FMAs
                  # / 12.5 GB/s): not latency-bound there, kept for cores that are
 
 
-def _splat_f32(builder: ir.IRBuilder, v, n: int):
-    sv = builder.insert_element(ir.Constant(_vec(_F32, n), None), v, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(sv, sv, ir.Constant(_vec(_I32, n), [0] * n))
+def _generic_block(unpack, lanes: int):
+    """Block product of the generic IR: unpack's int8 parts times the activations, int32
+    products summed in pairs (LLVM selects vpmaddwd) into `lanes` int32 lanes."""
+    def block_isum(builder: ir.IRBuilder, wp, act, bsum):
+        d, parts = unpack(builder, wp)
+        isum = None
+        for w, off in parts:
+            a = _load_vec(builder, builder.gep(act, [_const_i64(off)]), _I8, 2 * lanes)
+            prod = builder.mul(builder.sext(w, _vec(_I32, 2 * lanes)), builder.sext(a, _vec(_I32, 2 * lanes)))
+            pairs = _pair_sum(builder, prod, 2 * lanes)
+            isum = pairs if isum is None else builder.add(isum, pairs)
+        return d, isum
+    return block_isum
 
 
-def _row_dot_intrinsic(block_bytes: int, unpack, lanes: int):
-    """An intrinsic f(buf, base, q, s, nb) -> f32: the dot of the weight row of nb blocks at byte
-    `base` of uint8 array buf with the activation row (q: int8 values, s: f32 block scales).
-    unpack gives a block's scale and its values as parts (int8 vector, activation offset) of
-    2 * lanes values each; their pairwise sums accumulate in `lanes` f32 lanes."""
+def _vnni_block(unpack_u8, shift: int):
+    """Block product with AVX512-VNNI: unpack_u8 gives the block's 32 weights as unsigned bytes
+    that are the true values plus 2**shift; vpdpbusd sums 4 (u8 x s8) products per int32 lane
+    and starts from -(2**shift) * (sum of the block's activations) in lane 0, so the 8 lanes
+    add up to the exact integer block sum of the generic path."""
+    def block_isum(builder: ir.IRBuilder, wp, act, bsum):
+        d, wu = unpack_u8(builder, wp)
+        a = _load_vec(builder, act, _I8, QK)
+        corr = builder.neg(builder.shl(bsum, ir.Constant(_I32, shift)))
+        init = builder.insert_element(ir.Constant(_vec(_I32, 8), None), corr, ir.Constant(_I32, 0))
+        return d, _vpdpbusd(builder, init, wu, a)
+    return block_isum
+
+
+def _vpdpbusd(builder: ir.IRBuilder, acc, u8, s8):
+    """acc (8 x i32) + per lane the sum of 4 products u8 x s8 (32-byte vectors), no saturation."""
+    v8 = _vec(_I32, 8)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8, v8, v8]),
+                                        "llvm.x86.avx512.vpdpbusd.256")
+    return builder.call(fn, [acc, builder.bitcast(u8, v8), builder.bitcast(s8, v8)])
+
+
+def _row_dot_intrinsic(block_bytes: int, block_isum, lanes: int):
+    """An intrinsic f(buf, base, q, s, bs, nb) -> f32: the dot of the weight row of nb blocks at
+    byte `base` of uint8 array buf with the activation row (q: int8 values, s: f32 block scales,
+    bs: int32 block sums).  block_isum gives a block's weight scale and its integer products
+    with the activations in `lanes` int32 lanes; they accumulate, scaled, in `lanes` f32 lanes."""
 
     @intrinsic
-    def row_dot(typingctx, buf, base, q, s, nb):
-        if not (isinstance(buf, types.Array) and isinstance(q, types.Array) and isinstance(s, types.Array)):
+    def row_dot(typingctx, buf, base, q, s, bs, nb):
+        if not all(isinstance(a, types.Array) for a in (buf, q, s, bs)):
             return None
-        sig = types.float32(buf, types.int64, q, s, types.int64)
+        sig = types.float32(buf, types.int64, q, s, bs, types.int64)
 
         def codegen(context, builder, sig, args):
             wbuf = context.make_array(sig.args[0])(context, builder, args[0])
             qa = context.make_array(sig.args[2])(context, builder, args[2])
             sa = context.make_array(sig.args[3])(context, builder, args[3])
+            ba = context.make_array(sig.args[4])(context, builder, args[4])
             row = builder.gep(wbuf.data, [args[1]])
             accs = [cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, lanes), None)) for _ in range(NACC)]
 
             def block(b, accp):
-                d, parts = unpack(builder, builder.gep(row, [builder.mul(b, _const_i64(block_bytes))]))
                 act = builder.gep(qa.data, [builder.mul(b, _const_i64(QK))])
-                isum = None
-                for w, off in parts:
-                    a = _load_vec(builder, builder.gep(act, [_const_i64(off)]), _I8, 2 * lanes)
-                    prod = builder.mul(builder.sext(w, _vec(_I32, 2 * lanes)), builder.sext(a, _vec(_I32, 2 * lanes)))
-                    pairs = _pair_sum(builder, prod, 2 * lanes)         # vpmaddwd
-                    isum = pairs if isum is None else builder.add(isum, pairs)
-                sv = _splat_f32(builder, builder.fmul(d, builder.load(builder.gep(sa.data, [b]))), lanes)
+                d, isum = block_isum(builder, builder.gep(row, [builder.mul(b, _const_i64(block_bytes))]), act,
+                                     builder.load(builder.gep(ba.data, [b])))
+                sv = _splat(builder, builder.fmul(d, builder.load(builder.gep(sa.data, [b]))), _F32, lanes)
                 term = builder.fmul(builder.sitofp(isum, _vec(_F32, lanes)), sv, flags=["fast"])
                 builder.store(builder.fadd(builder.load(accp), term, flags=["fast"]), accp)
 
-            nb = args[4]
+            nb = args[5]
             with cgutils.for_range(builder, builder.udiv(nb, _const_i64(NACC))) as loop:
                 for j in range(NACC):
                     block(builder.add(builder.mul(loop.index, _const_i64(NACC)), _const_i64(j)), accs[j])
@@ -141,8 +191,27 @@ def _row_dot_intrinsic(block_bytes: int, unpack, lanes: int):
     return row_dot
 
 
-row_dot_q8_0 = _row_dot_intrinsic(2 + QK, _unpack_q8_0, 16)
-row_dot_q4_0 = _row_dot_intrinsic(2 + QK // 2, _unpack_q4_0, 8)
+def _unpack_q8_0_u8(builder: ir.IRBuilder, p):
+    """Q8_0 block for vpdpbusd: the 32 values plus 128 (sign bit flipped)."""
+    w = _load_vec(builder, builder.gep(p, [_const_i64(2)]), _I8, QK)
+    return _f16_scale(builder, p), builder.xor(w, ir.Constant(_vec(_I8, QK), [-128] * QK))
+
+
+def _unpack_q4_0_u8(builder: ir.IRBuilder, p):
+    """Q4_0 block for vpdpbusd: the 32 nibbles (the values plus 8), in activation order."""
+    b = _load_vec(builder, builder.gep(p, [_const_i64(2)]), _I8, QK // 2)
+    splat = ir.Constant(_vec(_I8, QK // 2), [15] * (QK // 2))
+    lo, hi = builder.and_(b, splat), builder.lshr(b, ir.Constant(_vec(_I8, QK // 2), [4] * (QK // 2)))
+    return _f16_scale(builder, p), builder.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, QK), list(range(QK))))
+
+
+# generic IR (any target) and AVX512-VNNI forms; row_dot_* is the one the kernels use
+row_dot_q8_0_generic = _row_dot_intrinsic(2 + QK, _generic_block(_unpack_q8_0, 16), 16)
+row_dot_q4_0_generic = _row_dot_intrinsic(2 + QK // 2, _generic_block(_unpack_q4_0, 8), 8)
+row_dot_q8_0_vnni = _row_dot_intrinsic(2 + QK, _vnni_block(_unpack_q8_0_u8, 7), 8)
+row_dot_q4_0_vnni = _row_dot_intrinsic(2 + QK // 2, _vnni_block(_unpack_q4_0_u8, 3), 8)
+row_dot_q8_0 = row_dot_q8_0_vnni if HAS_VNNI else row_dot_q8_0_generic
+row_dot_q4_0 = row_dot_q4_0_vnni if HAS_VNNI else row_dot_q4_0_generic
 
 
 # ----------------------------------------------------------------------------------------
@@ -156,26 +225,29 @@ row_dot_q4_0 = _row_dot_intrinsic(2 + QK // 2, _unpack_q4_0, 8)
 R8 = 8
 
 
-def _unpack_q8_0_r8(builder: ir.IRBuilder, p):
+def _unpack_q8_0_r8(builder: ir.IRBuilder, p, u8: bool = False):
     """Q8_0_R8 group block: 8 f16 scales, 128 bytes for values 0..15 of the 8 rows, 128 for
-    16..31.  Returns (scales <8 x f32>, [(32 weight bytes, activation offset of their 4 values)])."""
+    16..31.  Returns (scales <8 x f32>, [(32 weight bytes, activation offset of their 4 values)]);
+    u8: the values plus 128, for vpdpbusd."""
     runs = []
     for half in range(2):
         for l in range(4):
             w = _load_vec(builder, builder.gep(p, [_const_i64(16 + 128 * half + 32 * l)]), _I8, 32)
-            runs.append((w, 16 * half + 4 * l))
+            runs.append((builder.xor(w, ir.Constant(_vec(_I8, 32), [-128] * 32)) if u8 else w,
+                         16 * half + 4 * l))
     return _f16_scales8(builder, p), runs
 
 
-def _unpack_q4_0_r8(builder: ir.IRBuilder, p):
+def _unpack_q4_0_r8(builder: ir.IRBuilder, p, u8: bool = False):
     """Q4_0_R8 group block: 8 f16 scales, 128 bytes whose low nibbles are values 0..15 and high
-    nibbles 16..31 (each minus 8)."""
+    nibbles 16..31 (each minus 8; u8: the nibbles themselves, for vpdpbusd)."""
     splat = lambda v: ir.Constant(_vec(_I8, 32), [v] * 32)  # noqa: E731
+    fix = (lambda v: v) if u8 else (lambda v: builder.sub(v, splat(8)))  # noqa: E731
     runs = []
     for l in range(4):
         b = _load_vec(builder, builder.gep(p, [_const_i64(16 + 32 * l)]), _I8, 32)
-        runs.append((builder.sub(builder.and_(b, splat(15)), splat(8)), 4 * l))
-        runs.append((builder.sub(builder.lshr(b, splat(4)), splat(8)), 16 + 4 * l))
+        runs.append((fix(builder.and_(b, splat(15))), 4 * l))
+        runs.append((fix(builder.lshr(b, splat(4))), 16 + 4 * l))
     return _f16_scales8(builder, p), runs
 
 
@@ -184,49 +256,83 @@ def _f16_scales8(builder: ir.IRBuilder, p):
     return builder.fpext(builder.bitcast(h, _vec(ir.HalfType(), R8)), _vec(_F32, R8))
 
 
-def _group_dot_intrinsic(block_bytes: int, unpack):
-    """An intrinsic f(buf, gbase, q, s, nb, out, r0): out[r0 + k] = dot of row k of the 8-row
-    group at byte gbase (nb group blocks) with the activation row (q, s), k < 8."""
+def _act4(builder: ir.IRBuilder, act, off: int):
+    """The 4 activation bytes at act + off as one int32 (little-endian)."""
+    return builder.load(builder.bitcast(builder.gep(act, [_const_i64(off)]), _I32.as_pointer()), align=1)
+
+
+def _generic_group(unpack):
+    """8 row sums of a group block in the generic IR: each 32-byte run times its 4 activation
+    bytes broadcast to the 8 rows, int32 products summed per 4 bytes (two pairwise adds)."""
+    def block_rows(builder: ir.IRBuilder, gp, act, bsum):
+        d8, runs = unpack(builder, gp)
+        isum = None
+        for w, off in runs:
+            a4 = builder.bitcast(_act4(builder, act, off), _vec(_I8, 4))
+            a = builder.shuffle_vector(a4, a4, ir.Constant(_vec(_I32, 32), [i % 4 for i in range(32)]))
+            prod = builder.mul(builder.sext(w, _vec(_I32, 32)), builder.sext(a, _vec(_I32, 32)))
+            pairs = _pair_sum(builder, prod, 32)                    # vpmaddwd
+            isum = pairs if isum is None else builder.add(isum, pairs)
+        return d8, _pair_sum(builder, isum, 16)                     # 8 lanes: one per row
+    return block_rows
+
+
+def _vnni_group(unpack, shift: int):
+    """8 row sums of a group block with AVX512-VNNI: one vpdpbusd per run (the 4 activation
+    bytes broadcast as an int32) lands each row's 4 products in its own lane; the weights are
+    unsigned (true value + 2**shift), so every lane starts from -(2**shift) * block sum."""
+    def block_rows(builder: ir.IRBuilder, gp, act, bsum):
+        d8, runs = unpack(builder, gp, u8=True)
+        corr = builder.neg(builder.shl(bsum, ir.Constant(_I32, shift)))
+        isum = _splat(builder, corr, _I32, R8)
+        for w, off in runs:
+            isum = _vpdpbusd(builder, isum, w, _splat(builder, _act4(builder, act, off), _I32, R8))
+        return d8, isum
+    return block_rows
+
+
+def _splat(builder: ir.IRBuilder, v, t: ir.Type, n: int):
+    sv = builder.insert_element(ir.Constant(_vec(t, n), None), v, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(sv, sv, ir.Constant(_vec(_I32, n), [0] * n))
+
+
+def _group_dot_intrinsic(block_bytes: int, block_rows):
+    """An intrinsic f(buf, gbase, q, s, bs, nb, out, r0): out[r0 + k] = dot of row k of the
+    8-row group at byte gbase (nb group blocks) with the activation row (q, s, bs), k < 8."""
 
     @intrinsic
-    def group_dot(typingctx, buf, gbase, q, s, nb, out, r0):
-        if not all(isinstance(a, types.Array) for a in (buf, q, s, out)):
+    def group_dot(typingctx, buf, gbase, q, s, bs, nb, out, r0):
+        if not all(isinstance(a, types.Array) for a in (buf, q, s, bs, out)):
             return None
-        sig = types.none(buf, types.int64, q, s, types.int64, out, types.int64)
+        sig = types.none(buf, types.int64, q, s, bs, types.int64, out, types.int64)
 
         def codegen(context, builder, sig, args):
             wbuf = context.make_array(sig.args[0])(context, builder, args[0])
             qa = context.make_array(sig.args[2])(context, builder, args[2])
             sa = context.make_array(sig.args[3])(context, builder, args[3])
-            oa = context.make_array(sig.args[5])(context, builder, args[5])
+            ba = context.make_array(sig.args[4])(context, builder, args[4])
+            oa = context.make_array(sig.args[6])(context, builder, args[6])
             grp = builder.gep(wbuf.data, [args[1]])
             accp = cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, R8), None))
-            bcast4 = ir.Constant(_vec(_I32, 32), [i % 4 for i in range(32)])
-            with cgutils.for_range(builder, args[4]) as loop:
+            with cgutils.for_range(builder, args[5]) as loop:
                 b = loop.index
-                d8, runs = unpack(builder, builder.gep(grp, [builder.mul(b, _const_i64(block_bytes))]))
                 act = builder.gep(qa.data, [builder.mul(b, _const_i64(QK))])
-                isum = None
-                for w, off in runs:
-                    a4 = _load_vec(builder, builder.gep(act, [_const_i64(off)]), _I8, 4)
-                    a = builder.shuffle_vector(a4, a4, bcast4)
-                    prod = builder.mul(builder.sext(w, _vec(_I32, 32)), builder.sext(a, _vec(_I32, 32)))
-                    pairs = _pair_sum(builder, prod, 32)            # vpmaddwd
-                    isum = pairs if isum is None else builder.add(isum, pairs)
-                rows = _pair_sum(builder, isum, 16)                 # 8 lanes: one per row
-                sa_b = builder.load(builder.gep(sa.data, [b]))
-                sv = builder.insert_element(ir.Constant(_vec(_F32, R8), None), sa_b, ir.Constant(_I32, 0))
-                sv = builder.shuffle_vector(sv, sv, ir.Constant(_vec(_I32, R8), [0] * R8))
+                d8, rows = block_rows(builder, builder.gep(grp, [builder.mul(b, _const_i64(block_bytes))]), act,
+                                      builder.load(builder.gep(ba.data, [b])))
+                sv = _splat(builder, builder.load(builder.gep(sa.data, [b])), _F32, R8)
                 term = builder.fmul(builder.sitofp(rows, _vec(_F32, R8)), builder.fmul(d8, sv, flags=["fast"]),
                                     flags=["fast"])
                 builder.store(builder.fadd(builder.load(accp), term, flags=["fast"]), accp)
-            dst = builder.bitcast(builder.gep(oa.data, [args[6]]), _vec(_F32, R8).as_pointer())
+            dst = builder.bitcast(builder.gep(oa.data, [args[7]]), _vec(_F32, R8).as_pointer())
             builder.store(builder.load(accp), dst, align=4)
             return context.get_dummy_value()
         return sig, codegen
     return group_dot
 
 
-group_dot_q8_0_r8 = _group_dot_intrinsic(16 + 8 * QK, _unpack_q8_0_r8)
-group_dot_q4_0_r8 = _group_dot_intrinsic(16 + 4 * QK, _unpack_q4_0_r8)
-
+group_dot_q8_0_r8_generic = _group_dot_intrinsic(16 + 8 * QK, _generic_group(_unpack_q8_0_r8))
+group_dot_q4_0_r8_generic = _group_dot_intrinsic(16 + 4 * QK, _generic_group(_unpack_q4_0_r8))
+group_dot_q8_0_r8_vnni = _group_dot_intrinsic(16 + 8 * QK, _vnni_group(_unpack_q8_0_r8, 7))
+group_dot_q4_0_r8_vnni = _group_dot_intrinsic(16 + 4 * QK, _vnni_group(_unpack_q4_0_r8, 3))
+group_dot_q8_0_r8 = group_dot_q8_0_r8_vnni if HAS_VNNI else group_dot_q8_0_r8_generic
+group_dot_q4_0_r8 = group_dot_q4_0_r8_vnni if HAS_VNNI else group_dot_q4_0_r8_generic

@@ -140,9 +140,11 @@ def test_quantize_act_q8_exact():
     x[2, 1] = -np.nextafter(np.float32(0.5), np.float32(0))  # roundf -> 0, floor(|v|+.5) -> 1
     q = np.empty(x.shape, np.int8)
     s = np.empty((5, 8), np.float32)
-    K.quantize_act_q8(x, K.QK, q, s)
+    bs = np.empty((5, 8), np.int32)
+    K.quantize_act_q8(x, K.QK, q, s, bs)
     rq, rs = _ref_act_q8(x)
     assert np.array_equal(q, rq) and np.array_equal(s, rs)
+    assert np.array_equal(bs, rq.reshape(5, 8, 32).astype(np.int32).sum(axis=2))
 
 
 # ------------------------------------------------------------------ matmul
@@ -268,3 +270,79 @@ def test_interleaved_r8_equals_plain(qt, n, monkeypatch):
     rows_ = np.repeat(np.arange(n), 2)
     yr, yp = M.matmul_id(wr, x, ids, rows_), M.matmul_id(w, x, ids, rows_)
     assert np.allclose(yr, yp, rtol=0, atol=F32_TOL * float(scale.max()))
+
+
+# ------------------------------------------------------------------ quant.simd row dots
+def _row_dots(fn):
+    """njit wrapper: out[k, r] = fn's dot of weight row r with activation row k."""
+    from numba import njit
+
+    @njit
+    def run(buf, rows, stride, q, s, bs, nb, out):
+        for k in range(q.shape[0]):
+            for r in range(rows):
+                out[k, r] = fn(buf, r * stride, q[k], s[k], bs[k], nb)
+    return run
+
+
+def _group_dots(fn):
+    from numba import njit
+
+    @njit
+    def run(buf, rows, gstride, q, s, bs, nb, out):
+        for k in range(q.shape[0]):
+            for g in range(rows // 8):
+                fn(buf, g * gstride, q[k], s[k], bs[k], nb, out[k], g * 8)
+    return run
+
+
+@pytest.mark.parametrize("qt", [Q8_0, Q4_0])
+@pytest.mark.parametrize("form", ["row", "r8"])
+def test_simd_vnni_and_generic_agree(qt, form):
+    """The generic-IR and AVX512-VNNI forms of every row / group dot (the kernels use one of them,
+    by CPU) give the exact integer block sums: checked against an f64 emulation, with weights at
+    the int8 / nibble extremes (incl. -128, which Q8_0 files may hold) and saturated activations."""
+    from quant import interleaved, simd
+    rng = np.random.default_rng(31)
+    rows, cols, n = 16, 512, 3
+    w = M.quantize_tensor(_weights(rng, rows, cols), qt)
+    data = np.array(w.data)
+    if qt == Q8_0:                        # raw extremes: -128 / 127 weights in two blocks
+        data[4, 2:34] = np.uint8(128)
+        data[5, 36:68] = np.uint8(127)
+    else:
+        data[4, 2:18] = np.uint8(0xFF)    # nibbles 15 / 0
+        data[5, 20:36] = np.uint8(0x00)
+    w = QTensor(data, qt, w.shape)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    x[0, :64] = np.where(np.arange(64) % 2, -1.0, 1.0) * 1e3   # |q| = 127 blocks, alternating sign
+    x[1, 64:96] = -5.0                                          # every value -127
+    q = np.empty(x.shape, np.int8)
+    sc = np.empty((n, cols // 32), np.float32)
+    bs = np.empty((n, cols // 32), np.int32)
+    K.quantize_act_q8(x, K.QK, q, sc, bs)
+    q[2, :32] = -128                                            # saturated low end (ties of -128.5)
+    bs[2, 0] = -128 * 32
+    W = _ref_matrix(w).astype(np.float64)
+    # per-block integer sums times both scales, summed in f64
+    ref = (q.reshape(n, -1, 32).astype(np.float64) * sc[:, :, None]).reshape(n, cols) @ W.T
+    mag = (np.abs(q.reshape(n, -1, 32)).astype(np.float64) * sc[:, :, None]).reshape(n, cols) @ np.abs(W).T
+    nb = cols // 32
+    if form == "row":
+        kinds = {"generic": getattr(simd, f"row_dot_{'q8_0' if qt == Q8_0 else 'q4_0'}_generic"),
+                 "vnni": getattr(simd, f"row_dot_{'q8_0' if qt == Q8_0 else 'q4_0'}_vnni")}
+        buf, stride, wrap = data.reshape(-1), data.shape[1], _row_dots
+    else:
+        raw = interleaved.repack(data, qt, rows, cols)
+        name = "q8_0_r8" if qt == Q8_0 else "q4_0_r8"
+        kinds = {"generic": getattr(simd, f"group_dot_{name}_generic"), "vnni": getattr(simd, f"group_dot_{name}_vnni")}
+        buf, stride, wrap = raw.reshape(-1), raw.shape[1] * 8, _group_dots
+    checked = 0
+    for kind, fn in kinds.items():
+        if kind == "vnni" and not simd.HAS_VNNI:
+            continue                      # the VNNI form may only be compiled where the CPU has it
+        out = np.zeros((n, rows), np.float32)
+        wrap(fn)(buf, rows, stride, q, sc, bs, nb, out)
+        assert np.all(np.abs(out - ref) <= 4e-7 * mag + 1e-30), kind
+        checked += 1
+    assert checked == (2 if simd.HAS_VNNI else 1)
