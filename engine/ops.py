@@ -1,16 +1,33 @@
-"""Element-wise and normalisation operations of the forward pass (float32 NumPy)."""
+"""Element-wise and normalisation operations of the forward pass (float32 NumPy; RMSNorm in
+Numba: a token's ~40 norms cost ~10 us each as NumPy expressions, ~1 us compiled)."""
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
+
+
+@njit(cache=True, nogil=True, fastmath={"reassoc", "contract", "nsz"})
+def _rms_norm_rows(x, w, eps, out):
+    n = x.shape[1]
+    for t in range(x.shape[0]):
+        xr = x[t]
+        ss = np.float32(0.0)
+        for j in range(n):
+            ss += xr[j] * xr[j]
+        scale = np.float32(1.0) / np.sqrt(ss / np.float32(n) + eps)
+        o = out[t]
+        for j in range(n):
+            o[j] = xr[j] * scale * w[j]
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
     """RMSNorm over the last axis; w is the learned scale (None: no scale)."""
-    ms = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True, dtype=np.float32)
-    y = x * (1.0 / np.sqrt(ms + np.float32(eps))).astype(np.float32)
-    if w is not None:
-        y *= w
-    return y
+    n = x.shape[-1]
+    x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, n)
+    w = np.ones(n, np.float32) if w is None else np.ascontiguousarray(w, dtype=np.float32)
+    out = np.empty_like(x2)
+    _rms_norm_rows(x2, w, np.float32(eps), out)
+    return out.reshape(x.shape)
 
 
 def silu(x: np.ndarray) -> np.ndarray:
