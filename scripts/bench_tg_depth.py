@@ -4,7 +4,7 @@
 
     python scripts/bench_tg_depth.py [--model /work/bench/ds-1b-q8_0.gguf] [--depths 64,3584]
                                      [--tokens 32] [--threads 2] [--repeats 3] [--mla 3]
-                                     [--kernels bf16,f32]
+                                     [--kernels bf16,f32] [--fa-time]
 
 The cache is filled once with a prompt of the deepest depth (in ubatches of 512); at each
 depth (deepest first; the shallower ones remove the cells past them) every kernel times
@@ -40,14 +40,29 @@ def use(kernel: str) -> None:
     flash_attn.USE_BF16, flash_bf16.REFINE_LOG2 = KERNELS[kernel]
 
 
-def time_decodes(ctx: Context, depth: int, n_tok: int, rng: np.random.Generator) -> float:
-    """ms per token of n_tok single-token decodes after the first `depth` cached tokens."""
+FA_TIME = [0.0]                             # seconds inside flash_attn (--fa-time)
+
+
+def _timed_flash_attn(orig):
+    def run(*args, **kw):
+        t = time.perf_counter()
+        try:
+            return orig(*args, **kw)
+        finally:
+            FA_TIME[0] += time.perf_counter() - t
+    return run
+
+
+def time_decodes(ctx: Context, depth: int, n_tok: int, rng: np.random.Generator) -> tuple[float, float]:
+    """(ms per token, of which ms in flash attention) of n_tok single-token decodes after the
+    first `depth` cached tokens."""
     ctx.seq_rm(depth)                       # every run starts from the same depth
     toks = rng.integers(0, ctx.model.n_vocab, n_tok).astype(np.int32)
+    FA_TIME[0] = 0.0
     t0 = time.perf_counter()
     for t in toks:
         ctx.decode(np.array([t], dtype=np.int32))
-    return (time.perf_counter() - t0) / n_tok * 1e3
+    return (time.perf_counter() - t0) / n_tok * 1e3, FA_TIME[0] / n_tok * 1e3
 
 
 def main() -> None:
@@ -60,7 +75,10 @@ def main() -> None:
     ap.add_argument("--mla", type=int, default=3)
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--kernels", default="bf16,f32", help=f"comma list of {', '.join(KERNELS)}")
+    ap.add_argument("--fa-time", action="store_true", help="also time the flash-attention calls")
     a = ap.parse_args()
+    if a.fa_time:                           # the engine imports flash_attn at call time
+        flash_attn.flash_attn = _timed_flash_attn(flash_attn.flash_attn)
     kernels = a.kernels.split(",")
     bad = [k for k in kernels if k not in KERNELS]
     if bad:
@@ -84,11 +102,14 @@ def main() -> None:
         for _ in range(a.repeats):
             for k in kernels:
                 use(k)
-                ms = time_decodes(ctx, d, a.tokens, rng)
-                res[k, d] = min(res.get((k, d), float("inf")), ms)
+                ms, fa = time_decodes(ctx, d, a.tokens, rng)
+                if ms < res.get((k, d), (float("inf"),))[0]:
+                    res[k, d] = (ms, fa)
     for k in kernels:
-        line = "  ".join(f"N_KV {d:5d}: {res[k, d]:7.2f} ms/token ({1e3 / res[k, d]:5.2f} t/s)" for d in depths)
-        ratio = res[k, depths[0]] / res[k, depths[-1]]
+        fa = lambda d: f", FA {res[k, d][1]:5.2f} ms" if a.fa_time else ""  # noqa: E731
+        line = "  ".join(f"N_KV {d:5d}: {res[k, d][0]:7.2f} ms/token ({1e3 / res[k, d][0]:5.2f} t/s{fa(d)})"
+                         for d in depths)
+        ratio = res[k, depths[0]][0] / res[k, depths[-1]][0]
         print(f"{k:14s} {line}   TG({depths[-1]})/TG({depths[0]}) = {ratio:.3f}")
 
 

@@ -1,0 +1,72 @@
+#!/usr/bin/env python3
+"""Where a generated token's matrix-vector time goes: every quant.kernels.matvec_int call of
+`--tokens` single-token decodes, grouped by shape, with its effective weight bandwidth.
+
+    python scripts/bench_tg_calls.py [--model /work/bench/ds-1b-q8_0.gguf] [--rtr] [--tokens 20]
+
+Key: (type id, rows, cols, experts, pairs, fused).  Compare the GB/s with scripts/bench_matmul.py
+(cache-hot, and --rows 32768 for a matrix that does not fit the caches) to see what the model's
+small, cold, back-to-back calls lose.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.context import Context  # noqa: E402
+from engine.model import load_model, quiet_log  # noqa: E402
+from quant import kernels as K  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="/work/bench/ds-1b-q8_0.gguf")
+    ap.add_argument("--rtr", action="store_true", help="repack Q8_0/Q4_0 to _R8 at load (-rtr)")
+    ap.add_argument("--tokens", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    cfg = EngineConfig(a.model, n_ctx=1024, n_threads=a.threads, mla=3)
+    ctx = Context(load_model(a.model, quiet_log, mla=3, repack=a.rtr), cfg, quiet_log)
+    ctx.decode(np.arange(1, 65, dtype=np.int32))
+    tok = np.array([5], np.int32)
+    for _ in range(5):
+        ctx.decode(tok)
+    orig = K.matvec_int
+    rec = collections.defaultdict(list)
+
+    def timed(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, *rest):
+        ge, gb = rest[-4], rest[-3]
+        t = time.perf_counter()
+        orig(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, *rest)
+        dt = time.perf_counter() - t
+        block = 34 if qtype in (K.Q8_0_ID, K.Q8_0_R8_ID) else 18
+        nbytes = len(ge) * nrows * (cols // K.QK) * block * (2 if fused else 1)
+        rec[(qtype, nrows, cols, len(ge), int(gb[-1]), bool(fused))].append((dt, nbytes))
+
+    K.matvec_int = timed
+    t0 = time.perf_counter()
+    for _ in range(a.tokens):
+        ctx.decode(tok)
+    per_tok = (time.perf_counter() - t0) / a.tokens
+    K.matvec_int = orig
+    total = 0.0
+    for key, v in sorted(rec.items(), key=lambda kv: -sum(x[0] for x in kv[1])):
+        t = sum(x[0] for x in v) / a.tokens
+        b = sum(x[1] for x in v) / a.tokens
+        total += t
+        n = len(v) / a.tokens
+        print(f"{str(key):32s} calls/token {n:3.0f}  {t * 1e3:6.3f} ms  {b / 1e6:6.2f} MB  "
+              f"{b / t / 1e9:5.1f} GB/s  {t / n * 1e6:6.1f} us/call")
+    print(f"token {per_tok * 1e3:.2f} ms (timing wrappers included), matvec_int {total * 1e3:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
