@@ -529,6 +529,13 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
             n = default_n_predict   # the server's -n caps what a request asks for, as in llama.cpp
         return n
 
+    def request_basics(body: dict, single_choice: bool = False) -> tuple[bool, list[str], int]:
+        """(stream, stop strings, token limit) of a generation request, read the same way on every
+        endpoint; single_choice: OpenAI's `n` must be 1."""
+        if single_choice and get_int(body, "n", 1) != 1:
+            raise bad_request("Only one completion choice is allowed")
+        return get_bool(body, "stream", False), get_stop(body), n_predict_of(body)
+
     async def tokenize(text: str, add_special: bool) -> list[int]:
         return await asyncio.to_thread(engine.tokenize, text, add_special)
 
@@ -700,9 +707,7 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
     @app.post("/completions")
     async def completion(request: Request):
         body = await read_json(request)
-        stream = get_bool(body, "stream", False)
-        stop = get_stop(body)
-        n_predict = n_predict_of(body)
+        stream, stop, n_predict = request_basics(body)
         params = sampling_params(body)
         raw_prompts, prompts = await prompts_of(body)
         gen = Generation()
@@ -747,12 +752,7 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
     @app.post("/v1/completions")
     async def oai_completions(request: Request):
         body = await read_json(request)
-        stream = get_bool(body, "stream", False)
-        stop = get_stop(body)
-        n_predict = n_predict_of(body)
-        n = get_int(body, "n", 1)
-        if n != 1:
-            raise bad_request("Only one completion choice is allowed")
+        stream, stop, n_predict = request_basics(body, single_choice=True)
         if get_bool(body, "echo", False):
             raise bad_request("'echo' is not supported by this server")
         params = sampling_params(body)
@@ -802,12 +802,7 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
     @app.post("/chat/completions")
     async def oai_chat(request: Request):
         body = await read_json(request)
-        stream = get_bool(body, "stream", False)
-        stop = get_stop(body)
-        n_predict = n_predict_of(body)
-        n = get_int(body, "n", 1)
-        if n != 1:
-            raise bad_request("Only one completion choice is allowed")
+        stream, stop, n_predict = request_basics(body, single_choice=True)
         stream_options = _field(body, "stream_options", {})
         if not isinstance(stream_options, dict):
             raise bad_request("'stream_options' must be an object")
