@@ -38,15 +38,14 @@ from __future__ import annotations
 
 import os
 
-import numba
 import numpy as np
-from llvmlite import binding as llb
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from quant.kernels import QK, decode_rows_at
+from quant.simd import cpu_features
 from quant.types import BF16, F16, F32
 
 from .flash_attn import _combine, _exp2, _split_cells
@@ -82,25 +81,11 @@ def _vec(t: ir.Type, n: int) -> ir.VectorType:
     return ir.VectorType(t, n)
 
 
-def _cpu_features() -> str:
-    """The features numba compiles for (its NUMBA_CPU_NAME / NUMBA_CPU_FEATURES rules)."""
-    cfg = numba.config
-    if cfg.CPU_FEATURES is not None:
-        return cfg.CPU_FEATURES
-    if cfg.CPU_NAME not in (None, "host"):
-        return ""                        # a named CPU without explicit features: assume none
-    try:
-        return llb.get_host_cpu_features().flatten()
-    except RuntimeError:
-        return ""
-
-
 def available() -> bool:
     """True when numba's target has AVX512-BF16 (and it is not disabled by IKCLI_FA_BF16=0)."""
     if os.environ.get("IKCLI_FA_BF16", "1") == "0":
         return False
-    feats = set(_cpu_features().split(","))
-    return {"+avx512bf16", "+avx512bw", "+avx512f"} <= feats
+    return {"+avx512bf16", "+avx512bw", "+avx512f"} <= cpu_features()
 
 
 # ----------------------------------------------------------------------------------------

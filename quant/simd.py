@@ -91,20 +91,29 @@ def _f16_scale(builder: ir.IRBuilder, p):
     return builder.fpext(builder.bitcast(h, ir.HalfType()), _F32)
 
 
-def _unpack_q8_0(builder: ir.IRBuilder, p):
-    """Q8_0 block: f16 d, then 32 int8 values: one part of 32 lanes (activation offset 0)."""
-    return _f16_scale(builder, p), [(_load_vec(builder, builder.gep(p, [_const_i64(2)]), _I8, QK), 0)]
+def _sign_flip(builder: ir.IRBuilder, w, n: int):
+    """int8 values as unsigned bytes offset by 128 (value + 128: the sign bit flipped)."""
+    return builder.xor(w, ir.Constant(_vec(_I8, n), [-128] * n))
 
 
-def _unpack_q4_0(builder: ir.IRBuilder, p):
+def _unpack_q8_0(builder: ir.IRBuilder, p, u8: bool = False):
+    """Q8_0 block: f16 d, then 32 int8 values: one part of 32 lanes (activation offset 0);
+    u8: the values plus 128, for vpdpbusd."""
+    w = _load_vec(builder, builder.gep(p, [_const_i64(2)]), _I8, QK)
+    return _f16_scale(builder, p), [(_sign_flip(builder, w, QK) if u8 else w, 0)]
+
+
+def _unpack_q4_0(builder: ir.IRBuilder, p, u8: bool = False):
     """Q4_0 block: f16 d, then 16 bytes; value j < 16 is the low nibble of byte j, value 16 + j
-    the high nibble, each minus 8: two parts of 16 lanes (activation offsets 0 and 16), each
-    one and / shift of the same load (joining them into 32 lanes, with per-lane byte shifts, cost
-    more than a second pairwise sum: 20.6 -> 22.6 GB/s, 4096 x 4096, 2 threads, measured)."""
+    the high nibble, each minus 8 (u8: the nibbles themselves, value + 8, for vpdpbusd): two
+    parts of 16 lanes (activation offsets 0 and 16), each one and / shift of the same load.
+    (For the generic path, joining them into 32 lanes with per-lane byte shifts measured
+    20.6 GB/s against 22.6 for two parts, 4096 x 4096, 2 threads.)"""
     b = _load_vec(builder, builder.gep(p, [_const_i64(2)]), _I8, QK // 2)
     splat = lambda v: ir.Constant(_vec(_I8, QK // 2), [v] * (QK // 2))  # noqa: E731
-    lo = builder.sub(builder.and_(b, splat(15)), splat(8))
-    hi = builder.sub(builder.lshr(b, splat(4)), splat(8))
+    lo, hi = builder.and_(b, splat(15)), builder.lshr(b, splat(4))
+    if not u8:
+        lo, hi = builder.sub(lo, splat(8)), builder.sub(hi, splat(8))
     return _f16_scale(builder, p), [(lo, 0), (hi, QK // 2)]
 
 
@@ -135,13 +144,17 @@ def _generic_block(unpack, lanes: int):
     return block_isum
 
 
-def _vnni_block(unpack_u8, shift: int):
-    """Block product with AVX512-VNNI: unpack_u8 gives the block's 32 weights as unsigned bytes
-    that are the true values plus 2**shift; vpdpbusd sums 4 (u8 x s8) products per int32 lane
-    and starts from -(2**shift) * (sum of the block's activations) in lane 0, so the 8 lanes
-    add up to the exact integer block sum of the generic path."""
+def _vnni_block(unpack, shift: int):
+    """Block product with AVX512-VNNI: unpack(u8=True) gives the block's 32 weights as unsigned
+    bytes that are the true values plus 2**shift (parts in activation order, joined into one
+    32-byte vector); vpdpbusd sums 4 (u8 x s8) products per int32 lane and starts from
+    -(2**shift) * (sum of the block's activations) in lane 0, so the 8 lanes add up to the exact
+    integer block sum of the generic path."""
     def block_isum(builder: ir.IRBuilder, wp, act, bsum):
-        d, wu = unpack_u8(builder, wp)
+        d, parts = unpack(builder, wp, u8=True)
+        wu = parts[0][0]
+        if len(parts) == 2:               # Q4_0: low and high nibbles, activations 0..15, 16..31
+            wu = builder.shuffle_vector(wu, parts[1][0], ir.Constant(_vec(_I32, QK), list(range(QK))))
         a = _load_vec(builder, act, _I8, QK)
         corr = builder.neg(builder.shl(bsum, ir.Constant(_I32, shift)))
         init = builder.insert_element(ir.Constant(_vec(_I32, 8), None), corr, ir.Constant(_I32, 0))
@@ -204,25 +217,11 @@ def _row_dot_intrinsic(block_bytes: int, block_isum, lanes: int):
     return row_dot
 
 
-def _unpack_q8_0_u8(builder: ir.IRBuilder, p):
-    """Q8_0 block for vpdpbusd: the 32 values plus 128 (sign bit flipped)."""
-    w = _load_vec(builder, builder.gep(p, [_const_i64(2)]), _I8, QK)
-    return _f16_scale(builder, p), builder.xor(w, ir.Constant(_vec(_I8, QK), [-128] * QK))
-
-
-def _unpack_q4_0_u8(builder: ir.IRBuilder, p):
-    """Q4_0 block for vpdpbusd: the 32 nibbles (the values plus 8), in activation order."""
-    b = _load_vec(builder, builder.gep(p, [_const_i64(2)]), _I8, QK // 2)
-    splat = ir.Constant(_vec(_I8, QK // 2), [15] * (QK // 2))
-    lo, hi = builder.and_(b, splat), builder.lshr(b, ir.Constant(_vec(_I8, QK // 2), [4] * (QK // 2)))
-    return _f16_scale(builder, p), builder.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, QK), list(range(QK))))
-
-
 # generic IR (any target) and AVX512-VNNI forms; row_dot_* is the one the kernels use
 row_dot_q8_0_generic = _row_dot_intrinsic(2 + QK, _generic_block(_unpack_q8_0, 16), 16)
 row_dot_q4_0_generic = _row_dot_intrinsic(2 + QK // 2, _generic_block(_unpack_q4_0, 8), 8)
-row_dot_q8_0_vnni = _row_dot_intrinsic(2 + QK, _vnni_block(_unpack_q8_0_u8, 7), 8)
-row_dot_q4_0_vnni = _row_dot_intrinsic(2 + QK // 2, _vnni_block(_unpack_q4_0_u8, 3), 8)
+row_dot_q8_0_vnni = _row_dot_intrinsic(2 + QK, _vnni_block(_unpack_q8_0, 7), 8)
+row_dot_q4_0_vnni = _row_dot_intrinsic(2 + QK // 2, _vnni_block(_unpack_q4_0, 3), 8)
 row_dot_q8_0 = row_dot_q8_0_vnni if HAS_VNNI else row_dot_q8_0_generic
 row_dot_q4_0 = row_dot_q4_0_vnni if HAS_VNNI else row_dot_q4_0_generic
 
@@ -246,8 +245,7 @@ def _unpack_q8_0_r8(builder: ir.IRBuilder, p, u8: bool = False):
     for half in range(2):
         for l in range(4):
             w = _load_vec(builder, builder.gep(p, [_const_i64(16 + 128 * half + 32 * l)]), _I8, 32)
-            runs.append((builder.xor(w, ir.Constant(_vec(_I8, 32), [-128] * 32)) if u8 else w,
-                         16 * half + 4 * l))
+            runs.append((_sign_flip(builder, w, 32) if u8 else w, 16 * half + 4 * l))
     return _f16_scales8(builder, p), runs
 
 
