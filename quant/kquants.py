@@ -652,6 +652,19 @@ def _finish_q45_k(b, L, ls, lm, d16, dmin16, five: bool) -> np.ndarray:
 QKX3_FUSE = {"step": True}
 
 
+def _level_sums(wd: np.ndarray, L: np.ndarray, xd: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row: sum w*l, sum w*l*l, sum w*l*x, accumulated element by element in f64 (ggml's order)."""
+    sum_l = np.zeros(L.shape[0])
+    sum_l2 = np.zeros(L.shape[0])
+    sum_xl = np.zeros(L.shape[0])
+    for i in range(L.shape[1]):
+        wl = wd[:, i] * L[:, i]
+        sum_l = sum_l + wl
+        sum_l2 = sum_l2 + wl * L[:, i]
+        sum_xl = sum_xl + wl * xd[:, i]
+    return sum_l, sum_l2, sum_xl
+
+
 def make_qkx3_quants(x: np.ndarray, nmax: int, w: np.ndarray, rmin: float, rdelta: float,
                      nstep: int, fuse: dict = QKX3_FUSE):
     """ggml's make_qkx3_quants(n, nmax, x, weights, ..., use_mad=false) over the rows of x (G, n):
@@ -685,14 +698,7 @@ def make_qkx3_quants(x: np.ndarray, nmax: int, w: np.ndarray, rmin: float, rdelt
         with np.errstate(divide="ignore", invalid="ignore"):
             isc = (num / rng).astype(f32)
         La = np.clip(_nearest_prod(isc[:, None], (x - mn[:, None]).astype(f32)), 0, nmax)
-        sum_l = np.zeros(G)
-        sum_l2 = np.zeros(G)
-        sum_xl = np.zeros(G)
-        for i in range(n):
-            wl = wd[:, i] * La[:, i]
-            sum_l = sum_l + wl
-            sum_l2 = sum_l2 + wl * La[:, i]
-            sum_xl = sum_xl + wl * xd[:, i]
+        sum_l, sum_l2, sum_xl = _level_sums(wd, La, xd)
         D = sum_w * sum_l2 - sum_l * sum_l
         ok = D > 0
         Ds = np.where(ok, D, 1.0)
@@ -710,14 +716,7 @@ def make_qkx3_quants(x: np.ndarray, nmax: int, w: np.ndarray, rmin: float, rdelt
         scale = np.where(better, ts.astype(f32), scale).astype(f32)
         mn = np.where(better, tm.astype(f32), mn).astype(f32)
     # greedy: move the element farthest from its level by one step while the fit improves
-    sum_l = np.zeros(G)
-    sum_l2 = np.zeros(G)
-    sum_xl = np.zeros(G)
-    for i in range(n):
-        wl = wd[:, i] * L[:, i]
-        sum_l = sum_l + wl
-        sum_l2 = sum_l2 + wl * L[:, i]
-        sum_xl = sum_xl + wl * xd[:, i]
+    sum_l, sum_l2, sum_xl = _level_sums(wd, L, xd)
     sd, md = scale.astype(f64), mn.astype(f64)
     best = 2 * sd * sum_xl + 2 * md * sum_x - 2 * sd * md * sum_l - sd * sd * sum_l2 - md * md * sum_w
     last_j = np.full(G, -1)
