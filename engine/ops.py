@@ -1,5 +1,6 @@
 """Element-wise and normalisation operations of the forward pass (float32 NumPy; RMSNorm in
-Numba: a token's ~40 norms cost ~10 us each as NumPy expressions, ~1 us compiled)."""
+Numba: a 1B-model token runs 41 norms, ~9 us each as NumPy expressions, ~2 us compiled, for
+one row of 384..1024 values)."""
 from __future__ import annotations
 
 import numpy as np
