@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from quant.gemm import gemm
+
 from .kv_cache import LayerCache
 from .ops import softmax
 
@@ -45,14 +47,14 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, cell_pos: np.n
     for h0 in range(0, H, hc):
         h1 = min(H, h0 + hc)
         kv_idx = np.arange(h0, h1) // g
-        kh = k[:, kv_idx, :].transpose(1, 2, 0)                    # (hc, dk, n_kv)
+        kh = k[:, kv_idx, :].transpose(1, 0, 2)                    # (hc, n_kv, dk)
         vh = v[:, kv_idx, :].transpose(1, 0, 2)                    # (hc, n_kv, dv)
-        s = np.matmul(qh[h0:h1], kh)
+        s = gemm(qh[h0:h1], kh, np.empty((h1 - h0, T, n_kv), dtype=np.float32))
         s *= np.float32(kq_scale)
         s[:, hidden] = -np.inf
         p = softmax(s, axis=-1)
         p[~np.isfinite(p)] = 0.0                                   # a query that sees nothing
-        out[:, h0:h1, :] = np.matmul(p, vh).transpose(1, 0, 2)
+        out[:, h0:h1, :] = gemm(p, vh, np.empty((h1 - h0, T, dv), dtype=np.float32), trans_b=False).transpose(1, 0, 2)
     return out
 
 

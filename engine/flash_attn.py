@@ -37,6 +37,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from quant.gemm import gemm
 from quant.kernels import F16_TO_F32, QK, _bits_to_f32, decode_rows_at, dequant_rows
 
 from .kv_cache import RowStore
@@ -507,6 +508,7 @@ def _flash_blas(q, k, v, n_kv, hkv, dk, dv, cell_pos, q_pos, scale, block):
         m = np.full((hkv, rows), -np.inf, dtype=np.float32)
         lsum = np.zeros((hkv, rows), dtype=np.float32)
         acc = np.zeros((hkv, rows, dv), dtype=np.float32)
+        st = np.empty((hkv, rows, block), dtype=np.float32)
         for c0 in range(0, n_kv, block):
             c1 = min(n_kv, c0 + block)
             cp = cell_pos[c0:c1]
@@ -514,9 +516,9 @@ def _flash_blas(q, k, v, n_kv, hkv, dk, dv, cell_pos, q_pos, scale, block):
                 continue                           # nobody in this query tile sees these cells
             kf = _read_tile(k, c0, c1, kt).reshape(c1 - c0, hkv, dk)
             vf = kf[:, :, :dv] if v is None else _read_tile(v, c0, c1, vt).reshape(c1 - c0, hkv, dv)
-            s = np.matmul(qt, kf.transpose(1, 2, 0))   # (hkv, rows, cells), log2 domain
+            s = gemm(qt, kf.transpose(1, 0, 2), st[:, :, :c1 - c0])   # (hkv, rows, cells), log2 domain
             _softmax_tile(s, cp, qp, G, m, lsum, acc)
-            acc += np.matmul(s, vf.transpose(1, 0, 2))
+            gemm(s, vf.transpose(1, 0, 2), acc, trans_b=False, accumulate=True)
         with np.errstate(divide="ignore", invalid="ignore"):
             res = np.where(lsum[:, :, None] > 0, acc / lsum[:, :, None], np.float32(0.0))
         out[t0:t1] = res.reshape(hkv, t1 - t0, G, dv).transpose(1, 0, 2, 3).reshape(t1 - t0, H, dv)

@@ -44,11 +44,14 @@ import os
 # on an idle box PASSIVE costs ~5 % (1.00 -> 1.05 ms) and halves the many-token path's time
 # (numba and OpenBLAS pools no longer spin against each other).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# ... but a short spin before sleeping: token generation runs ~10 small parallel kernels per
-# layer back to back, and waking sleeping threads costs ~58 us per kernel.  On the 1B test model
-# (2 cores, Q8_0) 1000 spins took generation from ~24-29 to ~36 tokens/s with prompt processing
-# unchanged (~195 t/s); 3000+ spins started to slow prompt processing (BLAS threads share the cores).
-os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+# ... but a spin before sleeping: token generation runs ~10 small parallel kernels per layer
+# back to back, and waking a sleeping thread costs 26-67 us per kernel (1.5 us while it spins).
+# The spin used to be held at 1000 because a spinning numba worker took a core from OpenBLAS's
+# threads in prompt processing (30000 spins: PP -50 %); since quant.gemm issues those GEMMs
+# from inside numba's pool (OpenBLAS at one thread) nothing competes with it.  1B test model,
+# 2 cores, Q4_0 (scripts/bench_spin.py): 1000 -> 30000 spins took TG from ~80 to ~93 t/s,
+# PP512 unchanged (~250 t/s); 100000 measured the same as 30000.
+os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 
 import math
 

@@ -19,13 +19,14 @@ Weights may be non-contiguous views (one expert of a 3-D memory-mapped tensor, r
 spaced further apart than their length): only the byte span from the first to the last
 row is viewed, never copied, as long as each row is one contiguous run of bytes.
 
-Threads: the Numba kernels use numba's pool, the BLAS calls numpy's OpenBLAS pool; set
-both with set_num_threads(n) (quant.blas_threads explains why BLAS's must be set too).
-Idle pools that busy-wait fight for the cores: quant.kernels therefore defaults
-OMP_WAIT_POLICY to PASSIVE for numba's OpenMP pool (for 512 x 4096 x 4096 Q8_0 on 2 cores
-that took the many-token path from 228 to 104 ms), which only works if quant is imported
-before numba runs its first parallel function.  TILE_DEQUANT_THREADS can also cap the
-numba threads used for tile decoding.
+Threads: everything runs in numba's pool.  The tile path's BLAS calls are made by the pool's
+threads themselves (quant.gemm, one serial OpenBLAS call per thread) where numpy's BLAS allows
+it, and set_num_threads(n) then keeps OpenBLAS at one thread: two pools on the same cores
+busy-wait against each other (quant.blas_threads).  Without a callable BLAS the tiles are
+decoded in parallel and handed to numpy's matmul, and OpenBLAS gets n threads.  quant.kernels
+sets numba's OpenMP wait policy (PASSIVE with a spin) before the pool starts, which only works
+if quant is imported before numba runs its first parallel function.  TILE_DEQUANT_THREADS can
+cap the numba threads used by the tile path.
 
 Mixture-of-experts entry points (ggml's mul_mat_id and ik_llama.cpp's fused moe_up_gate):
 matmul_id(w, x, ids, x_rows) multiplies a 3-D expert tensor with P (expert, activation row)
@@ -44,6 +45,7 @@ from typing import Iterator, NamedTuple
 import numba
 import numpy as np
 
+from . import gemm as G
 from . import kernels as K
 from .blas_threads import get_blas_threads, set_blas_threads
 from . import reference
@@ -68,12 +70,13 @@ _ELEM = {F32: 4, F16: 2, BF16: 2}   # alignment the kernels' views need (1 byte 
 
 
 def set_num_threads(n: int, blas: int | None = None) -> None:
-    """Threads for matmul: numba's pool gets n, numpy's OpenBLAS gets `blas` (default n).
+    """Threads for matmul: numba's pool gets n, numpy's OpenBLAS gets `blas` (default: 1 where
+    quant.gemm runs the GEMMs inside numba's pool, else n).
 
     numba.set_num_threads is per calling thread; the BLAS setting is process-wide.
     """
     numba.set_num_threads(max(1, min(int(n), numba.config.NUMBA_NUM_THREADS)))
-    set_blas_threads(int(n if blas is None else blas))
+    set_blas_threads(int((1 if G.available() else n) if blas is None else blas))
 
 
 def get_num_threads() -> tuple[int, int | None]:
@@ -207,7 +210,7 @@ def matmul(w: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarr
     target = out if out.flags.c_contiguous else np.empty((n, v.rows), dtype=np.float32)
 
     if v.qtype == F32:
-        np.matmul(x, _f32_matrix(v).T, out=target)
+        G.gemm(x, _f32_matrix(v), target)
     elif n < many_tokens(v.qtype):
         _few_pairs(v, None, _act(v.qtype, x), _ONE_GROUP, np.array([0, n], np.int64), target)
     else:
@@ -289,8 +292,14 @@ def _tile_threads() -> Iterator[None]:
 
 
 def _tiles(v: _View, x: np.ndarray, out: np.ndarray) -> None:
-    """out = x @ W.T for a single-expert view, W decoded tile by tile (x already rounded)."""
+    """out = x @ W.T for a single-expert view, W decoded tile by tile (x already rounded): in
+    numba's pool where quant.gemm can call BLAS there (one parallel region for the whole
+    product), else tiles decoded in parallel and handed to numpy's matmul."""
     tr = tile_rows(v.cols, v.rows)
+    if G.available() and out.flags.c_contiguous and x.flags.c_contiguous:
+        G.gemm_tiles(v.buf, v.qtype, v.stride, v.rows, v.cols, K.F16_TO_F32, x, out,
+                     max(16, tr // max(1, numba.get_num_threads()) // 16 * 16), K.QK)
+        return
     tile = np.empty((tr, v.cols), dtype=np.float32)
     ids = np.arange(v.rows, dtype=np.int64)
     for r0 in range(0, v.rows, tr):
@@ -389,9 +398,9 @@ def _mul_id(va: _View, vb: _View | None, x: np.ndarray, ids: np.ndarray,
 
 def _product(v: _View, x: np.ndarray) -> np.ndarray:
     """x @ W.T for one expert on the BLAS side: F32 directly, other types tile by tile."""
-    if v.qtype == F32:
-        return x @ _f32_matrix(v).T
     y = np.empty((x.shape[0], v.rows), dtype=np.float32)
+    if v.qtype == F32:
+        return G.gemm(x, _f32_matrix(v), y)
     _tiles(v, x, y)
     return y
 

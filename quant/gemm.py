@@ -1,0 +1,202 @@
+"""f32 GEMMs run by numba's thread pool: each pool thread calls numpy's BLAS, serially, on its
+share of the work.
+
+Why: numba's OpenMP pool and OpenBLAS's threads are two pools on the same cores.  Idle threads
+of either busy-wait for a while after their work, taking a core from the other: numba's spin
+(GOMP_SPINCOUNT) had to stay short for prompt processing, and token generation then paid a
+pool wake-up on each of its ~100 kernel calls a token (a parallel call measured ~1.5 us while
+the pool spins, 26-67 us after a 2 ms pause).  With every many-token GEMM issued from inside
+numba's pool and OpenBLAS kept at one thread there is one pool, and it can spin.  Measured on
+2 cores (512 x 1024 x 4096, f32): one BLAS call per pool thread takes what OpenBLAS's own two
+threads take (22.6 vs 23.1 ms); a spinning idle OpenBLAS thread doubles it (45 ms).
+
+The BLAS entry point is numpy's OpenBLAS (found as in quant.blas_threads), called through its
+address passed in as an integer: the compiled code holds no process-specific pointer, so the
+kernels stay cacheable.  Where numpy's BLAS has no CBLAS sgemm we can find (MKL, Accelerate),
+available() is False and gemm() falls back to numpy's matmul (quant.matmul then leaves the
+BLAS thread count alone).
+
+Operands are row-major f32 matrices whose rows may be spaced (the last axis contiguous):
+C = A . B^T (trans_b, the engine's x @ W.T) or C = A . B, optionally accumulated (beta = 1).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from . import blas_threads
+from .kernels import decode_rows_at
+
+_I32, _I64, _F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112        # CBLAS enum values
+
+# (symbol, blasint is 64-bit): numpy >= 2's scipy-openblas wheels first, then plain OpenBLAS
+_SYMBOLS = (("scipy_cblas_sgemm64_", True), ("cblas_sgemm64_", True), ("scipy_cblas_sgemm", False),
+            ("cblas_sgemm", False))
+_FN: tuple[int, bool] | None = None
+
+
+def _find() -> tuple[int, bool]:
+    """(address of the CBLAS sgemm or 0, whether its integers are 64-bit)."""
+    global _FN
+    if _FN is None:
+        _FN = (0, False)
+        lib = blas_threads._openblas()
+        for name, ilp64 in _SYMBOLS if lib is not None else ():
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                _FN = (ctypes.cast(fn, ctypes.c_void_p).value or 0, ilp64)
+                break
+    return _FN
+
+
+def available() -> bool:
+    """Whether numpy's BLAS offers a CBLAS sgemm the pool can call."""
+    return _find()[0] != 0
+
+
+def _sgemm_intrinsic(ilp64: bool):
+    bi = _I64 if ilp64 else _I32
+
+    @intrinsic
+    def sgemm(typingctx, fn, transb, M, N, K, A, aoff, lda, B, boff, ldb, beta, C, coff, ldc):
+        """One CBLAS sgemm on the calling thread (fn: its address): C (+coff, ldc) = A (+aoff, lda)
+        . op(B) (+boff, ldb) + beta C, row-major, op = transpose when transb; offsets in elements."""
+        if not all(isinstance(a, types.Array) for a in (A, B, C)):
+            return None
+        i64 = types.int64
+        sig = types.none(i64, types.boolean, i64, i64, i64, A, i64, i64, B, i64, i64, types.float32, C, i64, i64)
+
+        def codegen(context, builder, sig, args):
+            fp = _F32.as_pointer()
+            fnty = ir.FunctionType(ir.VoidType(), [_I32, _I32, _I32, bi, bi, bi, _F32, fp, bi, fp, bi, _F32, fp, bi])
+            f = builder.inttoptr(args[0], fnty.as_pointer())
+
+            def ptr(i, off):
+                arr = context.make_array(sig.args[i])(context, builder, args[i])
+                return builder.bitcast(builder.gep(arr.data, [args[off]]), fp)
+
+            dim = (lambda v: v) if ilp64 else (lambda v: builder.trunc(v, _I32))  # noqa: E731
+            tb = builder.select(args[1], ir.Constant(_I32, _TRANS), ir.Constant(_I32, _NO_TRANS))
+            builder.call(f, [ir.Constant(_I32, _ROW_MAJOR), ir.Constant(_I32, _NO_TRANS), tb,
+                             dim(args[2]), dim(args[3]), dim(args[4]), ir.Constant(_F32, 1.0),
+                             ptr(5, 6), dim(args[7]), ptr(8, 9), dim(args[10]), args[11], ptr(12, 13), dim(args[14])])
+            return context.get_dummy_value()
+        return sig, codegen
+    return sgemm
+
+
+_sgemm64 = _sgemm_intrinsic(True)
+_sgemm32 = _sgemm_intrinsic(False)
+
+_opts = dict(cache=True, nogil=True)
+
+
+@njit(**_opts)
+def _sgemm(fn, ilp64, transb, M, N, K, A, aoff, lda, B, boff, ldb, beta, C, coff, ldc):
+    if ilp64:
+        _sgemm64(fn, transb, M, N, K, A, aoff, lda, B, boff, ldb, beta, C, coff, ldc)
+    else:
+        _sgemm32(fn, transb, M, N, K, A, aoff, lda, B, boff, ldb, beta, C, coff, ldc)
+
+
+@njit(**_opts)
+def _shares(n, parts, align):
+    """Starts of `parts` shares of n items, each a multiple of align (the last one ragged)."""
+    per = (n + parts - 1) // parts
+    per = (per + align - 1) // align * align
+    st = np.empty(parts + 1, np.int64)
+    for p in range(parts + 1):
+        st[p] = min(n, p * per)
+    return st
+
+
+@njit(parallel=True, **_opts)
+def _gemm_batched(fn, ilp64, transb, a, b, c, beta, nsplit):
+    """c[g] = a[g] . op(b[g]) + beta c[g] for every g, one work item per (g, share of c's columns)."""
+    nbat, M, K = a.shape
+    N = c.shape[2]
+    st = _shares(N, nsplit, 16)
+    for it in prange(nbat * nsplit):
+        g, p = it // nsplit, it % nsplit
+        n0, n1 = st[p], st[p + 1]
+        if n1 <= n0:
+            continue
+        if transb:      # rows n0:n1 of b[g]
+            boff = (g * b.strides[0] + n0 * b.strides[1]) // 4
+        else:           # columns n0:n1 of b[g]
+            boff = g * b.strides[0] // 4 + n0
+        _sgemm(fn, ilp64, transb, M, n1 - n0, K, a, g * a.strides[0] // 4, a.strides[1] // 4,
+               b, boff, b.strides[1] // 4, beta, c, g * c.strides[0] // 4 + n0, c.strides[1] // 4)
+
+
+@njit(parallel=True, **_opts)
+def _gemm_tiles(fn, ilp64, buf, qtype, stride, n_rows, cols, qk, lut, x, out, tile_rows, parts):
+    """out = x @ W.T for packed weight rows (row r at byte r * stride of buf): each pool thread
+    decodes its share of the rows tile_rows at a time into its own f32 scratch and multiplies."""
+    st = _shares(n_rows, parts, 16)
+    M = x.shape[0]
+    for p in prange(parts):
+        r0, r1 = st[p], st[p + 1]
+        if r1 <= r0:
+            continue
+        tile = np.empty((min(tile_rows, r1 - r0), cols), dtype=np.float32)
+        for a in range(r0, r1, tile_rows):
+            n = min(tile_rows, r1 - a)
+            decode_rows_at(buf, qtype, a * stride, stride, n, cols, qk, lut, tile)
+            _sgemm(fn, ilp64, True, M, n, cols, x, 0, x.strides[0] // 4, tile, 0, cols,
+                   np.float32(0.0), out, a, out.strides[0] // 4)
+
+
+def _operand(m: np.ndarray) -> np.ndarray:
+    """m as a 3-D f32 array BLAS can read: last axis contiguous, rows spaced at least a row apart."""
+    m = m if m.ndim == 3 else m[None]
+    it = 4
+    if (m.dtype != np.float32 or m.strides[2] != it or m.strides[1] < m.shape[2] * it or m.strides[1] % it
+            or m.strides[0] % it or m.strides[0] < 0 or m.__array_interface__["data"][0] % it):
+        m = np.ascontiguousarray(m, dtype=np.float32)
+    if m.shape[1] == 1 and m.strides[1] != m.shape[2] * it:       # a size-1 axis may carry any stride
+        m = np.lib.stride_tricks.as_strided(m, strides=(m.strides[0], m.shape[2] * it, it))
+    return m
+
+
+def gemm(a: np.ndarray, b: np.ndarray, out: np.ndarray, trans_b: bool = True, accumulate: bool = False) -> np.ndarray:
+    """out = a @ b.T (trans_b) or a @ b; accumulate: out += instead.  2-D (M, K) operands, or 3-D
+    with a leading batch axis; out (.., M, N) f32 whose last axis is contiguous.  Parallel over
+    numba's pool; numpy's matmul where available() is False."""
+    if not available() or out.dtype != np.float32 or out.strides[-1] != 4:
+        r = np.matmul(a, np.swapaxes(b, -1, -2) if trans_b else b)
+        if accumulate:
+            out += r
+        else:
+            out[...] = r
+        return out
+    a3, b3 = _operand(a), _operand(b)
+    c3 = out if out.ndim == 3 else out[None]
+    if c3.shape[1] == 1 and c3.strides[1] != c3.shape[2] * 4:
+        c3 = np.lib.stride_tricks.as_strided(c3, strides=(c3.strides[0], c3.shape[2] * 4, 4))
+    if c3.size == 0:
+        return out
+    if a3.shape[2] == 0:                                           # K = 0: a sum of nothing
+        if not accumulate:
+            out[...] = 0.0
+        return out
+    fn, ilp64 = _find()
+    nt = numba.get_num_threads()
+    nsplit = max(1, -(-nt // c3.shape[0]))
+    _gemm_batched(fn, ilp64, bool(trans_b), a3, b3, c3, np.float32(1.0 if accumulate else 0.0), nsplit)
+    return out
+
+
+def gemm_tiles(buf: np.ndarray, qtype: int, stride: int, n_rows: int, cols: int, lut: np.ndarray,
+               x: np.ndarray, out: np.ndarray, tile_rows: int, qk: int = 32) -> None:
+    """out (M, n_rows) = x @ W.T for the packed weight rows of buf (row r at byte r * stride),
+    decoded by each pool thread tile_rows at a time.  x, out: f32 with contiguous rows.
+    Requires available()."""
+    fn, ilp64 = _find()
+    _gemm_tiles(fn, ilp64, buf, qtype, stride, n_rows, cols, qk, lut, x, out, tile_rows, numba.get_num_threads())

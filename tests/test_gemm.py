@@ -1,0 +1,122 @@
+"""quant.gemm (BLAS called from numba's pool) against NumPy's matmul, and the tile path that uses it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from quant import gemm as G
+from quant import kernels as K
+from quant import matmul as Q
+from quant.types import F16, Q4_0, Q8_0
+
+needs_blas = pytest.mark.skipif(not G.available(), reason="numpy's BLAS has no callable CBLAS sgemm")
+
+
+def _close(a, b):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5 * float(np.abs(b).max() + 1))
+
+
+@needs_blas
+@pytest.mark.parametrize("M,N,Kd", [(1, 1, 1), (3, 70, 33), (64, 257, 96), (5, 16, 0)])
+@pytest.mark.parametrize("trans_b", [True, False])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_gemm_2d_matches_numpy(M, N, Kd, trans_b, accumulate):
+    rng = np.random.default_rng(M * 1000 + N)
+    a = rng.standard_normal((M, Kd), dtype=np.float32)
+    b = rng.standard_normal((N, Kd) if trans_b else (Kd, N), dtype=np.float32)
+    out = rng.standard_normal((M, N), dtype=np.float32)
+    ref = (out.copy() if accumulate else 0) + a @ (b.T if trans_b else b)
+    r = G.gemm(a, b, out, trans_b=trans_b, accumulate=accumulate)
+    assert r is out
+    _close(out, ref)
+
+
+@needs_blas
+@pytest.mark.parametrize("trans_b", [True, False])
+def test_gemm_batched_strided_views(trans_b):
+    """The operands flash attention passes: heads taken out of (cells, heads, d) tiles by
+    transposed views, rows spaced by the other heads' values."""
+    rng = np.random.default_rng(7)
+    H, rows, cells, d = 5, 9, 40, 24
+    q = rng.standard_normal((H, rows, d), dtype=np.float32)
+    kf = rng.standard_normal((cells, H, 2 * d), dtype=np.float32)[:, :, :d]     # spaced rows
+    s = rng.standard_normal((H, rows, cells), dtype=np.float32)
+    if trans_b:
+        b = kf.transpose(1, 0, 2)                               # (H, cells, d)
+        out = np.empty((H, rows, cells), dtype=np.float32)
+        G.gemm(q, b, out)
+        _close(out, np.matmul(q, kf.transpose(1, 2, 0)))
+    else:
+        b = kf.transpose(1, 0, 2)                               # (H, cells, d) as the V side
+        acc = rng.standard_normal((H, rows, d), dtype=np.float32)
+        ref = acc + np.matmul(s, b)
+        G.gemm(s, b, acc, trans_b=False, accumulate=True)
+        _close(acc, ref)
+
+
+@needs_blas
+def test_gemm_out_view_and_single_rows():
+    """out as a column slice of a wider array (rows spaced), and size-1 axes with odd strides."""
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((1, 50), dtype=np.float32)
+    b = rng.standard_normal((30, 50), dtype=np.float32)
+    wide = np.zeros((1, 64), dtype=np.float32)
+    G.gemm(a[:, :], b, wide[:, 10:40])
+    _close(wide[:, 10:40], a @ b.T)
+    assert not wide[:, :10].any() and not wide[:, 40:].any()
+    a3 = rng.standard_normal((2, 1, 50), dtype=np.float32)[:, :, :]
+    out = np.empty((2, 1, 30), dtype=np.float32)
+    G.gemm(a3, np.broadcast_to(b, (2, 30, 50)), out)
+    _close(out, a3 @ b.T)
+
+
+def test_gemm_without_blas_falls_back(monkeypatch):
+    monkeypatch.setattr(G, "_FN", (0, False))
+    assert not G.available()
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((4, 8), dtype=np.float32)
+    b = rng.standard_normal((6, 8), dtype=np.float32)
+    out = np.ones((4, 6), dtype=np.float32)
+    G.gemm(a, b, out, accumulate=True)
+    _close(out, 1 + a @ b.T)
+
+
+@needs_blas
+@pytest.mark.parametrize("qtype", [Q8_0, Q4_0, F16])
+@pytest.mark.parametrize("rows,tile", [(200, 16), (48, 512), (1000, 64)])
+def test_gemm_tiles_matches_decoded_matmul(qtype, rows, tile):
+    rng = np.random.default_rng(rows)
+    w = Q.quantize_tensor(rng.standard_normal((rows, 96), dtype=np.float32), qtype)
+    x = rng.standard_normal((20, 96), dtype=np.float32)
+    v = Q._view(w)
+    out = np.full((20, rows), np.nan, dtype=np.float32)
+    G.gemm_tiles(v.buf, v.qtype, v.stride, v.rows, v.cols, K.F16_TO_F32, x, out, tile)
+    _close(out, x @ Q.dequantize(w).T)
+
+
+@needs_blas
+def test_gemm_tiles_interleaved_rows():
+    """Row-interleaved weights are decoded in groups of 8: shares and tiles stay multiples of 16."""
+    rng = np.random.default_rng(11)
+    w = Q.quantize_tensor(rng.standard_normal((96, 64), dtype=np.float32), Q8_0)
+    from quant import interleaved as il
+    from quant.tensor import QTensor
+    from quant.types import type_info
+    r8 = QTensor(il.repack(w.data, Q8_0, 96, 64).reshape(96, -1), type_info("Q8_0_R8").id, (96, 64))
+    x = rng.standard_normal((17, 64), dtype=np.float32)
+    out = np.empty((17, 96), dtype=np.float32)
+    v = Q._view(r8)
+    G.gemm_tiles(v.buf, v.qtype, v.stride, v.rows, v.cols, K.F16_TO_F32, x, out, 16)
+    _close(out, x @ Q.dequantize(w).T)
+
+
+@needs_blas
+def test_set_num_threads_keeps_openblas_at_one_thread():
+    from quant.blas_threads import get_blas_threads
+    prev = Q.get_num_threads()
+    try:
+        Q.set_num_threads(2)
+        if get_blas_threads() is not None:
+            assert get_blas_threads() == 1
+    finally:
+        Q.set_num_threads(prev[0])
