@@ -6,6 +6,7 @@ type or a truncated file is reported by name instead of as a traceback.
 """
 from __future__ import annotations
 
+import mmap
 import os
 import re
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ from quant.tensor import QTensor
 from quant.types import type_info
 
 from .gguf_meta import reader_metadata
+
+_MADV_POPULATE_READ = 22        # Linux >= 5.14; Python's mmap module has no name for it before 3.12
 
 
 class ModelFileError(Exception):
@@ -107,6 +110,26 @@ class ModelFile:
     n_kv: int = 0
     version: int = 3
     meta_order: list[str] = field(default_factory=list)
+    maps: list = field(default_factory=list)     # the files' np.memmap objects
+
+    def prefetch(self) -> None:
+        """Map every page of the files now, as llama.cpp's loader does (MAP_POPULATE): otherwise
+        the first tokens fault in the experts they touch one page at a time (the first 128
+        generated tokens of the 1B Q8_0 test model ran at 66 t/s, then 90-92; with the pages
+        mapped at load, 91-95).  MADV_POPULATE_READ where the kernel has it (Linux >= 5.14),
+        else read-ahead (MADV_WILLNEED); silently nothing where neither exists."""
+        for m in self.maps:
+            mm = getattr(m, "_mmap", None)
+            if mm is None or not hasattr(mm, "madvise"):
+                continue
+            for advice in (_MADV_POPULATE_READ, getattr(mmap, "MADV_WILLNEED", None)):
+                if advice is None:
+                    continue
+                try:
+                    mm.madvise(advice)
+                    break
+                except (OSError, ValueError, OverflowError):
+                    continue
 
     @property
     def arch(self) -> str:
@@ -156,7 +179,7 @@ def open_model_file(path: str, log: Callable[[str], None] | None = None) -> Mode
                 raise ModelFileError(f"{p}: tensor '{t.name}' appears in more than one split file")
             tensors[t.name] = t
     mf = ModelFile(path=path, paths=paths, meta=meta, tensors=tensors,
-                   n_kv=len(meta), meta_order=list(meta.keys()))
+                   n_kv=len(meta), meta_order=list(meta.keys()), maps=[r.data for r in readers])
     ver = first.fields.get("GGUF.version")
     if ver is not None:
         mf.version = int(ver.parts[ver.data[0]][0])

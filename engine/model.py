@@ -202,6 +202,7 @@ def load_model(path: str, log: Log = stderr_log, mla: int = 3, overrides: list |
     if hp.n_vocab == 0:
         hp.n_vocab = tok.n_vocab
     log_hparams(mf, hp, log)
+    mf.prefetch()
     w = Weights(mf, repack=repack)
     if hp.arch == "llama":
         from .arch.llama import LlamaArch

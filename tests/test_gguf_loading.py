@@ -16,6 +16,38 @@ def test_tensors_are_memory_mapped_views(make_model):
     assert t.nbytes == 64 * 64 * 8 // 32 * 34
 
 
+def test_prefetch_asks_to_populate_every_split_then_falls_back(make_model, monkeypatch):
+    """load_model maps all pages up front (llama.cpp's MAP_POPULATE); a kernel without
+    MADV_POPULATE_READ gets read-ahead instead, and the tensors read the same either way."""
+    import mmap
+
+    from engine import gguf_file
+    mf = open_model_file(make_model(qtype="q8_0", split=2))
+    assert len(mf.maps) == 2
+    calls = []
+
+    class FakeMap:
+        def __init__(self, real):
+            self.real = real
+
+        def madvise(self, advice, *args):
+            calls.append(advice)
+            if advice == gguf_file._MADV_POPULATE_READ:
+                raise OSError(22, "Invalid argument")
+
+    before = {n: np.asarray(t.raw).copy() for n, t in mf.tensors.items()}
+    real = [m._mmap for m in mf.maps]
+    for m in mf.maps:
+        monkeypatch.setattr(m, "_mmap", FakeMap(m._mmap))
+    mf.prefetch()
+    assert calls == [gguf_file._MADV_POPULATE_READ, mmap.MADV_WILLNEED] * 2
+    for m, r in zip(mf.maps, real):
+        monkeypatch.setattr(m, "_mmap", r)
+    mf.prefetch()                        # the real call: populates, or quietly does what it can
+    for n, t in mf.tensors.items():
+        assert np.array_equal(np.asarray(t.raw), before[n]), n
+
+
 def test_split_files_found_from_first_part(make_model):
     single = open_model_file(make_model(qtype="f16"))
     p = make_model(qtype="f16", split=3)
