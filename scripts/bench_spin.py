@@ -5,9 +5,10 @@
     GOMP_SPINCOUNT=30000 python scripts/bench_spin.py ...
 
 Each repeat: clear the cache, one 512-token batch (PP), then --tokens single-token decodes (TG).
-quant.kernels sets GOMP_SPINCOUNT=1000 unless the environment has one.  Longer spins keep
-numba's workers awake between a token's ~100 small kernels (faster TG) but make them fight
-OpenBLAS's threads during prompt processing (slower PP): see the README's performance section.
+quant.kernels sets GOMP_SPINCOUNT=30000 unless the environment has one.  Longer spins keep
+numba's workers awake between a token's ~100 small kernels (faster TG); they used to fight
+OpenBLAS's threads during prompt processing (slower PP), until quant.gemm moved those GEMMs
+into numba's pool: see the README's performance section.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def main() -> None:
     ctx = Context(load_model(a.model, quiet_log, mla=3),
                   EngineConfig(a.model, n_ctx=2048, n_threads=a.threads, mla=3), quiet_log)
     rng = np.random.default_rng(0)
-    spin = os.environ.get("GOMP_SPINCOUNT", "1000 (default)")
+    spin = os.environ.get("GOMP_SPINCOUNT", "30000 (default)")
     for _ in range(a.repeats):
         ctx.clear()
         t = time.perf_counter()
