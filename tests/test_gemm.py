@@ -120,3 +120,20 @@ def test_set_num_threads_keeps_openblas_at_one_thread():
             assert get_blas_threads() == 1
     finally:
         Q.set_num_threads(prev[0])
+
+
+@pytest.mark.parametrize("use_pool", [True, False])
+def test_matmul_tile_path_with_and_without_the_pool(use_pool, monkeypatch):
+    """quant.matmul's many-token path gives the same products whether the pool calls BLAS
+    (quant.gemm) or numpy's matmul does (a numpy without a callable CBLAS)."""
+    if use_pool and not G.available():
+        pytest.skip("numpy's BLAS has no callable CBLAS sgemm")
+    if not use_pool:
+        monkeypatch.setattr(G, "_FN", (0, False))
+    rng = np.random.default_rng(5)
+    w = Q.quantize_tensor(rng.standard_normal((300, 128), dtype=np.float32), Q8_0)
+    x = rng.standard_normal((40, 128), dtype=np.float32)
+    assert x.shape[0] >= Q.many_tokens(Q8_0)
+    _close(Q.matmul(w, x), Q._q8_rounded(x) @ Q.dequantize(w).T)
+    wf = Q.quantize_tensor(rng.standard_normal((70, 128), dtype=np.float32), 0)      # F32 weights
+    _close(Q.matmul(wf, x), x @ Q.dequantize(wf).T)
