@@ -5,10 +5,11 @@ Why: numba's OpenMP pool and OpenBLAS's threads are two pools on the same cores.
 of either busy-wait for a while after their work, taking a core from the other: numba's spin
 (GOMP_SPINCOUNT) had to stay short for prompt processing, and token generation then paid a
 pool wake-up on each of its ~100 kernel calls a token (a parallel call measured ~1.5 us while
-the pool spins, 26-67 us after a 2 ms pause).  With every many-token GEMM issued from inside
-numba's pool and OpenBLAS kept at one thread there is one pool, and it can spin.  Measured on
-2 cores (512 x 1024 x 4096, f32): one BLAS call per pool thread takes what OpenBLAS's own two
-threads take (22.6 vs 23.1 ms); a spinning idle OpenBLAS thread doubles it (45 ms).
+the pool spins; after a 2 ms pause, min 26 us, median 67 us).  With every many-token GEMM
+issued from inside numba's pool and OpenBLAS kept at one thread there is one pool, and it can
+spin.  Measured on 2 cores (512 x 1024 x 4096, f32): one BLAS call per pool thread takes what
+OpenBLAS's own two threads take (22.6 vs 23.1 ms); timed right after OpenBLAS's own threads
+had run, it took 35-46 ms.
 
 The BLAS entry point is numpy's OpenBLAS (found as in quant.blas_threads), called through its
 address passed in as an integer: the compiled code holds no process-specific pointer, so the
@@ -35,29 +36,31 @@ from .kernels import decode_rows_at
 _I32, _I64, _F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112        # CBLAS enum values
 
-# (symbol, blasint is 64-bit): numpy >= 2's scipy-openblas wheels first, then plain OpenBLAS
-_SYMBOLS = (("scipy_cblas_sgemm64_", True), ("cblas_sgemm64_", True), ("scipy_cblas_sgemm", False),
-            ("cblas_sgemm", False))
-_FN: tuple[int, bool] | None = None
+# (prefix, suffix, blasint is 64-bit): numpy >= 2's scipy-openblas wheels first, then plain
+# OpenBLAS; the symbols are PREFIX + "sgemm" / "sgemv" + SUFFIX
+_SYMBOLS = (("scipy_cblas_", "64_", True), ("cblas_", "64_", True), ("scipy_cblas_", "", False),
+            ("cblas_", "", False))
+_FN: tuple[int, int, bool] | None = None
 
 
-def _find() -> tuple[int, bool]:
-    """(address of the CBLAS sgemm or 0, whether its integers are 64-bit)."""
+def _find() -> tuple[int, int, bool]:
+    """(address of the CBLAS sgemm or 0, of its sgemv, whether their integers are 64-bit)."""
     global _FN
     if _FN is None:
-        _FN = (0, False)
+        _FN = (0, 0, False)
         lib = blas_threads._openblas()
-        for name, ilp64 in _SYMBOLS if lib is not None else ():
-            fn = getattr(lib, name, None)
-            if fn is not None:
-                _FN = (ctypes.cast(fn, ctypes.c_void_p).value or 0, ilp64)
+        for pre, suf, ilp64 in _SYMBOLS if lib is not None else ():
+            mm, mv = getattr(lib, f"{pre}sgemm{suf}", None), getattr(lib, f"{pre}sgemv{suf}", None)
+            if mm is not None and mv is not None:
+                _FN = (ctypes.cast(mm, ctypes.c_void_p).value or 0, ctypes.cast(mv, ctypes.c_void_p).value or 0,
+                       ilp64)
                 break
     return _FN
 
 
 def available() -> bool:
-    """Whether numpy's BLAS offers a CBLAS sgemm the pool can call."""
-    return _find()[0] != 0
+    """Whether numpy's BLAS offers a CBLAS sgemm and sgemv the pool can call."""
+    return _find()[0] != 0 and _find()[1] != 0
 
 
 def _sgemm_intrinsic(ilp64: bool):
@@ -91,10 +94,44 @@ def _sgemm_intrinsic(ilp64: bool):
     return sgemm
 
 
+def _sgemv_intrinsic(ilp64: bool):
+    bi = _I64 if ilp64 else _I32
+
+    @intrinsic
+    def sgemv(typingctx, fn, trans, rows, cols, B, boff, ldb, x, xoff, beta, y, yoff):
+        """One CBLAS sgemv on the calling thread (fn: its address): y (+yoff) = op(B) (+boff, ldb;
+        rows x cols, row-major) . x (+xoff) + beta y, op = transpose when trans; unit strides."""
+        if not all(isinstance(a, types.Array) for a in (B, x, y)):
+            return None
+        i64 = types.int64
+        sig = types.none(i64, types.boolean, i64, i64, B, i64, i64, x, i64, types.float32, y, i64)
+
+        def codegen(context, builder, sig, args):
+            fp = _F32.as_pointer()
+            fnty = ir.FunctionType(ir.VoidType(), [_I32, _I32, bi, bi, _F32, fp, bi, fp, bi, _F32, fp, bi])
+            f = builder.inttoptr(args[0], fnty.as_pointer())
+
+            def ptr(i, off):
+                arr = context.make_array(sig.args[i])(context, builder, args[i])
+                return builder.bitcast(builder.gep(arr.data, [args[off]]), fp)
+
+            dim = (lambda v: v) if ilp64 else (lambda v: builder.trunc(v, _I32))  # noqa: E731
+            one = ir.Constant(bi, 1)
+            tr = builder.select(args[1], ir.Constant(_I32, _TRANS), ir.Constant(_I32, _NO_TRANS))
+            builder.call(f, [ir.Constant(_I32, _ROW_MAJOR), tr, dim(args[2]), dim(args[3]), ir.Constant(_F32, 1.0),
+                             ptr(4, 5), dim(args[6]), ptr(7, 8), one, args[9], ptr(10, 11), one])
+            return context.get_dummy_value()
+        return sig, codegen
+    return sgemv
+
+
 _sgemm64 = _sgemm_intrinsic(True)
 _sgemm32 = _sgemm_intrinsic(False)
+_sgemv64 = _sgemv_intrinsic(True)
+_sgemv32 = _sgemv_intrinsic(False)
 
 _opts = dict(cache=True, nogil=True)
+SMALL_WORK = 1 << 18     # multiply-adds under which gemm() stays on the calling thread
 
 
 @njit(**_opts)
@@ -103,6 +140,14 @@ def _sgemm(fn, ilp64, transb, M, N, K, A, aoff, lda, B, boff, ldb, beta, C, coff
         _sgemm64(fn, transb, M, N, K, A, aoff, lda, B, boff, ldb, beta, C, coff, ldc)
     else:
         _sgemm32(fn, transb, M, N, K, A, aoff, lda, B, boff, ldb, beta, C, coff, ldc)
+
+
+@njit(**_opts)
+def _sgemv(fn, ilp64, trans, rows, cols, B, boff, ldb, x, xoff, beta, y, yoff):
+    if ilp64:
+        _sgemv64(fn, trans, rows, cols, B, boff, ldb, x, xoff, beta, y, yoff)
+    else:
+        _sgemv32(fn, trans, rows, cols, B, boff, ldb, x, xoff, beta, y, yoff)
 
 
 @njit(**_opts)
@@ -117,8 +162,11 @@ def _shares(n, parts, align):
 
 
 @njit(parallel=True, **_opts)
-def _gemm_batched(fn, ilp64, transb, a, b, c, beta, nsplit):
-    """c[g] = a[g] . op(b[g]) + beta c[g] for every g, one work item per (g, share of c's columns)."""
+def _gemm_batched(fn, fnv, ilp64, transb, a, b, c, beta, nsplit):
+    """c[g] = a[g] . op(b[g]) + beta c[g] for every g, one work item per (g, share of c's columns);
+    a single row of a goes to sgemv (fnv): sgemm with M = 1 measured 2.7-6x slower than gemv
+    (1 x 64..4096 x 1024), and (16, 1, 576) x (16, 3584, 576)^T took 4.7 ms, as numpy with
+    OpenBLAS at two threads, against 9.4 ms in numpy at one."""
     nbat, M, K = a.shape
     N = c.shape[2]
     st = _shares(N, nsplit, 16)
@@ -131,8 +179,15 @@ def _gemm_batched(fn, ilp64, transb, a, b, c, beta, nsplit):
             boff = (g * b.strides[0] + n0 * b.strides[1]) // 4
         else:           # columns n0:n1 of b[g]
             boff = g * b.strides[0] // 4 + n0
-        _sgemm(fn, ilp64, transb, M, n1 - n0, K, a, g * a.strides[0] // 4, a.strides[1] // 4,
-               b, boff, b.strides[1] // 4, beta, c, g * c.strides[0] // 4 + n0, c.strides[1] // 4)
+        aoff, coff = g * a.strides[0] // 4, g * c.strides[0] // 4 + n0
+        if M == 1:      # y = B_share . a (transb) or B_share^T . a, B_share row-major
+            if transb:
+                _sgemv(fnv, ilp64, False, n1 - n0, K, b, boff, b.strides[1] // 4, a, aoff, beta, c, coff)
+            else:
+                _sgemv(fnv, ilp64, True, K, n1 - n0, b, boff, b.strides[1] // 4, a, aoff, beta, c, coff)
+        else:
+            _sgemm(fn, ilp64, transb, M, n1 - n0, K, a, aoff, a.strides[1] // 4,
+                   b, boff, b.strides[1] // 4, beta, c, coff, c.strides[1] // 4)
 
 
 @njit(parallel=True, **_opts)
@@ -168,8 +223,12 @@ def _operand(m: np.ndarray) -> np.ndarray:
 def gemm(a: np.ndarray, b: np.ndarray, out: np.ndarray, trans_b: bool = True, accumulate: bool = False) -> np.ndarray:
     """out = a @ b.T (trans_b) or a @ b; accumulate: out += instead.  2-D (M, K) operands, or 3-D
     with a leading batch axis; out (.., M, N) f32 whose last axis is contiguous.  Parallel over
-    numba's pool; numpy's matmul where available() is False."""
-    if not available() or out.dtype != np.float32 or out.strides[-1] != 4:
+    numba's pool; numpy's matmul for products under SMALL_WORK multiply-adds, or where
+    available() is False."""
+    # small products stay on the calling thread: the router's 1 x 64 x 1024 took 3.7 us in numpy,
+    # 10 us through the pool
+    small = a.shape[-2] * out.shape[-1] * a.shape[-1] * (out.shape[0] if out.ndim == 3 else 1) < SMALL_WORK
+    if not available() or out.dtype != np.float32 or out.strides[-1] != 4 or small:
         r = np.matmul(a, np.swapaxes(b, -1, -2) if trans_b else b)
         if accumulate:
             out += r
@@ -178,18 +237,16 @@ def gemm(a: np.ndarray, b: np.ndarray, out: np.ndarray, trans_b: bool = True, ac
         return out
     a3, b3 = _operand(a), _operand(b)
     c3 = out if out.ndim == 3 else out[None]
-    if c3.shape[1] == 1 and c3.strides[1] != c3.shape[2] * 4:
-        c3 = np.lib.stride_tricks.as_strided(c3, strides=(c3.strides[0], c3.shape[2] * 4, 4))
     if c3.size == 0:
         return out
     if a3.shape[2] == 0:                                           # K = 0: a sum of nothing
         if not accumulate:
             out[...] = 0.0
         return out
-    fn, ilp64 = _find()
+    fn, fnv, ilp64 = _find()
     nt = numba.get_num_threads()
     nsplit = max(1, -(-nt // c3.shape[0]))
-    _gemm_batched(fn, ilp64, bool(trans_b), a3, b3, c3, np.float32(1.0 if accumulate else 0.0), nsplit)
+    _gemm_batched(fn, fnv, ilp64, bool(trans_b), a3, b3, c3, np.float32(1.0 if accumulate else 0.0), nsplit)
     return out
 
 
@@ -198,5 +255,5 @@ def gemm_tiles(buf: np.ndarray, qtype: int, stride: int, n_rows: int, cols: int,
     """out (M, n_rows) = x @ W.T for the packed weight rows of buf (row r at byte r * stride),
     decoded by each pool thread tile_rows at a time.  x, out: f32 with contiguous rows.
     Requires available()."""
-    fn, ilp64 = _find()
+    fn, _, ilp64 = _find()
     _gemm_tiles(fn, ilp64, buf, qtype, stride, n_rows, cols, qk, lut, x, out, tile_rows, numba.get_num_threads())

@@ -12,6 +12,12 @@ from quant.types import F16, Q4_0, Q8_0
 needs_blas = pytest.mark.skipif(not G.available(), reason="numpy's BLAS has no callable CBLAS sgemm")
 
 
+@pytest.fixture
+def pool_always(monkeypatch):
+    """Every product through the pool, however small (gemm() keeps small ones on numpy)."""
+    monkeypatch.setattr(G, "SMALL_WORK", 0)
+
+
 def _close(a, b):
     np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5 * float(np.abs(b).max() + 1))
 
@@ -20,7 +26,7 @@ def _close(a, b):
 @pytest.mark.parametrize("M,N,Kd", [(1, 1, 1), (3, 70, 33), (64, 257, 96), (5, 16, 0)])
 @pytest.mark.parametrize("trans_b", [True, False])
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_gemm_2d_matches_numpy(M, N, Kd, trans_b, accumulate):
+def test_gemm_2d_matches_numpy(M, N, Kd, trans_b, accumulate, pool_always):
     rng = np.random.default_rng(M * 1000 + N)
     a = rng.standard_normal((M, Kd), dtype=np.float32)
     b = rng.standard_normal((N, Kd) if trans_b else (Kd, N), dtype=np.float32)
@@ -33,11 +39,12 @@ def test_gemm_2d_matches_numpy(M, N, Kd, trans_b, accumulate):
 
 @needs_blas
 @pytest.mark.parametrize("trans_b", [True, False])
-def test_gemm_batched_strided_views(trans_b):
+@pytest.mark.parametrize("rows", [9, 1])
+def test_gemm_batched_strided_views(trans_b, rows, pool_always):
     """The operands flash attention passes: heads taken out of (cells, heads, d) tiles by
-    transposed views, rows spaced by the other heads' values."""
+    transposed views, rows spaced by the other heads' values (one row: the sgemv form)."""
     rng = np.random.default_rng(7)
-    H, rows, cells, d = 5, 9, 40, 24
+    H, cells, d = 5, 40, 24
     q = rng.standard_normal((H, rows, d), dtype=np.float32)
     kf = rng.standard_normal((cells, H, 2 * d), dtype=np.float32)[:, :, :d]     # spaced rows
     s = rng.standard_normal((H, rows, cells), dtype=np.float32)
@@ -55,7 +62,7 @@ def test_gemm_batched_strided_views(trans_b):
 
 
 @needs_blas
-def test_gemm_out_view_and_single_rows():
+def test_gemm_out_view_and_single_rows(pool_always):
     """out as a column slice of a wider array (rows spaced), and size-1 axes with odd strides."""
     rng = np.random.default_rng(3)
     a = rng.standard_normal((1, 50), dtype=np.float32)
@@ -64,14 +71,32 @@ def test_gemm_out_view_and_single_rows():
     G.gemm(a[:, :], b, wide[:, 10:40])
     _close(wide[:, 10:40], a @ b.T)
     assert not wide[:, :10].any() and not wide[:, 40:].any()
+    a2 = rng.standard_normal((3, 50), dtype=np.float32)      # pool path: more than one row
+    wide2 = np.zeros((3, 64), dtype=np.float32)
+    G.gemm(a2, b, wide2[:, 10:40])
+    _close(wide2[:, 10:40], a2 @ b.T)
+    assert not wide2[:, :10].any() and not wide2[:, 40:].any()
+    b1 = rng.standard_normal((1, 50), dtype=np.float32)       # one weight row (N = 1)
+    o1 = np.empty((3, 1), dtype=np.float32)
+    G.gemm(a2, b1, o1)
+    _close(o1, a2 @ b1.T)
     a3 = rng.standard_normal((2, 1, 50), dtype=np.float32)[:, :, :]
     out = np.empty((2, 1, 30), dtype=np.float32)
     G.gemm(a3, np.broadcast_to(b, (2, 30, 50)), out)
     _close(out, a3 @ b.T)
 
 
+def test_gemm_small_products_stay_on_numpy_and_agree():
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal((1, 1024), dtype=np.float32)
+    b = rng.standard_normal((64, 1024), dtype=np.float32)
+    assert a.shape[0] * b.shape[0] * a.shape[1] < G.SMALL_WORK
+    out = np.empty((1, 64), dtype=np.float32)
+    _close(G.gemm(a, b, out), a @ b.T)
+
+
 def test_gemm_without_blas_falls_back(monkeypatch):
-    monkeypatch.setattr(G, "_FN", (0, False))
+    monkeypatch.setattr(G, "_FN", (0, 0, False))
     assert not G.available()
     rng = np.random.default_rng(1)
     a = rng.standard_normal((4, 8), dtype=np.float32)
@@ -129,7 +154,7 @@ def test_matmul_tile_path_with_and_without_the_pool(use_pool, monkeypatch):
     if use_pool and not G.available():
         pytest.skip("numpy's BLAS has no callable CBLAS sgemm")
     if not use_pool:
-        monkeypatch.setattr(G, "_FN", (0, False))
+        monkeypatch.setattr(G, "_FN", (0, 0, False))
     rng = np.random.default_rng(5)
     w = Q.quantize_tensor(rng.standard_normal((300, 128), dtype=np.float32), Q8_0)
     x = rng.standard_normal((40, 128), dtype=np.float32)
