@@ -20,6 +20,20 @@ sys.path.insert(0, os.path.dirname(HERE))
 from quant.types import type_info  # noqa: E402
 
 
+def weight_like(rng: np.random.Generator, rows: int, n: int, n_outlier: int) -> tuple[np.ndarray, np.ndarray]:
+    """Weight-like f32 rows for golden data: Gaussian (sd 0.02), n_outlier columns scaled 5-12x,
+    row 1 tripled, the last row heavy-tailed (Student t, 4 dof); and positive column importances,
+    20x on the outlier columns.  Callers add their own zero blocks / zero importance runs."""
+    x = rng.standard_normal((rows, n)).astype(np.float32) * 0.02
+    cols = rng.choice(n, n_outlier, replace=False)
+    x[:, cols] *= rng.uniform(5, 12, n_outlier).astype(np.float32)
+    x[1] *= 3
+    x[rows - 1] = (rng.standard_t(4, n) * 0.01).astype(np.float32)
+    im = (rng.gamma(0.7, 1.0, n) * np.exp(rng.standard_normal(n))).astype(np.float32)
+    im[cols] *= 20
+    return x, im
+
+
 class IkGgml:
     def __init__(self, path: str | None = None) -> None:
         path = path or os.environ.get("IK_GGML_LIB")

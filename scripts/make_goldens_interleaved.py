@@ -22,7 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from ik_oracle import IkGgml  # noqa: E402
+from ik_oracle import IkGgml, weight_like  # noqa: E402
 from quant.interleaved import R_TYPES, Q8_0_R8, Q8_K_R8  # noqa: E402
 from quant.types import type_info  # noqa: E402
 
@@ -34,19 +34,12 @@ def inputs(seed: int = 4242) -> tuple[np.ndarray, np.ndarray]:
     """Weight-like rows (Gaussian, outlier columns, one heavy-tailed row, zero blocks of 16/32
     and one zero super-block so that ik's QHelper replaces block weights) and importances with
     a zero run (QHelper's other trigger)."""
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((ROWS, N)).astype(np.float32) * 0.02
-    cols = rng.choice(N, 5, replace=False)
-    x[:, cols] *= rng.uniform(5, 12, 5).astype(np.float32)
-    x[1] *= 3
-    x[ROWS - 1] = (rng.standard_t(4, N) * 0.01).astype(np.float32)
+    x, im = weight_like(np.random.default_rng(seed), ROWS, N, 5)
     x[2, 32:64] = 0
     x[5, 272:288] = 0
     x[6, 256:512] = 0
-    im = (rng.gamma(0.7, 1.0, N) * np.exp(rng.standard_normal(N))).astype(np.float32)
-    im[cols] *= 20
     im[128:160] = 0
-    return x.astype(np.float32), im
+    return x, im
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from ik_oracle import IkGgml  # noqa: E402
+from ik_oracle import IkGgml, weight_like  # noqa: E402
 
 TYPES = ["IQ4_K", "IQ2_K", "IQ3_K", "IQ5_K", "IQ6_K", "IQ4_KS", "IQ4_KSS", "IQ2_KS"]
 SHAPES = {512: 4, 1024: 4, 2048: 2}          # row length -> rows
@@ -30,18 +30,11 @@ def inputs(n: int, rows: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Weight-like rows (Gaussian, a few outlier columns, one heavy-tailed row, for n=512 an
     all-zero super-block) and positive column importances with a zero run (ik replaces the
     weights of an all-~0 block by 1e-9)."""
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((rows, n)).astype(np.float32) * 0.02
-    cols = rng.choice(n, 4, replace=False)
-    x[:, cols] *= rng.uniform(5, 12, 4).astype(np.float32)
-    x[1] *= 3
-    x[rows - 1] = (rng.standard_t(4, n) * 0.01).astype(np.float32)
+    x, im = weight_like(np.random.default_rng(seed), rows, n, 4)
     if n == 512:
         x[2, :256] = 0
-    im = (rng.gamma(0.7, 1.0, n) * np.exp(rng.standard_normal(n))).astype(np.float32)
-    im[cols] *= 20
     im[64:96] = 0
-    return x.astype(np.float32), im
+    return x, im
 
 
 def main() -> None:
