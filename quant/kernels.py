@@ -45,7 +45,8 @@ import os
 # (numba and OpenBLAS pools no longer spin against each other).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # ... but a spin before sleeping: token generation runs ~10 small parallel kernels per layer
-# back to back, and waking a sleeping thread costs 26-67 us per kernel (1.5 us while it spins).
+# back to back, and a parallel call after a 2 ms pause took min 26 / median 67 us (1.5 us while
+# the pool spins).
 # The spin used to be held at 1000 because a spinning numba worker took a core from OpenBLAS's
 # threads in prompt processing (30000 spins: PP -50 %); since quant.gemm issues those GEMMs
 # from inside numba's pool (OpenBLAS at one thread) nothing competes with it.  1B test model,
