@@ -34,6 +34,8 @@ class Weights:
         self.n_repacked = 0
         self.repacked_bytes = 0
         self.kept: dict[str, int] = {}        # -rtr: plain type -> tensors left as they are
+        self.unpacked: dict[str, int] = {}    # _R4/_R8 type -> tensors unpacked to the plain type
+        self.unpacked_bytes = 0
 
     def has(self, name: str) -> bool:
         return name in self.mf.tensors or name in self.extra
@@ -57,7 +59,9 @@ class Weights:
             raise ModelFileError(f"{self.mf.path}: tensor '{name}' has shape {list(t.ne)}, "
                                  f"expected {list(reversed(shape))}")
         q = t.qtensor()
-        if self.repack:
+        if type_info(q.qtype).interleave:
+            q = self._unpacked(q)
+        elif self.repack:
             q = self._repacked(name, q)
         q.name = name   # the label engine.linear's observers (imatrix) see
         return q
@@ -84,6 +88,22 @@ class Weights:
         self.n_repacked += 1
         self.repacked_bytes += raw.nbytes
         return QTensor(raw.reshape(q.data.shape), ti.id, q.shape)
+
+    def _unpacked(self, q: QTensor) -> QTensor:
+        """An _R4/_R8 tensor whose layout has no kernel of its own in ikcli, unpacked in memory to
+        its plain type (the same values, bit for bit), whose integer kernels it then uses;
+        Q8_0_R8 / Q4_0_R8 stay as they are."""
+        from quant import interleaved
+        from quant.matmul import has_interleaved_kernel
+        if has_interleaved_kernel(q.qtype):
+            return q
+        nrows = q.data.size // q.data.shape[-1]
+        pt = interleaved.plain_type(q.qtype)
+        raw = interleaved.unpack_fast(q.data.reshape(nrows, -1), q.qtype, nrows, q.cols)
+        tn = type_info(q.qtype).name.lower()
+        self.unpacked[tn] = self.unpacked.get(tn, 0) + 1
+        self.unpacked_bytes += raw.nbytes
+        return QTensor(raw.reshape(*q.data.shape[:-1], raw.shape[-1]), pt, q.shape)
 
     def vector(self, name: str, n: int | None = None) -> np.ndarray:
         t = self.entry(name)
@@ -217,6 +237,10 @@ def load_model(path: str, log: Log = stderr_log, mla: int = 3, overrides: list |
     log(f"llm_load_tensors: {'CPU':>10s} buffer size = {buf / 1024 ** 2:8.2f} MiB")
     if w.n_repacked:
         log(f"============ Repacked {w.n_repacked} tensors")
+    if w.unpacked:
+        kinds = ", ".join(f"{n} {tn}" for tn, n in w.unpacked.items())
+        log(f"ikcli: unpacked {kinds} tensors ({w.unpacked_bytes / 1024 ** 2:.2f} MiB) to their plain types "
+            f"at load: ikcli computes them with the plain types' kernels (no _R4 kernels of its own yet)")
     for tn, n in w.kept.items():
         log(f"-rtr: {n} {tn} tensors kept in their plain layout (ikcli has no faster kernel for "
             f"{interleaved_form(type_info(tn).id).name.lower()})")

@@ -64,11 +64,14 @@ from numba.extending import intrinsic  # noqa: E402
 from . import kquants as _kquants, legacy as _legacy, simd as _simd  # noqa: E402  (decode only; via the module: import cycle)
 from .iqk import decode_row_iqk, is_iqk  # noqa: E402  (ik_llama.cpp's IQK types; decode only)
 from . import interleaved as _interleaved  # noqa: E402  (the _R4/_R8 layouts)
+from . import simd_blocks as _blocks  # noqa: E402  (integer row dots of the other block types)
 from .types import BY_ID as _BY_ID  # noqa: E402
 
 F32_ID, F16_ID, Q4_0_ID, Q8_0_ID, BF16_ID, Q6_0_ID = 0, 1, 2, 8, 30, 133
 Q4_0_R8_ID, Q8_0_R8_ID = 202, 208   # ik_llama.cpp's 8-row interleaved forms (quant.simd)
-INT_DOT_TYPES = (Q8_0_ID, Q4_0_ID, Q8_0_R8_ID, Q4_0_R8_ID)   # the types matvec_int multiplies
+# the types matvec_int multiplies: Q8_0 / Q4_0 and their _R8 forms (quant.simd), every type with
+# a record in quant.simd_blocks.BLOCK_DOTS (K-quants, IQ4_XS, IQK, the other legacy types)
+INT_DOT_TYPES = frozenset({Q8_0_ID, Q4_0_ID, Q8_0_R8_ID, Q4_0_R8_ID} | set(_blocks.BLOCK_DOTS))
 QK = 32            # weights per block (Q8_0, Q4_0, activation q8)
 Q8_0_BYTES = 34    # f16 d + 32 x int8        (layouts; kernels derive them from qk)
 Q4_0_BYTES = 18    # f16 d + 16 bytes of nibbles
@@ -343,6 +346,18 @@ def quantize_act_q8(x, qk, q, s, bs):
         _quantize_row_q8(x[t], qk, q[t], s[t], bs[t])
 
 
+@njit(cache=True, nogil=True)
+def block_sums16(q, out):
+    """out[t, i] = sum of q[t, 16 i:16 i + 16] (int32): the per-16 activation sums the block
+    types with 16-value sub-scales or mins need (quant.simd_blocks)."""
+    for t in range(q.shape[0]):
+        for i in range(out.shape[1]):
+            acc = np.int32(0)
+            for j in range(16):
+                acc += np.int32(q[t, 16 * i + j])
+            out[t, i] = acc
+
+
 @njit(**_qopts)
 def quantize_act_q8_serial(x, qk, q, s, bs):
     """quantize_act_q8 on the calling thread: for a few rows, waking the pool costs more
@@ -445,16 +460,19 @@ _iopts = dict(cache=True, nogil=True)
 
 
 @njit(inline="always", **_iopts)
-def _int_row_dot(qtype, buf, base, nb, q, s, bs, k):
-    """Dot of the Q8_0 / Q4_0 row at byte `base` with int8 activation row k of (q, s, bs): the
-    explicit-vector block loops of quant.simd, one per type, chosen once per row."""
+def _int_row_dot(qtype, buf, base, nb, q, s, bs, b16, k):
+    """Dot of the row at byte `base` with int8 activation row k of (q, s, bs, b16): the
+    explicit-vector block loops of quant.simd (Q8_0, Q4_0) and quant.simd_blocks (the other
+    block types), chosen once per row."""
     if qtype == Q8_0_ID:
         return _simd.row_dot_q8_0(buf, base, q[k], s[k], bs[k], nb)
-    return _simd.row_dot_q4_0(buf, base, q[k], s[k], bs[k], nb)
+    if qtype == Q4_0_ID:
+        return _simd.row_dot_q4_0(buf, base, q[k], s[k], bs[k], nb)
+    return _blocks.row_dot(qtype, buf, base, q[k], s[k], bs[k], b16[k], nb * QK)
 
 
 @njit(**_iopts)
-def _int_run(qtype, buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, bs, out):
+def _int_run(qtype, buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, bs, b16, out):
     """out[k, r] = row r . activation k for rows r0:r1 (from byte ebase on), pairs k0:k1.
     Interleaved types go 8 rows at a time (r0, r1 are multiples of 8 for them)."""
     if qtype == Q8_0_R8_ID or qtype == Q4_0_R8_ID:
@@ -469,7 +487,7 @@ def _int_run(qtype, buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, bs, o
     for r in range(r0, r1):
         base = ebase + r * stride
         for k in range(k0, k1):
-            out[k, r] = _int_row_dot(qtype, buf, base, nb, q, s, bs, k)
+            out[k, r] = _int_row_dot(qtype, buf, base, nb, q, s, bs, b16, k)
 
 
 @njit(**_opts)
@@ -493,18 +511,19 @@ def _silu_mul_run(r0, r1, k0, k1, out, outb):
 
 
 @njit(parallel=True, **_iopts)
-def matvec_int(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut, q, s, bs, ge, gb, out, outb):
-    """Q8_0 / Q4_0 weights . int8 activations (q, s, bs from quantize_act_q8, one row per pair),
-    int32 block sums.  out, outb: (n_pairs, nrows)."""
+def matvec_int(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut, q, s, bs, b16, ge, gb, out,
+               outb):
+    """INT_DOT_TYPES weights . int8 activations (q, s, bs from quantize_act_q8, b16 from
+    block_sums16, one row per pair), integer block sums.  out, outb: (n_pairs, nrows)."""
     nb = cols // qk
     nrun = (nrows + ROW_RUN - 1) // ROW_RUN
     for i in prange(ge.shape[0] * nrun):
         g = i // nrun
         r0 = (i - g * nrun) * ROW_RUN
         r1 = min(nrows, r0 + ROW_RUN)
-        _int_run(qtype, bufa, ge[g] * esa, sa, r0, r1, gb[g], gb[g + 1], nb, qk, lut, q, s, bs, out)
+        _int_run(qtype, bufa, ge[g] * esa, sa, r0, r1, gb[g], gb[g + 1], nb, qk, lut, q, s, bs, b16, out)
         if fused:
-            _int_run(qtype, bufb, ge[g] * esb, sb, r0, r1, gb[g], gb[g + 1], nb, qk, lut, q, s, bs, outb)
+            _int_run(qtype, bufb, ge[g] * esb, sb, r0, r1, gb[g], gb[g + 1], nb, qk, lut, q, s, bs, b16, outb)
             _silu_mul_run(r0, r1, gb[g], gb[g + 1], out, outb)
 
 

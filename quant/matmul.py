@@ -230,9 +230,9 @@ def _f32_matrix(v: _View) -> np.ndarray:
                                            strides=(v.stride, 4), writeable=False)
 
 
-def _quantize_act(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """x (n, cols) -> int8 values, one scale per 32 (ik_llama.cpp's Q8_2 rule, see kernels) and
-    the int32 sum of each 32 values."""
+def _quantize_act(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """x (n, cols) -> int8 values, one scale per 32 (ik_llama.cpp's Q8_2 rule, see kernels), the
+    int32 sum of each 32 values and of each 16 (the block types' per-16 scales and mins)."""
     q = np.empty(x.shape, dtype=np.int8)
     s = np.empty((x.shape[0], x.shape[1] // K.QK), dtype=np.float32)
     bs = np.empty(s.shape, dtype=np.int32)
@@ -240,16 +240,18 @@ def _quantize_act(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     # parallel call for an MLA per-head product (16 heads x 128 values) averaged ~27 us in the 1B
     # model (cProfile), the serial one ~3.6 us
     (K.quantize_act_q8 if x.size >= 65536 else K.quantize_act_q8_serial)(x, K.QK, q, s, bs)
-    return q, s, bs
+    b16 = np.empty((x.shape[0], x.shape[1] // 16), dtype=np.int32)
+    K.block_sums16(q, b16)
+    return q, s, bs, b16
 
 
 def _act(qt: int, x: np.ndarray) -> tuple[np.ndarray, ...]:
-    """The few-pair kernels' activations: (q, s, bs) for Q8_0 / Q4_0, (x,) for float types."""
+    """The few-pair kernels' activations: (q, s, bs, b16) for the integer types, (x,) for the others."""
     return _quantize_act(x) if qt in K.INT_DOT_TYPES else (x,)
 
 
 def _round_act(qt: int, x: np.ndarray, act: tuple[np.ndarray, ...] = ()) -> np.ndarray:
-    """The tile path's activations: Q8-rounded for Q8_0 / Q4_0 (see _q8_rounded; act: x's
+    """The tile path's activations: Q8-rounded for the integer types (see _q8_rounded; act: x's
     _act, if already computed), else x."""
     return _q8_rounded(x, act or None) if qt in K.INT_DOT_TYPES else x
 

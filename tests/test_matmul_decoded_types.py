@@ -1,6 +1,11 @@
-"""matmul / matmul_id on the types that compute through their row decoders (k-quants, IQK, legacy):
-the rows ik_llama.cpp quantized (tests/data goldens) multiplied with activations, against NumPy
-on ik's own dequantized values, on the few-token and the many-token (tile + BLAS) paths."""
+"""matmul / matmul_id on the k-quant, IQK and legacy types: the rows ik_llama.cpp quantized
+(tests/data goldens) multiplied with activations, against NumPy on ik's own dequantized values,
+on the few-token (integer kernels, quant.simd_blocks) and the many-token (tile + BLAS) paths.
+
+The integer types multiply activations rounded through the Q8 blocks (quant.matmul._q8_rounded)
+on both paths, so the NumPy side uses the same rounded activations.  IQ6_K's integer kernel uses
+the integer levels of ik's matmul kernels (decode_row_iqk_int6), its tile path the levels of
+ik's dequantize_row_iq6_k."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,7 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from quant.matmul import dequantize, matmul, matmul_id
+from quant import kernels as K
+from quant.iqk import decode_row_iqk_int6
+from quant.matmul import _q8_rounded, dequantize, many_tokens, matmul, matmul_id
 from quant.tensor import QTensor
 from quant.types import type_info
 
@@ -34,6 +41,22 @@ def goldens():
 CASES = goldens()
 
 
+def _act(t, x):
+    """The activations the kernels multiply type t's weights with."""
+    return _q8_rounded(x) if t.id in K.INT_DOT_TYPES else x
+
+
+def _kernel_deq(t, raw, deq, n_tokens):
+    """The weights the few-token kernel multiplies: IQ6_K's integer levels there, else deq."""
+    if t.name != "IQ6_K" or n_tokens >= many_tokens(t.id):
+        return deq
+    y = np.empty_like(deq)
+    for r in range(deq.shape[0]):
+        decode_row_iqk_int6(raw[r], t.id, 0, deq.shape[1], K.F16_TO_F32, y[r])
+    assert np.abs(y - deq).max() <= 0.5 * np.abs(deq).max() / 100
+    return y
+
+
 @pytest.mark.parametrize("name,raw,deq", CASES, ids=[c[0] for c in CASES])
 @pytest.mark.parametrize("n_tokens", [1, 3, 40])
 def test_matmul_on_ik_quantized_rows(name, raw, deq, n_tokens):
@@ -43,7 +66,7 @@ def test_matmul_on_ik_quantized_rows(name, raw, deq, n_tokens):
     np.testing.assert_array_equal(dequantize(w), deq)
     x = np.random.default_rng(0).standard_normal((n_tokens, deq.shape[1])).astype(np.float32)
     got = matmul(w, x)
-    want = x.astype(np.float64) @ deq.T.astype(np.float64)
+    want = _act(t, x).astype(np.float64) @ _kernel_deq(t, raw, deq, n_tokens).T.astype(np.float64)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max() + 1e-6)
 
 
@@ -55,7 +78,9 @@ def test_matmul_id_on_decoded_types(name, raw, deq):
     x = np.random.default_rng(1).standard_normal((4, deq.shape[1])).astype(np.float32)
     ids, xr = np.array([1, 0, 1, 1]), np.array([0, 1, 2, 3])
     got = matmul_id(w, x, ids, xr)
-    d3 = deq[:rows].reshape(2, rows // 2, -1).astype(np.float64)
+    d3 = _kernel_deq(t, np.ascontiguousarray(raw.reshape(deq.shape[0], -1)), deq, 1)[:rows]
+    d3 = d3.reshape(2, rows // 2, -1).astype(np.float64)
+    x = _act(t, x)
     want = np.stack([d3[e] @ x[r].astype(np.float64) for e, r in zip(ids, xr)])
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max() + 1e-6)
 

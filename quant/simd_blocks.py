@@ -1,0 +1,585 @@
+"""Integer row dots for the block types beyond Q8_0 / Q4_0: K-quants, IQ4_XS, the IQK types and
+the other legacy 32-value types, written in LLVM IR like quant.simd.
+
+One template, one record per type.  Every type's block is read as
+
+    d, and per 32-value sub-block j: 32 unsigned levels u (true level + OFF), an integer scale
+    (one per 32 values, or two: one per 16), and optionally an integer min with its own f32 dm
+
+so that the block's dot with activation sub-blocks (a_j int8, f32 scale s_j, int sums) is
+
+    d * sum_j s_j * sum_16-halves h  sc_h * (sum_{k in h} u_k a_k - OFF * asum_h)
+      + dm * sum_j s_j * sum_h min_h * asum_h
+
+The inner sum is one vpdpbusd (AVX512-VNNI: unsigned bytes times signed bytes, 4 products per
+int32 lane; lanes 0..3 hold values 0..15, lanes 4..7 values 16..31) started from the OFF
+correction, or in the generic IR the signed products summed in pairs twice (LLVM selects
+vpmaddwd).  The scales multiply the 8 lanes (per-16 scales: <lo x4, hi x4>), which go to f32
+once per sub-block.  A type's record (`BlockDot`) only says how its bytes become (d, u, scales,
+mins): the unpack functions below.  Non-linear level tables (IQ4_NL / IQ4_XS / IQK) are
+in-register lookups: vpshufb on 16-entry tables (two per 32 lanes, one per 16-value half so
+the per-16 "extra" bit can pick the shifted table), selects for 32 / 64-entry tables.
+
+Activations are quant.kernels.quantize_act_q8's blocks of 32 (int8, f32 scale, int32 sum) plus
+the int32 sum of every 16 values (block_sums16), shared with the Q8_0 / Q4_0 kernels: one
+quantization per matmul whatever the weight types.
+
+`row_dot(qtype, buf, base, q, s, bs, bs16, cols)` is one intrinsic that switches on the type
+id (the switch is generated from BLOCK_DOTS) and runs that type's row loop.  IQ6_K uses the
+integer levels ik's matmul kernels use (quant.iqk.IQ6K_INT_LEVELS).  IQ4_KSS has no record
+here (rows are decoded to f32 by quant.kernels).
+
+Development note (as quant.simd): after editing this module delete quant/__pycache__/*.nb*.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from . import iqk as _iqk
+from .simd import HAS_VNNI, cpu_features, _F32, _I8, _I16, _I32, _I64, _vec, _const_i64, _pair_sum, _splat, _vpdpbusd
+
+HAS_AVX2 = "+avx2" in cpu_features()
+_V32 = _vec(_I8, 32)
+_V16 = _vec(_I8, 16)
+
+
+# ----------------------------------------------------------------------------------------
+# small IR helpers
+# ----------------------------------------------------------------------------------------
+def _c(v: int, n: int = 32, t: ir.Type = _I8) -> ir.Constant:
+    return ir.Constant(_vec(t, n), [v] * n)
+
+
+def _gep(b: ir.IRBuilder, p, off):
+    return b.gep(p, [off if isinstance(off, ir.Value) else _const_i64(off)])
+
+
+def _ld(b: ir.IRBuilder, p, off, n: int = 32, t: ir.Type = _I8):
+    return b.load(b.bitcast(_gep(b, p, off), _vec(t, n).as_pointer()), align=1)
+
+
+def _u8(b: ir.IRBuilder, p, off):
+    """Byte at p + off as i32 (zero-extended)."""
+    return b.zext(b.load(_gep(b, p, off)), _I32)
+
+
+def _s8(b: ir.IRBuilder, p, off):
+    return b.sext(b.load(_gep(b, p, off)), _I32)
+
+
+def _u16(b: ir.IRBuilder, p, off):
+    return b.zext(b.load(b.bitcast(_gep(b, p, off), _I16.as_pointer()), align=1), _I32)
+
+
+def _f16(b: ir.IRBuilder, p, off):
+    h = b.load(b.bitcast(_gep(b, p, off), _I16.as_pointer()), align=1)
+    return b.fpext(b.bitcast(h, ir.HalfType()), _F32)
+
+
+def _f32(b: ir.IRBuilder, p, off):
+    return b.load(b.bitcast(_gep(b, p, off), _F32.as_pointer()), align=1)
+
+
+def _bits(b: ir.IRBuilder, v, shift: int, mask: int):
+    """(v >> shift) & mask for an i32 scalar."""
+    if shift:
+        v = b.lshr(v, ir.Constant(_I32, shift))
+    return b.and_(v, ir.Constant(_I32, mask))
+
+
+def _vshr(b: ir.IRBuilder, v, shift: int, mask: int, n: int = 32):
+    """Per byte (v >> shift) & mask."""
+    if shift:
+        v = b.lshr(v, _c(shift, n))
+    return b.and_(v, _c(mask, n)) if mask != 255 else v
+
+
+def _cat(b: ir.IRBuilder, lo, hi):
+    """Two 16-byte vectors -> one 32-byte vector (lo first)."""
+    return b.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, 32), list(range(32))))
+
+
+def _nib32(b: ir.IRBuilder, p, off):
+    """16 bytes at p + off -> 32 levels: low nibbles (values 0..15), then high (16..31)."""
+    v = _ld(b, p, off, 16)
+    return _cat(b, _vshr(b, v, 0, 15, 16), _vshr(b, v, 4, 15, 16))
+
+
+def _bitlanes(b: ir.IRBuilder, word, n: int = 32):
+    """Bit i of the i32 `word` in byte lane i (0 or 1), i < n."""
+    w = b.shuffle_vector(b.insert_element(ir.Constant(_vec(_I32, 1), None), word, ir.Constant(_I32, 0)),
+                         ir.Constant(_vec(_I32, 1), None), ir.Constant(_vec(_I32, n), [0] * n))
+    sh = b.lshr(w, ir.Constant(_vec(_I32, n), list(range(n))))
+    return b.trunc(b.and_(sh, ir.Constant(_vec(_I32, n), [1] * n)), _vec(_I8, n))
+
+
+def _tab16(table: np.ndarray, off: int) -> ir.Constant:
+    """A level table (<= 16 entries) plus OFF as 16 unsigned bytes."""
+    t = [(int(v) + off) & 255 for v in table] + [0] * (16 - len(table))
+    return ir.Constant(_V16, t)
+
+
+def _pick(b: ir.IRBuilder, cond_i32, t1, t0):
+    """t1 where the scalar cond_i32 is non-zero, else t0 (whole vectors)."""
+    return b.select(b.icmp_unsigned("!=", cond_i32, ir.Constant(_I32, 0)), t1, t0)
+
+
+def _lookup(b: ir.IRBuilder, tab32, idx):
+    """Byte lane i of the result = tab32[16 * (i // 16) + idx[i]], idx in 0..15: vpshufb on
+    AVX2; elsewhere a compare/select per table entry."""
+    if HAS_AVX2:
+        fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(_V32, [_V32, _V32]), "llvm.x86.avx2.pshuf.b")
+        return b.call(fn, [tab32, idx])
+    res = ir.Constant(_V32, [0] * 32)
+    for e in range(16):
+        cand = b.shuffle_vector(tab32, tab32, ir.Constant(_vec(_I32, 32), [e] * 16 + [16 + e] * 16))
+        res = b.select(b.icmp_unsigned("==", idx, _c(e)), cand, res)
+    return res
+
+
+def _halves_tab(b: ir.IRBuilder, tables, e_lo, e_hi):
+    """The 32-byte lookup vector whose first 16 bytes are tables[1] if e_lo else tables[0], the
+    next 16 the same for e_hi (per-16 "extra" bits picking the shifted table)."""
+    return _cat(b, _pick(b, e_lo, tables[1], tables[0]), _pick(b, e_hi, tables[1], tables[0]))
+
+
+# ----------------------------------------------------------------------------------------
+# the record
+# ----------------------------------------------------------------------------------------
+@dataclass
+class Block:
+    """What unpack gives for one block: d (f32), subs = [(u: <32 x i8>, scale)] with scale an
+    i32 (per 32 values) or an (lo, hi) pair (per 16), and optionally dm (f32) with mins in
+    the same form (None: no min term); offs: per sub-block level offsets in the scale's form,
+    where they vary (IQK extra bits), else None: the record's OFF."""
+    d: object
+    subs: list
+    dm: object = None
+    mins: list | None = None
+    offs: list | None = None
+
+
+@dataclass(frozen=True)
+class BlockDot:
+    """One type's integer row dot: block size in values and bytes, the level offset OFF of its
+    unsigned levels, the row scale stored before the blocks ("f32", "f16" or ""), and unpack
+    (builder, block pointer) -> Block."""
+    name: str
+    values: int
+    nbytes: int
+    off: int
+    unpack: Callable
+    row_scale: str = ""
+
+    @property
+    def meta(self) -> int:
+        return {"": 0, "f16": 2, "f32": 4}[self.row_scale]
+
+
+# ----------------------------------------------------------------------------------------
+# unpackers: K-quants and IQ4_XS (layouts: quant.kquants)
+# ----------------------------------------------------------------------------------------
+def _k4_scales(b: ir.IRBuilder, p, s: int):
+    """Q4_K / Q5_K six-bit scale and min of 32-value sub-block s (12 bytes at p + 4)."""
+    if s < 4:
+        return _bits(b, _u8(b, p, 4 + s), 0, 63), _bits(b, _u8(b, p, 8 + s), 0, 63)
+    sc = b.or_(_bits(b, _u8(b, p, 8 + s), 0, 15), b.shl(_bits(b, _u8(b, p, s), 6, 3), ir.Constant(_I32, 4)))
+    m = b.or_(_bits(b, _u8(b, p, 8 + s), 4, 15), b.shl(_bits(b, _u8(b, p, 4 + s), 6, 3), ir.Constant(_I32, 4)))
+    return sc, m
+
+
+def _unpack_q4_k(b: ir.IRBuilder, p) -> Block:
+    subs, mins = [], []
+    for s in range(8):
+        sc, m = _k4_scales(b, p, s)
+        subs.append((_vshr(b, _ld(b, p, 16 + 32 * (s >> 1)), 4 * (s & 1), 15), sc))
+        mins.append(m)
+    return Block(_f16(b, p, 0), subs, b.fneg(_f16(b, p, 2)), mins)
+
+
+def _unpack_q5_k(b: ir.IRBuilder, p) -> Block:
+    qh = _ld(b, p, 16)
+    subs, mins = [], []
+    for s in range(8):
+        sc, m = _k4_scales(b, p, s)
+        lo = _vshr(b, _ld(b, p, 48 + 32 * (s >> 1)), 4 * (s & 1), 15)
+        subs.append((b.or_(lo, b.shl(_vshr(b, qh, s, 1), _c(4))), sc))
+        mins.append(m)
+    return Block(_f16(b, p, 0), subs, b.fneg(_f16(b, p, 2)), mins)
+
+
+def _unpack_q6_k(b: ir.IRBuilder, p) -> Block:
+    subs = []
+    for j in range(8):
+        n, quarter = j >> 2, j & 3
+        lo = _vshr(b, _ld(b, p, 64 * n + 32 * (quarter & 1)), 4 * (quarter >> 1), 15)
+        hi = _vshr(b, _ld(b, p, 128 + 32 * n), 2 * quarter, 3)
+        subs.append((b.or_(lo, b.shl(hi, _c(4))), (_s8(b, p, 192 + 2 * j), _s8(b, p, 193 + 2 * j))))
+    return Block(_f16(b, p, 208), subs)
+
+
+def _q3_k_scale(b: ir.IRBuilder, p, s: int):
+    lo = _bits(b, _u8(b, p, 96 + (s & 7)), 4 * (s >> 3), 15)
+    hi = _bits(b, _u8(b, p, 104 + (s & 3)), 2 * (s >> 2), 3)
+    return b.sub(b.or_(lo, b.shl(hi, ir.Constant(_I32, 4))), ir.Constant(_I32, 32))
+
+
+def _unpack_q3_k(b: ir.IRBuilder, p) -> Block:
+    hm = _ld(b, p, 0)
+    subs = []
+    for j in range(8):
+        low = _vshr(b, _ld(b, p, 32 + 32 * (j >> 2)), 2 * (j & 3), 3)
+        u = b.or_(low, b.shl(_vshr(b, hm, j, 1), _c(2)))
+        subs.append((u, (_q3_k_scale(b, p, 2 * j), _q3_k_scale(b, p, 2 * j + 1))))
+    return Block(_f16(b, p, 108), subs)
+
+
+def _unpack_q2_k(b: ir.IRBuilder, p) -> Block:
+    subs, mins = [], []
+    for j in range(8):
+        u = _vshr(b, _ld(b, p, 16 + 32 * (j >> 2)), 2 * (j & 3), 3)
+        s0, s1 = _u8(b, p, 2 * j), _u8(b, p, 2 * j + 1)
+        subs.append((u, (_bits(b, s0, 0, 15), _bits(b, s1, 0, 15))))
+        mins.append((_bits(b, s0, 4, 15), _bits(b, s1, 4, 15)))
+    return Block(_f16(b, p, 80), subs, b.fneg(_f16(b, p, 82)), mins)
+
+
+_T_IQ4NL = _tab16(_iqk.IQ4K[:16], 128)   # kvalues_iq4nl: IQ4_K's first table
+
+
+def _unpack_iq4_xs(b: ir.IRBuilder, p) -> Block:
+    sh = _u16(b, p, 2)
+    tab = _cat(b, _T_IQ4NL, _T_IQ4NL)
+    subs = []
+    for ib in range(8):
+        ls = b.or_(_bits(b, _u8(b, p, 4 + (ib >> 1)), 4 * (ib & 1), 15),
+                   b.shl(_bits(b, sh, 2 * ib, 3), ir.Constant(_I32, 4)))
+        subs.append((_lookup(b, tab, _nib32(b, p, 8 + 16 * ib)), b.sub(ls, ir.Constant(_I32, 32))))
+    return Block(_f16(b, p, 0), subs)
+
+
+# ----------------------------------------------------------------------------------------
+# unpackers: IQK (layouts: quant.iqk)
+# ----------------------------------------------------------------------------------------
+def _tables(levels: np.ndarray, n: int) -> tuple[list, int]:
+    """The first level table (n entries) cut into 16-entry pieces (+128), and the shift of the
+    second table: every IQK type's "extra" table is the first plus a constant, so an extra bit
+    only moves the level offset of its sub-block (see Block.offs) and the lookup tables stay
+    constants (picking tables per sub-block with selects measured 3-5x slower)."""
+    lv = np.asarray(levels).astype(np.int64)
+    shift = {int(v) for v in lv[n:2 * n] - lv[:n]}
+    assert len(shift) == 1, "the second table is not a shifted copy of the first"
+    return [_tab16(lv[16 * k:16 * k + min(16, n)], 128) for k in range(max(1, n // 16))], shift.pop()
+
+
+_T_IQ2 = _tables(_iqk.IQ2NL, 4)
+_T_IQ3 = _tables(_iqk.IQ3NL, 8)
+_T_IQ4K = _tables(_iqk.IQ4K, 16)
+_T_IQ5 = _tables(_iqk.IQ5NL, 32)
+_T_IQ6 = _tables(_iqk.IQ6K_INT_LEVELS, 64)
+
+
+def _lookup_pieces(b: ir.IRBuilder, T, idx, hi=None):
+    """Levels (+128) of the first table for 32 lanes: idx (0..15) into piece `hi` (per-lane
+    0..3, or None: piece 0)."""
+    res = None
+    for k, piece in enumerate(T[0]):
+        r = _lookup(b, _cat(b, piece, piece), idx)
+        res = r if res is None else b.select(b.icmp_unsigned("==", hi, _c(k)), r, res)
+    return res
+
+
+def _extra_off(b: ir.IRBuilder, T, extra, g: int):
+    """The level offset of a sub-block whose extra bit is bit g of extra: 128 - shift * bit."""
+    return b.sub(ir.Constant(_I32, 128), b.mul(_bits(b, extra, g, 1), ir.Constant(_I32, T[1])))
+
+
+def _extra_offs(b: ir.IRBuilder, T, extra, j: int):
+    """(lo, hi) level offsets of 32-value sub-block j with per-16 extra bits 2j, 2j + 1."""
+    return _extra_off(b, T, extra, 2 * j), _extra_off(b, T, extra, 2 * j + 1)
+
+
+def _unpack_iq2_k(b: ir.IRBuilder, p) -> Block:
+    extra = _u16(b, p, 2)
+    subs, offs = [], []
+    for j in range(8):
+        u = _lookup_pieces(b, _T_IQ2, _vshr(b, _ld(b, p, 12 + 32 * (j >> 2)), 2 * (j & 3), 3))
+        sc = _u8(b, p, 4 + j)
+        subs.append((u, (b.sub(_bits(b, sc, 0, 15), ir.Constant(_I32, 8)),
+                         b.sub(_bits(b, sc, 4, 15), ir.Constant(_I32, 8)))))
+        offs.append(_extra_offs(b, _T_IQ2, extra, j))
+    return Block(_f16(b, p, 0), subs, offs=offs)
+
+
+def _unpack_iq3_k(b: ir.IRBuilder, p) -> Block:
+    extra, sign = _u16(b, p, 2), _u16(b, p, 4)
+    qh = _ld(b, p, 78)
+    one = ir.Constant(_I32, 1)
+
+    def scale(g: int):
+        s = _bits(b, _u8(b, p, 6 + g // 2), 4 * (g % 2), 15)
+        v = b.add(b.shl(s, one), one)
+        return b.select(b.icmp_unsigned("!=", _bits(b, sign, g, 1), ir.Constant(_I32, 0)), b.neg(v), v)
+
+    subs, offs = [], []
+    for j in range(8):
+        idx = b.or_(_vshr(b, _ld(b, p, 14 + 32 * (j >> 2)), 2 * (j & 3), 3), b.shl(_vshr(b, qh, j, 1), _c(2)))
+        subs.append((_lookup_pieces(b, _T_IQ3, idx), (scale(2 * j), scale(2 * j + 1))))
+        offs.append(_extra_offs(b, _T_IQ3, extra, j))
+    return Block(_f16(b, p, 0), subs, offs=offs)
+
+
+def _ls6(b: ir.IRBuilder, p, g: int):
+    """IQ4_K / IQ5_K six-bit scale of 16-value sub-block g, minus 32."""
+    v = b.or_(_bits(b, _u8(b, p, 8 + g // 2), 4 * (g % 2), 15),
+              b.shl(_bits(b, _u8(b, p, 4 + g // 4), 2 * (g % 4), 3), ir.Constant(_I32, 4)))
+    return b.sub(v, ir.Constant(_I32, 32))
+
+
+def _unpack_iq4_k(b: ir.IRBuilder, p) -> Block:
+    extra = _u16(b, p, 2)
+    subs, offs = [], []
+    for j in range(8):
+        subs.append((_lookup_pieces(b, _T_IQ4K, _nib32(b, p, 16 + 16 * j)), (_ls6(b, p, 2 * j), _ls6(b, p, 2 * j + 1))))
+        offs.append(_extra_offs(b, _T_IQ4K, extra, j))
+    return Block(_f16(b, p, 0), subs, offs=offs)
+
+
+def _unpack_iq5_k(b: ir.IRBuilder, p) -> Block:
+    extra = _u16(b, p, 2)
+    qh = _ld(b, p, 144)
+    subs, offs = [], []
+    for j in range(8):
+        nib = _vshr(b, _ld(b, p, 16 + 32 * (j >> 1)), 4 * (j & 1), 15)
+        u = _lookup_pieces(b, _T_IQ5, nib, _vshr(b, qh, j, 1))
+        subs.append((u, (_ls6(b, p, 2 * j), _ls6(b, p, 2 * j + 1))))
+        offs.append(_extra_offs(b, _T_IQ5, extra, j))
+    return Block(_f16(b, p, 0), subs, offs=offs)
+
+
+def _unpack_iq6_k(b: ir.IRBuilder, p) -> Block:
+    extra = _u16(b, p, 2)
+    subs, offs = [], []
+    for j in range(8):
+        nib = _vshr(b, _ld(b, p, 20 + 32 * (j >> 1)), 4 * (j & 1), 15)
+        hi = _vshr(b, _ld(b, p, 148 + 32 * (j >> 2)), 2 * (j & 3), 3)
+        subs.append((_lookup_pieces(b, _T_IQ6, nib, hi), (_s8(b, p, 4 + 2 * j), _s8(b, p, 5 + 2 * j))))
+        offs.append(_extra_offs(b, _T_IQ6, extra, j))
+    return Block(_f16(b, p, 0), subs, offs=offs)
+
+
+def _unpack_iq4_ks(b: ir.IRBuilder, p) -> Block:
+    subs, offs = [], []
+    for g in range(8):
+        s = _u8(b, p, g)
+        subs.append((_lookup_pieces(b, _T_IQ4K, _nib32(b, p, 8 + 16 * g)),
+                     b.sub(b.and_(s, ir.Constant(_I32, 254)), ir.Constant(_I32, 127))))
+        offs.append(_extra_off(b, _T_IQ4K, s, 0))
+    return Block(ir.Constant(_F32, 1.0), subs, offs=offs)
+
+
+def _unpack_iq2_ks(b: ir.IRBuilder, p) -> Block:
+    extra = _u16(b, p, 0)
+    subs, offs = [], []
+    for g in range(8):
+        u = _lookup_pieces(b, _T_IQ2, _vshr(b, _ld(b, p, 6 + 32 * (g // 4)), 2 * (g % 4), 3))
+        ls = b.or_(_bits(b, _u8(b, p, 2 + g // 2), 4 * (g % 2), 15),
+                   b.shl(_bits(b, extra, 8 + g, 1), ir.Constant(_I32, 4)))
+        subs.append((u, b.sub(ls, ir.Constant(_I32, 16))))
+        offs.append(_extra_off(b, _T_IQ2, extra, g))
+    return Block(ir.Constant(_F32, 1.0), subs, offs=offs)
+
+
+# ----------------------------------------------------------------------------------------
+# unpackers: legacy 32-value blocks (layouts: quant.legacy; one sub-block per block)
+# ----------------------------------------------------------------------------------------
+_ONE = ir.Constant(_I32, 1)
+
+
+def _u32(b: ir.IRBuilder, p, off):
+    return b.load(b.bitcast(_gep(b, p, off), _I32.as_pointer()), align=1)
+
+
+def _unpack_q4_1(b: ir.IRBuilder, p) -> Block:
+    return Block(_f16(b, p, 0), [(_nib32(b, p, 4), _ONE)], _f16(b, p, 2), [_ONE])
+
+
+def _unpack_q5_0(b: ir.IRBuilder, p) -> Block:
+    u = b.or_(_nib32(b, p, 6), b.shl(_bitlanes(b, _u32(b, p, 2)), _c(4)))
+    return Block(_f16(b, p, 0), [(u, _ONE)])
+
+
+def _unpack_q5_1(b: ir.IRBuilder, p) -> Block:
+    u = b.or_(_nib32(b, p, 8), b.shl(_bitlanes(b, _u32(b, p, 4)), _c(4)))
+    return Block(_f16(b, p, 0), [(u, _ONE)], _f16(b, p, 2), [_ONE])
+
+
+def _unpack_q6_0(b: ir.IRBuilder, p) -> Block:
+    qh = _ld(b, p, 2, 8)
+    h16 = b.lshr(b.shuffle_vector(qh, qh, ir.Constant(_vec(_I32, 16), [j % 8 for j in range(16)])),
+                 ir.Constant(_V16, [0] * 8 + [4] * 8))
+    h = _cat(b, b.and_(b.shl(h16, _c(4, 16)), _c(0x30, 16)), b.and_(b.shl(h16, _c(2, 16)), _c(0x30, 16)))
+    return Block(_f16(b, p, 0), [(b.or_(_nib32(b, p, 10), h), _ONE)])
+
+
+def _unpack_iq4_nl(b: ir.IRBuilder, p) -> Block:
+    u = _lookup(b, _cat(b, _T_IQ4NL, _T_IQ4NL), _nib32(b, p, 2))
+    return Block(_f16(b, p, 0), [(u, _ONE)])
+
+
+# type id -> record (ids: quant.types)
+BLOCK_DOTS: dict[int, BlockDot] = {
+    3: BlockDot("Q4_1", 32, 20, 0, _unpack_q4_1),
+    6: BlockDot("Q5_0", 32, 22, 16, _unpack_q5_0),
+    7: BlockDot("Q5_1", 32, 24, 0, _unpack_q5_1),
+    20: BlockDot("IQ4_NL", 32, 18, 128, _unpack_iq4_nl),
+    133: BlockDot("Q6_0", 32, 26, 32, _unpack_q6_0),
+    10: BlockDot("Q2_K", 256, 84, 0, _unpack_q2_k),
+    11: BlockDot("Q3_K", 256, 110, 4, _unpack_q3_k),
+    12: BlockDot("Q4_K", 256, 144, 0, _unpack_q4_k),
+    13: BlockDot("Q5_K", 256, 176, 0, _unpack_q5_k),
+    14: BlockDot("Q6_K", 256, 210, 32, _unpack_q6_k),
+    23: BlockDot("IQ4_XS", 256, 136, 128, _unpack_iq4_xs),
+    137: BlockDot("IQ2_K", 256, 76, 128, _unpack_iq2_k),
+    138: BlockDot("IQ3_K", 256, 110, 128, _unpack_iq3_k),
+    139: BlockDot("IQ4_K", 256, 144, 128, _unpack_iq4_k),
+    140: BlockDot("IQ5_K", 256, 176, 128, _unpack_iq5_k),
+    141: BlockDot("IQ6_K", 256, 212, 128, _unpack_iq6_k),
+    144: BlockDot("IQ4_KS", 256, 136, 128, _unpack_iq4_ks, "f32"),
+    145: BlockDot("IQ2_KS", 256, 70, 128, _unpack_iq2_ks, "f16"),
+}
+
+
+# ----------------------------------------------------------------------------------------
+# the row template
+# ----------------------------------------------------------------------------------------
+def _lanes8(b: ir.IRBuilder, pair) -> ir.Value:
+    """<lo x4, hi x4> of an (lo, hi) i32 pair."""
+    v = b.insert_element(ir.Constant(_vec(_I32, 8), None), pair[0], ir.Constant(_I32, 0))
+    v = b.insert_element(v, pair[1], ir.Constant(_I32, 1))
+    return b.shuffle_vector(v, v, ir.Constant(_vec(_I32, 8), [0, 0, 0, 0, 1, 1, 1, 1]))
+
+
+def _sub_isum(b: ir.IRBuilder, u, a, off, corr, vnni: bool):
+    """Per-lane integer sums of 32 products (true levels u - off times a): <8 x i32>, lane i =
+    values 4i..4i+3.  off: an int, or per-16 (lo, hi) / per-32 i32 values; corr: the (lane 0,
+    lane 4) start values -off * activation sums (vnni; lane 4's None when off is per 32)."""
+    if vnni:
+        init = ir.Constant(_vec(_I32, 8), [0] * 8)
+        if not isinstance(off, int) or off:
+            init = b.insert_element(init, corr[0], ir.Constant(_I32, 0))
+            if corr[1] is not None:
+                init = b.insert_element(init, corr[1], ir.Constant(_I32, 4))
+        return _vpdpbusd(b, init, u, a)
+    if isinstance(off, int):
+        w = b.sub(u, _c(off)) if off else u
+    else:
+        lo, hi = off if isinstance(off, tuple) else (off, off)
+        ov = ir.Constant(_V32, None)
+        for i in range(32):
+            ov = b.insert_element(ov, b.trunc(lo if i < 16 else hi, _I8), ir.Constant(_I32, i))
+        w = b.sub(u, ov)
+    prod = b.mul(b.sext(w, _vec(_I32, 32)), b.sext(a, _vec(_I32, 32)))
+    return _pair_sum(b, _pair_sum(b, prod, 32), 16)
+
+
+def _emit_row(b: ir.IRBuilder, fmt: BlockDot, row, qp, sp, bsp, b16p, cols, vnni: bool):
+    """The f32 dot of one row of type fmt at pointer row with the activation row."""
+    nsub = fmt.values // 32
+    blocks = _gep(b, row, fmt.meta)
+    nb = b.udiv(cols, _const_i64(fmt.values))
+    v8f = _vec(_F32, 8)
+    accp = cgutils.alloca_once_value(b, ir.Constant(v8f, None))
+    maccp = cgutils.alloca_once_value(b, ir.Constant(_F32, 0.0))
+    with cgutils.for_range(b, nb) as loop:
+        ib = loop.index
+        blk = fmt.unpack(b, b.gep(blocks, [b.mul(ib, _const_i64(fmt.nbytes))]))
+        bacc = ir.Constant(v8f, None)
+        mterm = None
+        for j, (u, sc) in enumerate(blk.subs):
+            k = b.add(b.mul(ib, _const_i64(nsub)), _const_i64(j))
+            a = b.load(b.bitcast(b.gep(qp, [b.mul(k, _const_i64(32))]), _V32.as_pointer()), align=1)
+            sa = b.load(b.gep(sp, [k]))
+            per16 = isinstance(sc, tuple)
+            mn = blk.mins[j] if blk.mins is not None else None
+            need16 = per16 or isinstance(mn, tuple)
+            if need16:
+                k2 = b.mul(k, _const_i64(2))
+                s16 = (b.load(b.gep(b16p, [k2])), b.load(b.gep(b16p, [b.add(k2, _const_i64(1))])))
+            off = fmt.off if blk.offs is None else blk.offs[j]
+            if isinstance(off, tuple) and not per16:
+                raise AssertionError(f"{fmt.name}: per-16 offsets need per-16 scales")
+            if isinstance(off, int):
+                offs = (ir.Constant(_I32, off),) * 2
+            else:
+                offs = off if isinstance(off, tuple) else (off, off)
+            if per16:
+                corr = (b.neg(b.mul(s16[0], offs[0])), b.neg(b.mul(s16[1], offs[1])))
+            else:
+                corr = (b.neg(b.mul(b.load(b.gep(bsp, [k])), offs[0])), None)
+            lanes = _sub_isum(b, u, a, off, corr, vnni)
+            if per16:
+                lanes = b.mul(lanes, _lanes8(b, sc))
+                f = sa
+            else:
+                f = b.fmul(sa, b.sitofp(sc, _F32), flags=["fast"])
+            bacc = b.fadd(bacc, b.fmul(b.sitofp(lanes, v8f), _splat(b, f, _F32, 8), flags=["fast"]), flags=["fast"])
+            if mn is not None:
+                mi = (b.add(b.mul(mn[0], s16[0]), b.mul(mn[1], s16[1])) if isinstance(mn, tuple)
+                      else b.mul(mn, b.load(b.gep(bsp, [k]))))
+                t = b.fmul(sa, b.sitofp(mi, _F32), flags=["fast"])
+                mterm = t if mterm is None else b.fadd(mterm, t, flags=["fast"])
+        b.store(b.fadd(b.load(accp), b.fmul(bacc, _splat(b, blk.d, _F32, 8), flags=["fast"]), flags=["fast"]), accp)
+        if mterm is not None:
+            b.store(b.fadd(b.load(maccp), b.fmul(blk.dm, mterm, flags=["fast"]), flags=["fast"]), maccp)
+    red = cgutils.get_or_insert_function(b.module, ir.FunctionType(_F32, [_F32, v8f]), "llvm.vector.reduce.fadd.v8f32")
+    r = b.call(red, [ir.Constant(_F32, 0.0), b.load(accp)])
+    r.fastmath.add("reassoc")
+    r = b.fadd(r, b.load(maccp))
+    if fmt.row_scale == "f32":
+        r = b.fmul(r, _f32(b, row, 0))
+    elif fmt.row_scale == "f16":
+        r = b.fmul(r, _f16(b, row, 0))
+    return r
+
+
+def _row_dot_intrinsic(vnni: bool):
+    """row_dot(qtype, buf, base, q, s, bs, bs16, cols) -> f32 for every type in BLOCK_DOTS
+    (NaN for others): a switch on qtype around each type's row loop."""
+
+    @intrinsic
+    def row_dot(typingctx, qtype, buf, base, q, s, bs, bs16, cols):
+        if not all(isinstance(x, types.Array) for x in (buf, q, s, bs, bs16)):
+            return None
+        sig = types.float32(types.int64, buf, types.int64, q, s, bs, bs16, types.int64)
+
+        def codegen(context, builder, sig, args):
+            arr = [context.make_array(sig.args[i])(context, builder, args[i]) for i in (1, 3, 4, 5, 6)]
+            wbuf, qa, sa, ba, b16 = arr
+            row = builder.gep(wbuf.data, [args[2]])
+            qp = builder.bitcast(qa.data, _I8.as_pointer())
+            resp = cgutils.alloca_once_value(builder, ir.Constant(_F32, float("nan")))
+            end = builder.append_basic_block("rowdot.end")
+            sw = builder.switch(args[0], end)
+            for tid, fmt in BLOCK_DOTS.items():
+                bb = builder.append_basic_block(f"rowdot.{fmt.name}")
+                sw.add_case(ir.Constant(_I64, tid), bb)
+                builder.position_at_end(bb)
+                builder.store(_emit_row(builder, fmt, row, qp, sa.data, ba.data, b16.data, args[7], vnni), resp)
+                builder.branch(end)
+            builder.position_at_end(end)
+            return builder.load(resp)
+        return sig, codegen
+    return row_dot
+
+
+row_dot_generic = _row_dot_intrinsic(False)
+row_dot_vnni = _row_dot_intrinsic(True) if HAS_VNNI else None
+row_dot = row_dot_vnni if HAS_VNNI else row_dot_generic

@@ -1,0 +1,125 @@
+"""quant.simd_blocks: the integer row dots of the K-quant, IQK and legacy block types.
+
+Every record of BLOCK_DOTS, in both forms (generic IR and AVX512-VNNI where the CPU has it), is
+checked against the f32 row decoders (quant.kernels.decode_row; IQ6_K: its integer levels) on
+random bytes, which reach every level, scale, sign and extra bit, at one block and at several;
+then quant.matmul's few-token path against its tile path and NumPy on odd shapes, experts and
+the fused gate/up product."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import njit
+
+from quant import kernels as K
+from quant import simd_blocks as SB
+from quant.iqk import decode_row_iqk_int6
+from quant.matmul import _q8_rounded, dequantize, matmul, matmul_id, moe_up_gate, quantize_tensor
+from quant.tensor import QTensor
+from quant.types import type_info
+
+TYPES = sorted(SB.BLOCK_DOTS)
+NAMES = [SB.BLOCK_DOTS[t].name for t in TYPES]
+
+
+@njit(cache=True)
+def _dot_generic(qtype, buf, q, s, bs, b16, cols):
+    return SB.row_dot_generic(qtype, buf, 0, q, s, bs, b16, cols)
+
+
+if SB.HAS_VNNI:
+    @njit(cache=True)
+    def _dot_vnni(qtype, buf, q, s, bs, b16, cols):
+        return SB.row_dot_vnni(qtype, buf, 0, q, s, bs, b16, cols)
+else:
+    _dot_vnni = None
+
+
+def _act(rng, cols):
+    x = (rng.standard_normal((1, cols)) * rng.choice([0.01, 1, 100], size=(1, cols))).astype(np.float32)
+    q = np.empty((1, cols), np.int8)
+    s = np.empty((1, cols // 32), np.float32)
+    bs = np.empty((1, cols // 32), np.int32)
+    K.quantize_act_q8(x, 32, q, s, bs)
+    b16 = np.empty((1, cols // 16), np.int32)
+    K.block_sums16(q, b16)
+    return q[0], s[0], bs[0], b16[0], (q.reshape(-1, 32).astype(np.float64) * s.reshape(-1, 1)).reshape(-1)
+
+
+def _decode(qtype, raw, cols):
+    y = np.empty(cols, np.float32)
+    if type_info(qtype).name == "IQ6_K":
+        decode_row_iqk_int6(raw, qtype, 0, cols, K.F16_TO_F32, y)
+    else:
+        K.decode_row(raw, qtype, 0, cols, 32, K.F16_TO_F32, y)
+    return y
+
+
+@pytest.mark.parametrize("form", ["generic", "vnni"])
+@pytest.mark.parametrize("qtype", TYPES, ids=NAMES)
+def test_row_dot_matches_decoder_on_random_bytes(qtype, form):
+    fn = _dot_generic if form == "generic" else _dot_vnni
+    if fn is None:
+        pytest.skip("no AVX512-VNNI on this CPU")
+    fmt = SB.BLOCK_DOTS[qtype]
+    rng = np.random.default_rng(qtype)
+    checked = 0
+    for cols in (fmt.values, 3 * fmt.values, 1024):
+        rb = type_info(qtype).row_bytes(cols)
+        q, s, bs, b16, xa = _act(rng, cols)
+        for _ in range(40):
+            raw = rng.integers(0, 256, rb, dtype=np.uint8)
+            y = _decode(qtype, raw, cols).astype(np.float64)
+            if not np.all(np.isfinite(y)) or np.abs(y).max() > 1e6:   # f16 inf / nan scales
+                continue
+            want = float(y @ xa)
+            mag = float(np.abs(y * xa).sum())
+            got = fn(qtype, raw, q, s, bs, b16, cols)
+            assert abs(got - want) <= 2e-5 * mag + 1e-30, (cols, got, want)
+            checked += 1
+    assert checked >= 30
+
+
+def test_row_dot_gives_nan_for_types_without_record():
+    rng = np.random.default_rng(0)
+    q, s, bs, b16, _ = _act(rng, 256)
+    raw = rng.integers(0, 256, 300, dtype=np.uint8)
+    assert np.isnan(_dot_generic(8, raw, q, s, bs, b16, 256))     # Q8_0: quant.simd's, not here
+
+
+def _rounded_ref(w: QTensor, x: np.ndarray, n_tokens_hint: int) -> np.ndarray:
+    deq = dequantize(w).reshape(-1, w.cols).astype(np.float64)
+    return _q8_rounded(x).astype(np.float64) @ deq.T
+
+
+@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ2_K", "IQ3_K", "IQ4_K",
+                                  "IQ5_K", "IQ4_KS", "IQ2_KS", "Q4_1", "Q5_0", "Q5_1", "Q6_0", "IQ4_NL"])
+def test_matmul_few_and_many_tokens_agree(name):
+    """13 rows (not a multiple of 4 or 8), 512 columns: the integer kernel (n < 8) and the tile
+    path (n >= 16) against NumPy on the same Q8-rounded activations."""
+    rng = np.random.default_rng(7)
+    w = quantize_tensor(rng.standard_normal((13, 512)).astype(np.float32), type_info(name).id)
+    for n in (1, 3, 20):
+        x = rng.standard_normal((n, 512)).astype(np.float32)
+        want = _rounded_ref(w, x, n)
+        got = matmul(w, x)
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "IQ2_K", "Q6_K"])
+def test_matmul_id_and_fused_gate_up(name):
+    rng = np.random.default_rng(3)
+    t = type_info(name).id
+    gate = quantize_tensor(rng.standard_normal((4, 12, 256)).astype(np.float32), t)
+    up = quantize_tensor(rng.standard_normal((4, 12, 256)).astype(np.float32), t)
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    ids = np.array([3, 0, 3, 1, 2, 3])
+    xr = np.array([0, 0, 1, 1, 2, 2])
+    xq = _q8_rounded(x).astype(np.float64)
+    dg = dequantize(gate).astype(np.float64)
+    du = dequantize(up).astype(np.float64)
+    g = np.stack([dg[e] @ xq[r] for e, r in zip(ids, xr)])
+    u = np.stack([du[e] @ xq[r] for e, r in zip(ids, xr)])
+    np.testing.assert_allclose(matmul_id(gate, x, ids, xr), g, rtol=2e-5, atol=2e-5 * np.abs(g).max())
+    want = g / (1 + np.exp(-g)) * u
+    np.testing.assert_allclose(moe_up_gate(gate, up, x, ids, xr), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
