@@ -65,13 +65,18 @@ from . import kquants as _kquants, legacy as _legacy, simd as _simd  # noqa: E40
 from .iqk import decode_row_iqk, is_iqk  # noqa: E402  (ik_llama.cpp's IQK types; decode only)
 from . import interleaved as _interleaved  # noqa: E402  (the _R4/_R8 layouts)
 from . import simd_blocks as _blocks  # noqa: E402  (integer row dots of the other block types)
+from . import simd_r4 as _r4  # noqa: E402  (integer dots of the _R4 K-quant / IQK layouts)
 from .types import BY_ID as _BY_ID  # noqa: E402
 
 F32_ID, F16_ID, Q4_0_ID, Q8_0_ID, BF16_ID, Q6_0_ID = 0, 1, 2, 8, 30, 133
 Q4_0_R8_ID, Q8_0_R8_ID = 202, 208   # ik_llama.cpp's 8-row interleaved forms (quant.simd)
 # the types matvec_int multiplies: Q8_0 / Q4_0 and their _R8 forms (quant.simd), every type with
 # a record in quant.simd_blocks.BLOCK_DOTS (K-quants, IQ4_XS, IQK, the other legacy types)
-INT_DOT_TYPES = frozenset({Q8_0_ID, Q4_0_ID, Q8_0_R8_ID, Q4_0_R8_ID} | set(_blocks.BLOCK_DOTS))
+# and the _R4 layouts with a record in quant.simd_r4.R4_DOTS
+INT_DOT_TYPES = frozenset({Q8_0_ID, Q4_0_ID, Q8_0_R8_ID, Q4_0_R8_ID} | set(_blocks.BLOCK_DOTS) | set(_r4.R4_DOTS))
+_R4_KERNEL = np.zeros(400, np.bool_)           # type id -> quant.simd_r4 has its group dot
+for _t in _r4.R4_DOTS:
+    _R4_KERNEL[_t] = True
 QK = 32            # weights per block (Q8_0, Q4_0, activation q8)
 Q8_0_BYTES = 34    # f16 d + 32 x int8        (layouts; kernels derive them from qk)
 Q4_0_BYTES = 18    # f16 d + 16 bytes of nibbles
@@ -474,7 +479,13 @@ def _int_row_dot(qtype, buf, base, nb, q, s, bs, b16, k):
 @njit(**_iopts)
 def _int_run(qtype, buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, bs, b16, out):
     """out[k, r] = row r . activation k for rows r0:r1 (from byte ebase on), pairs k0:k1.
-    Interleaved types go 8 rows at a time (r0, r1 are multiples of 8 for them)."""
+    Interleaved types go 4 or 8 rows at a time (r0, r1 are multiples of that for them)."""
+    if qtype < 400 and _R4_KERNEL[qtype]:
+        for r in range(r0, r1, 4):
+            gbase = ebase + r * stride
+            for k in range(k0, k1):
+                _r4.group_dot(qtype, buf, gbase, q[k], s[k], b16[k], nb * qk, out[k], r)
+        return
     if qtype == Q8_0_R8_ID or qtype == Q4_0_R8_ID:
         for r in range(r0, r1, 8):
             gbase = ebase + r * stride

@@ -87,7 +87,7 @@ def get_num_threads() -> tuple[int, int | None]:
 def has_interleaved_kernel(qtype: int) -> bool:
     """Whether an _R4/_R8 type has kernels of its own (faster than its plain type's); the others
     are computed by unpacking their rows to the plain type first."""
-    return qtype in (K.Q8_0_R8_ID, K.Q4_0_R8_ID)
+    return qtype in (K.Q8_0_R8_ID, K.Q4_0_R8_ID) or qtype in K._r4.R4_DOTS
 
 
 def supported(qtype: int) -> bool:
@@ -127,6 +127,7 @@ def _view(w: QTensor) -> _View:
 
 def _make_view(w: QTensor) -> _View:
     _check(w.qtype)
+    w = _plain_if_no_kernel(w)
     data = w.data
     if data.ndim not in (2, 3):
         raise ValueError(f"expected weights of shape (rows, row_bytes) or (experts, rows, row_bytes), "
@@ -156,6 +157,20 @@ def _make_view(w: QTensor) -> _View:
     return _View(buf, int(es), int(stride), int(ne), int(rows), int(cols), int(rb), int(w.qtype))
 
 
+def _plain_if_no_kernel(w: QTensor) -> QTensor:
+    """An _R4/_R8 tensor without kernels of its own (Q2_K_R4, Q3_K_R4, IQ4_NL_R4, IQ4_XS_R8,
+    Q8_K_R8) as its plain type's rows, unpacked once (the view keeps them): the plain type's
+    integer kernels, and the same activation rounding as the plain type on every path.  The
+    engine does this at load already (engine.model), so models never pay it on first use."""
+    from .interleaved import plain_type, unpack_fast
+    ti = type_info(w.qtype)
+    if not ti.interleave or has_interleaved_kernel(w.qtype) or w.data.ndim not in (2, 3):
+        return w
+    nrows = w.data.size // w.data.shape[-1]
+    raw = unpack_fast(np.ascontiguousarray(w.data).reshape(nrows, -1), w.qtype, nrows, w.cols)
+    return QTensor(raw.reshape(*w.data.shape[:-1], raw.shape[-1]), plain_type(w.qtype), w.shape)
+
+
 def _expert(v: _View, e: int) -> _View:
     """Expert e of a view as a 2-D view (a slice of the same buffer)."""
     o = e * v.estride
@@ -169,11 +184,12 @@ def _need_2d(w: QTensor) -> None:
                          "select an expert first (w[i])")
 
 
-def _rows_view(w: QTensor) -> tuple[np.ndarray, int, int, int]:
-    """(buf, stride, rows, cols) of a 2-D weight tensor in the kernels' calling convention."""
+def _rows_view(w: QTensor) -> tuple[np.ndarray, int, int, int, int]:
+    """(buf, stride, rows, cols, qtype) of a 2-D weight tensor in the kernels' calling convention
+    (qtype: the view's, the plain type for an unpacked _R4/_R8 tensor)."""
     _need_2d(w)
     v = _view(w)
-    return v.buf, v.stride, v.rows, v.cols
+    return v.buf, v.stride, v.rows, v.cols, v.qtype
 
 
 def _as_act(x: np.ndarray, cols: int) -> np.ndarray:
@@ -409,14 +425,14 @@ def _product(v: _View, x: np.ndarray) -> np.ndarray:
 
 def get_rows(w: QTensor, ids: np.ndarray) -> np.ndarray:
     """Rows `ids` of W as f32, shape ids.shape + (cols,) (embedding lookup)."""
-    buf, stride, rows, cols = _rows_view(w)
+    buf, stride, rows, cols, qtype = _rows_view(w)
     ids = np.asarray(ids)
     flat = np.ascontiguousarray(ids.reshape(-1), dtype=np.int64)
     if flat.size and (flat.min() < 0 or flat.max() >= rows):
         raise IndexError(f"row id out of range 0..{rows - 1}")
     out = np.empty((flat.size, cols), dtype=np.float32)
     if flat.size:
-        K.dequant_rows(buf, w.qtype, stride, flat, cols, K.QK, K.F16_TO_F32, out)
+        K.dequant_rows(buf, qtype, stride, flat, cols, K.QK, K.F16_TO_F32, out)
     return out.reshape(*ids.shape, cols)
 
 

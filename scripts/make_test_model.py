@@ -56,6 +56,7 @@ class Shape:
     yarn_orig_ctx: int = 0
     rope_base: float = 10000.0
     llama_moe: bool = False     # llama only: Mixtral-style routed experts instead of a dense MLP
+    n_vocab: int = 0            # >0: the byte vocabulary padded with control tokens to this size
 
 
 PRESETS = {
@@ -81,6 +82,12 @@ PRESETS = {
     "1b": Shape(n_embd=1024, n_layer=10, n_head=16, n_ff=4096, n_ctx=4096, q_lora_rank=384, kv_lora_rank=512,
                 qk_nope=128, qk_rope=64, v_head=128, n_expert=64, n_expert_used=6, n_expert_shared=2,
                 n_ff_exp=512, n_dense_lead=1, gating=2, weights_norm=True, weights_scale=2.5),
+    # ~2.2B parameters, DeepSeek-V3-shaped with every width a multiple of 256 (so ik's mixtures and
+    # the 256-block types apply to every matrix) and DeepSeek's 102400-token output matrix: the
+    # model of the kernel benchmarks (README, scripts/bench_types.sh)
+    "2b": Shape(n_embd=2048, n_layer=4, n_head=16, n_ff=4096, n_ctx=4096, q_lora_rank=512, kv_lora_rank=512,
+                qk_nope=128, qk_rope=64, v_head=128, n_expert=64, n_expert_used=6, n_expert_shared=2,
+                n_ff_exp=1536, n_dense_lead=1, gating=2, weights_norm=True, weights_scale=2.5, n_vocab=102400),
 }
 
 
@@ -135,8 +142,11 @@ class _Writer:
                               raw_dtype=gguf.GGMLQuantizationType(tid))
 
 
-def _tokenizer_kv(gw: gguf.GGUFWriter) -> int:
+def _tokenizer_kv(gw: gguf.GGUFWriter, n_vocab: int = 0) -> int:
     tokens, types, merges = byte_vocab()
+    for i in range(len(tokens), n_vocab):      # a real-sized output matrix (DeepSeek: 102400 rows)
+        tokens.append(f"<|pad{i}|>")
+        types.append(3)
     gw.add_tokenizer_model("gpt2")
     gw.add_tokenizer_pre("gpt-2")
     gw.add_token_list(tokens)
@@ -294,7 +304,7 @@ def write_model(path: str, arch: str = "deepseek2", layout: str = "ik", qtype: s
         for i, x in enumerate(writers):
             x.add_uint16("split.no", i)
             x.add_uint16("split.count", split)
-    n_vocab = _tokenizer_kv(gw)
+    n_vocab = _tokenizer_kv(gw, s.n_vocab)
     w = _Writer(qtype, rng)
     if arch == "llama":
         build_llama(w, gw, s, n_vocab)

@@ -123,3 +123,61 @@ def test_matmul_id_and_fused_gate_up(name):
     np.testing.assert_allclose(matmul_id(gate, x, ids, xr), g, rtol=2e-5, atol=2e-5 * np.abs(g).max())
     want = g / (1 + np.exp(-g)) * u
     np.testing.assert_allclose(moe_up_gate(gate, up, x, ids, xr), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+# ----------------------------------------------------------------------------------------
+# _R4 layouts (quant.simd_r4)
+# ----------------------------------------------------------------------------------------
+from quant import interleaved as IL  # noqa: E402
+from quant import simd_r4 as R4  # noqa: E402
+
+R4_TYPES = sorted(R4.R4_DOTS)
+
+
+@njit(cache=True)
+def _group_generic(qtype, buf, q, s, b16, cols, out):
+    return R4.group_dot_generic(qtype, buf, 0, q, s, b16, cols, out, 0)
+
+
+if R4.HAS_VNNI:
+    @njit(cache=True)
+    def _group_vnni(qtype, buf, q, s, b16, cols, out):
+        return R4.group_dot_vnni(qtype, buf, 0, q, s, b16, cols, out, 0)
+else:
+    _group_vnni = None
+
+
+@pytest.mark.parametrize("form", ["generic", "vnni"])
+@pytest.mark.parametrize("qtype", R4_TYPES, ids=[R4.R4_DOTS[t].name for t in R4_TYPES])
+def test_group_dot_matches_plain_decode_on_random_bytes(qtype, form):
+    """Random R bytes (every level, scale, sign, extra and min bit), one and two block columns:
+    the 4 row results against the plain decoder of the unpacked rows."""
+    fn = _group_generic if form == "generic" else _group_vnni
+    if fn is None:
+        pytest.skip("no AVX512-VNNI on this CPU")
+    rng = np.random.default_rng(qtype)
+    pt = IL.plain_type(qtype)
+    checked = 0
+    for cols in (256, 512):
+        q, s, bs, b16, xa = _act(rng, cols)
+        for _ in range(300):
+            raw = rng.integers(0, 256, 4 * type_info(qtype).row_bytes(cols), dtype=np.uint8)
+            plain = IL.unpack(raw, qtype, 4, cols)
+            y = np.stack([_decode(pt, plain[k], cols) for k in range(4)]).astype(np.float64)
+            if not np.all(np.isfinite(y)) or np.abs(y).max() > 1e6:
+                continue
+            out = np.full(4, np.nan, np.float32)
+            assert fn(qtype, raw, q, s, b16, cols, out)
+            want = y @ xa
+            mag = np.abs(y * xa).sum(axis=1)
+            assert np.all(np.abs(out - want) <= 2e-5 * mag + 1e-30), (cols, out, want)
+            checked += 1
+    assert checked >= 10
+
+
+def test_group_dot_refuses_types_without_record():
+    rng = np.random.default_rng(0)
+    q, s, bs, b16, _ = _act(rng, 256)
+    out = np.zeros(4, np.float32)
+    assert not _group_generic(210, rng.integers(0, 256, 4 * 84, dtype=np.uint8), q, s, b16, 256, out)  # Q2_K_R4
+    assert np.all(out == 0)

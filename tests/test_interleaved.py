@@ -175,8 +175,9 @@ def test_unpack_group_rejects_bad_arguments(g):
 @pytest.mark.parametrize("name", [t.name for t in sorted(BY_ID.values(), key=lambda t: t.id) if t.interleave])
 def test_matmul_runs_every_r_type_like_its_plain_type(name):
     """quant.matmul on an _R4/_R8 tensor (3-D, experts) equals the same on the unpacked plain
-    rows: decoded values bit for bit; products within f32 rounding (Q8_0_R8 / Q4_0_R8 have their
-    own integer kernels and sum in another order), on the few-token and the tile paths."""
+    rows: decoded values bit for bit; products within f32 rounding (the types with kernels of
+    their own, quant.simd and quant.simd_r4, sum in another order; the others are unpacked to
+    their plain type, Q8_K_R8 to Q8_0), on the few-token and the tile paths."""
     from quant import matmul as M
     from quant.tensor import QTensor
     ti = type_info(name)
@@ -189,14 +190,11 @@ def test_matmul_runs_every_r_type_like_its_plain_type(name):
     wr, wp = QTensor(raw, ti.id, (E, rows, cols)), QTensor(plain, pt, (E, rows, cols))
     for e in range(E):
         assert np.array_equal(M.dequantize(wr[e]), M.dequantize(wp[e]))
-    # Q8_K_R8 unpacks to Q8_0, which multiplies int8-rounded activations; it is decoded to f32
-    f32_ref = ti.id == il.Q8_K_R8
     for n in (1, 3, 24):
         a = rng.standard_normal((n, cols)).astype(np.float32)
         scale = float((np.abs(a) @ np.abs(M.dequantize(wp[1])).T).max())
-        want = a @ M.dequantize(wp[1]).T if f32_ref else M.matmul(wp[1], a)
+        want = M.matmul(wp[1], a)
         assert np.allclose(M.matmul(wr[1], a), want, rtol=0, atol=2e-5 * scale)
         ids = rng.integers(0, E, n)
-        want = np.stack([M.dequantize(wp[e]) @ a[i] for i, e in enumerate(ids)]) if f32_ref else \
-            M.matmul_id(wp, a, ids, np.arange(n))
+        want = M.matmul_id(wp, a, ids, np.arange(n))
         assert np.allclose(M.matmul_id(wr, a, ids, np.arange(n)), want, rtol=0, atol=2e-5 * scale)

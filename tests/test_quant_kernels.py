@@ -208,7 +208,7 @@ def test_matmul_noncontiguous_expert(qt, layout):
     for e in (0, 2):
         we = w3[e]
         assert not we.data.flags.c_contiguous
-        buf, stride, _, _ = M._rows_view(we)
+        buf, stride, _, _, _ = M._rows_view(we)
         assert np.shares_memory(buf, big) and stride == we.data.strides[0]   # no copy
         for n in (1, 3, 40):
             x = rng.standard_normal((n, cols)).astype(np.float32)

@@ -1,0 +1,384 @@
+"""Integer dots of ik_llama.cpp's 4-row interleaved K-quant and IQK layouts (_R4), in LLVM IR.
+
+An _R4 block column holds the same 256-value blocks of 4 rows, their levels "woven"
+(quant.interleaved): for 32-value sub-block s, byte 16*m + 4*k + i of a 32-byte run holds
+fields of row k, values i + off(m, t) (t: the field within the byte).  Each run is one
+32-byte load; a field's shift/mask gives 32 unsigned levels whose dword lane (m, k) covers
+4 values of row k.  For every run the matching 4 activation bytes are shuffled into the same
+lanes (one constant shuffle of the sub-block's 32 activations), so one vpdpbusd (generic IR:
+widened products summed by fours) adds the 4 products of every row into its own lane.  In
+every layout here m = 0 and m = 1 of a run cover the first and the second 16 values of the
+sub-block, so the 8 int32 lanes are (half h, row k): per-16 scales, "extra" offsets and mins
+are lane vectors read straight from the packed per-row fields (field (k, j) sits at index
+4*j + k), and no horizontal sums are needed until the 4 row results leave the group.
+
+    lanes(h, k) = sum_runs dpbusd(u, a_shuffled) - off(h, k) * asum16(h)
+    facc       += float(lanes * scale(h, k)) * s_a              (per sub-block)
+    acc        += facc * d(k);  macc += float(min(h, k) * asum16(h)) * s_a * dm(k)
+
+Records (R4Dot) name the layout's byte offsets through their unpack functions; types without a
+record here are unpacked to their plain type at load (engine) and use quant.simd_blocks.
+Results equal the plain kernels' up to the order of f32 additions (same integer sums).
+Development note (as quant.simd): after editing this module delete quant/__pycache__/*.nb*.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from . import iqk as _iqk
+from .simd import HAS_VNNI, _F32, _I8, _I16, _I32, _I64, _vec, _const_i64, _pair_sum, _splat, _vpdpbusd
+from .simd_blocks import _c, _gep, _ld, _lookup, _tab16, _cat
+
+_V32 = _vec(_I8, 32)
+_V8I = _vec(_I32, 8)
+_V8F = _vec(_F32, 8)
+Q4_PAIRS = ((0, 8), (16, 24), (4, 12), (20, 28))   # quant.interleaved: the 4-bit weave
+CRUMBS = ((0, 4, 8, 12), (16, 20, 24, 28))          # ... and the 2-bit one
+
+
+@dataclass
+class R4Sub:
+    """One 32-value sub-block of a block column: runs = [(u <32 x i8>, (off0, off1))], each run's
+    dword lane (m, k) holding row k's values off_m .. off_m + 3; scale, off and mins: <8 x i32>
+    lane vectors over (h, k) (off may be a plain int); mins None when the type has none."""
+    runs: list
+    scale: object
+    off: object
+    mins: object = None
+
+
+@dataclass
+class R4Block:
+    d: object            # <4 x f32>: the 4 rows' block scales
+    subs: list
+    dm: object = None    # <4 x f32> min scales (types with mins)
+
+
+@dataclass(frozen=True)
+class R4Dot:
+    name: str
+    nbytes: int          # bytes of one block column (4 rows)
+    unpack: Callable
+    row_scale: str = ""  # "f32": 4 f32 row scales head every group (IQ4_KS_R4)
+
+
+# ----------------------------------------------------------------------------------------
+# lane helpers
+# ----------------------------------------------------------------------------------------
+def _i32x8(b: ir.IRBuilder, v8):
+    """<8 x i8> -> <8 x i32> zero-extended."""
+    return b.zext(v8, _V8I)
+
+
+def _lane_fields(b: ir.IRBuilder, p, off: int, shift: int, mask: int, dup: bool = False, signed: bool = False):
+    """8 lanes (h, k) of per-row fields: byte off + 4h + k (dup: byte off + k for both h),
+    (>> shift) & mask, as i32."""
+    if dup:
+        v4 = _ld(b, p, off, 4)
+        v8 = b.shuffle_vector(v4, v4, ir.Constant(_vec(_I32, 8), [0, 1, 2, 3, 0, 1, 2, 3]))
+    else:
+        v8 = _ld(b, p, off, 8)
+    v = b.sext(v8, _V8I) if signed else _i32x8(b, v8)
+    if shift:
+        v = b.lshr(v, _c(shift, 8, _I32)) if not signed else b.ashr(v, _c(shift, 8, _I32))
+    return b.and_(v, _c(mask, 8, _I32)) if mask is not None else v
+
+
+def _d4(b: ir.IRBuilder, p, off: int):
+    """4 f16 at p + off -> <4 x f32>."""
+    h = _ld(b, p, off, 4, _I16)
+    return b.fpext(b.bitcast(h, _vec(ir.HalfType(), 4)), _vec(_F32, 4))
+
+
+def _dup8(b: ir.IRBuilder, v4):
+    return b.shuffle_vector(v4, v4, ir.Constant(_vec(_I32, 8), [0, 1, 2, 3, 0, 1, 2, 3]))
+
+
+def _blend_halves(b: ir.IRBuilder, x, y):
+    """Bytes 0..15 of x, 16..31 of y."""
+    return b.shuffle_vector(x, y, ir.Constant(_vec(_I32, 32), list(range(16)) + list(range(48, 64))))
+
+
+def _dpbusd(b: ir.IRBuilder, acc, u, a, vnni: bool):
+    """acc + per dword lane the 4 products u (unsigned) x a (signed)."""
+    if vnni:
+        return _vpdpbusd(b, acc, u, a)
+    prod = b.mul(b.zext(u, _vec(_I32, 32)), b.sext(a, _vec(_I32, 32)))
+    return b.add(acc, _pair_sum(b, _pair_sum(b, prod, 32), 16))
+
+
+def _runs4(b: ir.IRBuilder, p, off: int, fix=None):
+    """The two 32-byte runs of a 4-bit sub-block (64 bytes at off, Q4_PAIRS) as 4 nibble runs
+    [(levels, activation offsets)]; fix(levels, run index) may add high bits."""
+    runs = []
+    for half in range(2):
+        v = _ld(b, p, off + 32 * half)
+        for t in range(2):
+            u = b.and_(b.lshr(v, _c(4)) if t else v, _c(15))
+            ao = (Q4_PAIRS[2 * half][t], Q4_PAIRS[2 * half + 1][t])
+            runs.append((u if fix is None else fix(u, 2 * half + t), ao))
+    return runs
+
+
+def _runs2(b: ir.IRBuilder, p, off: int, fix=None):
+    """The 32-byte run of a 2-bit sub-block (CRUMBS) as 4 crumb runs."""
+    v = _ld(b, p, off)
+    runs = []
+    for t in range(4):
+        u = b.and_(b.lshr(v, _c(2 * t)) if t else v, _c(3))
+        runs.append((u if fix is None else fix(u, t), (CRUMBS[0][t], CRUMBS[1][t])))
+    return runs
+
+
+def _bitplane(b: ir.IRBuilder, p, off: int, bit0: int, bit1: int):
+    """A 1-bit weave (16 bytes at off: byte 4k + i) as a 32-lane vector: lanes of m = 0 take bit
+    bit0, lanes of m = 1 bit bit1 of their byte (values 0/1)."""
+    v16 = _ld(b, p, off, 16)
+    v = b.shuffle_vector(v16, v16, ir.Constant(_vec(_I32, 32), list(range(16)) * 2))
+    return _blend_halves(b, b.and_(b.lshr(v, _c(bit0)), _c(1)), b.and_(b.lshr(v, _c(bit1)), _c(1)))
+
+
+# ----------------------------------------------------------------------------------------
+# unpackers (byte offsets: quant.interleaved's _r_<type> builders)
+# ----------------------------------------------------------------------------------------
+def _tables(levels, n: int):
+    lv = np.asarray(levels).astype(np.int64)
+    return [_cat_const(_tab16(lv[16 * k:16 * k + min(16, n)], 128)) for k in range(max(1, n // 16))], \
+        int(lv[n] - lv[0])
+
+
+def _cat_const(t16: ir.Constant) -> ir.Constant:
+    return ir.Constant(_V32, list(t16.constant) * 2)
+
+
+_T_IQ2, _T_IQ3, _T_IQ4, _T_IQ5 = (_tables(_iqk.IQ2NL, 4), _tables(_iqk.IQ3NL, 8), _tables(_iqk.IQ4K, 16),
+                                  _tables(_iqk.IQ5NL, 32))
+
+
+def _lut(b: ir.IRBuilder, T, idx, hi=None):
+    r = _lookup(b, T[0][0], idx)
+    if hi is not None:
+        r = b.select(b.icmp_unsigned("!=", hi, _c(0)), _lookup(b, T[0][1], idx), r)
+    return r
+
+
+def _extra_off(b: ir.IRBuilder, T, p, s: int):
+    """128 - shift * extra bit of (h, k) for sub-block s (extra[8] at byte 8: bit s of byte 4h + k)."""
+    return b.sub(_c(128, 8, _I32), b.mul(_lane_fields(b, p, 8, s, 1), _c(T[1], 8, _I32)))
+
+
+def _nib_scales(b: ir.IRBuilder, p, off: int, s: int):
+    """4-bit per-16 fields (32 bytes at off): (h, k) of sub-block s -> byte 8 (s % 4) + 4h + k,
+    bits 4 (s // 4)."""
+    return _lane_fields(b, p, off + 8 * (s % 4), 4 * (s // 4), 15)
+
+
+def _unpack_iq2_k_r4(b: ir.IRBuilder, p) -> R4Block:
+    subs = []
+    for s in range(8):
+        runs = [(_lut(b, _T_IQ2, u), ao) for u, ao in _runs2(b, p, 48 + 32 * s)]
+        sc = b.sub(_nib_scales(b, p, 16, s), _c(8, 8, _I32))
+        subs.append(R4Sub(runs, sc, _extra_off(b, _T_IQ2, p, s)))
+    return R4Block(_d4(b, p, 0), subs)
+
+
+def _unpack_iq3_k_r4(b: ir.IRBuilder, p) -> R4Block:
+    subs = []
+    for s in range(8):
+        def fix(u, t, s=s):
+            h = _bitplane(b, p, 312 + 16 * s, t, t + 4)
+            return _lut(b, _T_IQ3, b.or_(u, b.shl(h, _c(2))))
+        runs = _runs2(b, p, 56 + 32 * s, fix)
+        ls = b.add(b.shl(_nib_scales(b, p, 24, s), _c(1, 8, _I32)), _c(1, 8, _I32))
+        neg = b.icmp_unsigned("!=", _lane_fields(b, p, 16, s, 1), _c(0, 8, _I32))
+        subs.append(R4Sub(runs, b.select(neg, b.neg(ls), ls), _extra_off(b, _T_IQ3, p, s)))
+    return R4Block(_d4(b, p, 0), subs)
+
+
+def _ls6_r4(b: ir.IRBuilder, p, s: int):
+    """IQ4_K_R4 / IQ5_K_R4 six-bit scales of sub-block s: scales_h crumbs at 16, scales_l
+    nibbles at 32, minus 32."""
+    hi = _lane_fields(b, p, 16 + 8 * (s % 2), 2 * (s // 2), 3)
+    return b.sub(b.or_(_nib_scales(b, p, 32, s), b.shl(hi, _c(4, 8, _I32))), _c(32, 8, _I32))
+
+
+def _unpack_iq4_k_r4(b: ir.IRBuilder, p) -> R4Block:
+    subs = []
+    for s in range(8):
+        runs = [(_lut(b, _T_IQ4, u), ao) for u, ao in _runs4(b, p, 64 + 64 * s)]
+        subs.append(R4Sub(runs, _ls6_r4(b, p, s), _extra_off(b, _T_IQ4, p, s)))
+    return R4Block(_d4(b, p, 0), subs)
+
+
+_IQ5_BITS = ((0, 2), (1, 3), (4, 6), (5, 7))     # qh bit of each nibble run's m = 0 / 1 lanes
+
+
+def _unpack_iq5_k_r4(b: ir.IRBuilder, p) -> R4Block:
+    subs = []
+    for s in range(8):
+        def fix(u, r, s=s):
+            return _lut(b, _T_IQ5, u, _bitplane(b, p, 576 + 16 * s, *_IQ5_BITS[r]))
+        subs.append(R4Sub(_runs4(b, p, 64 + 64 * s, fix), _ls6_r4(b, p, s), _extra_off(b, _T_IQ5, p, s)))
+    return R4Block(_d4(b, p, 0), subs)
+
+
+def _unpack_iq4_ks_r4(b: ir.IRBuilder, p) -> R4Block:
+    subs = []
+    for s in range(8):
+        v = _lane_fields(b, p, 4 * s, 0, None, dup=True)
+        runs = [(_lookup(b, _T_IQ4[0][0], u), ao) for u, ao in _runs4(b, p, 32 + 64 * s)]
+        sc = b.sub(b.and_(v, _c(254, 8, _I32)), _c(127, 8, _I32))
+        off = b.sub(_c(128, 8, _I32), b.mul(b.and_(v, _c(1, 8, _I32)), _c(_T_IQ4[1], 8, _I32)))
+        subs.append(R4Sub(runs, sc, off))
+    return R4Block(ir.Constant(_vec(_F32, 4), [1.0] * 4), subs)
+
+
+def _k4_r4_scales(b: ir.IRBuilder, p, s: int):
+    """Q4_K_R4 / Q5_K_R4 (scale, min) lanes of sub-block s: scales_h (4 bits: scale >> 4 |
+    min >> 4 << 2) at 16 + 4 (s % 4), bits 4 (s // 4); scales_l (scale & 15 | min << 4) at 32 + 4 s."""
+    hi = _lane_fields(b, p, 16 + 4 * (s % 4), 4 * (s // 4), 15, dup=True)
+    lo = _lane_fields(b, p, 32 + 4 * s, 0, None, dup=True)
+    four = _c(4, 8, _I32)
+    sc = b.or_(b.and_(lo, _c(15, 8, _I32)), b.shl(b.and_(hi, _c(3, 8, _I32)), four))
+    mn = b.or_(b.lshr(lo, four), b.shl(b.lshr(hi, _c(2, 8, _I32)), four))
+    return sc, mn
+
+
+def _unpack_q4_k_r4(b: ir.IRBuilder, p) -> R4Block:
+    subs = []
+    for s in range(8):
+        sc, mn = _k4_r4_scales(b, p, s)
+        subs.append(R4Sub(_runs4(b, p, 64 + 64 * s), sc, 0, mn))
+    return R4Block(_d4(b, p, 0), subs, b.fneg(_d4(b, p, 8)))
+
+
+_Q5_BITS = ((0, 4), (1, 5), (2, 6), (3, 7))
+
+
+def _unpack_q5_k_r4(b: ir.IRBuilder, p) -> R4Block:
+    subs = []
+    for s in range(8):
+        sc, mn = _k4_r4_scales(b, p, s)
+
+        def fix(u, r, s=s):
+            return b.or_(u, b.shl(_bitplane(b, p, 64 + 16 * s, *_Q5_BITS[r]), _c(4)))
+        subs.append(R4Sub(_runs4(b, p, 192 + 64 * s, fix), sc, 0, mn))
+    return R4Block(_d4(b, p, 0), subs, b.fneg(_d4(b, p, 8)))
+
+
+def _unpack_q6_k_r4(b: ir.IRBuilder, p) -> R4Block:
+    subs = []
+    for s in range(8):
+        qh = _ld(b, p, 72 + 32 * s)
+
+        def fix(u, r, qh=qh):
+            return b.or_(u, b.shl(b.and_(b.lshr(qh, _c(2 * r)), _c(3)), _c(4)))
+        sc = _lane_fields(b, p, 8 + 8 * s, 0, None, signed=True)
+        subs.append(R4Sub(_runs4(b, p, 328 + 64 * s, fix), sc, 32))
+    return R4Block(_d4(b, p, 0), subs)
+
+
+R4_DOTS: dict[int, R4Dot] = {
+    212: R4Dot("Q4_K_R4", 4 * 144, _unpack_q4_k_r4),
+    213: R4Dot("Q5_K_R4", 4 * 176, _unpack_q5_k_r4),
+    214: R4Dot("Q6_K_R4", 4 * 210, _unpack_q6_k_r4),
+    337: R4Dot("IQ2_K_R4", 4 * 76, _unpack_iq2_k_r4),
+    338: R4Dot("IQ3_K_R4", 4 * 110, _unpack_iq3_k_r4),
+    339: R4Dot("IQ4_K_R4", 4 * 144, _unpack_iq4_k_r4),
+    340: R4Dot("IQ5_K_R4", 4 * 176, _unpack_iq5_k_r4),
+    344: R4Dot("IQ4_KS_R4", 4 * 136, _unpack_iq4_ks_r4, "f32"),
+}
+
+
+# ----------------------------------------------------------------------------------------
+# the group template
+# ----------------------------------------------------------------------------------------
+def _act_shuffle(b: ir.IRBuilder, a, ao):
+    """Activation bytes for a run: lane (m, k, i) = a[ao[m] + i]."""
+    mask = [ao[m] + i for m in range(2) for k in range(4) for i in range(4)]
+    return b.shuffle_vector(a, a, ir.Constant(_vec(_I32, 32), mask))
+
+
+def _emit_group(b: ir.IRBuilder, fmt: R4Dot, grp, qp, sp, b16p, cols, vnni: bool):
+    """<4 x f32>: the 4 rows of the group at grp dotted with the activation row."""
+    meta = 16 if fmt.row_scale == "f32" else 0
+    blocks = _gep(b, grp, meta)
+    nb = b.udiv(cols, _const_i64(256))
+    accp = cgutils.alloca_once_value(b, ir.Constant(_V8F, None))
+    maccp = cgutils.alloca_once_value(b, ir.Constant(_V8F, None))
+    with cgutils.for_range(b, nb) as loop:
+        ib = loop.index
+        blk = fmt.unpack(b, b.gep(blocks, [b.mul(ib, _const_i64(fmt.nbytes))]))
+        facc = ir.Constant(_V8F, None)
+        mterm = None
+        for j, sub in enumerate(blk.subs):
+            k = b.add(b.mul(ib, _const_i64(8)), _const_i64(j))
+            a = b.load(b.bitcast(b.gep(qp, [b.mul(k, _const_i64(32))]), _V32.as_pointer()), align=1)
+            sa = _splat(b, b.load(b.gep(sp, [k])), _F32, 8)
+            k2 = b.mul(k, _const_i64(2))
+            s0, s1 = b.load(b.gep(b16p, [k2])), b.load(b.gep(b16p, [b.add(k2, _const_i64(1))]))
+            asum = b.insert_element(b.insert_element(ir.Constant(_V8I, None), s0, ir.Constant(_I32, 0)),
+                                    s1, ir.Constant(_I32, 1))
+            asum = b.shuffle_vector(asum, asum, ir.Constant(_V8I, [0, 0, 0, 0, 1, 1, 1, 1]))
+            off = sub.off if not isinstance(sub.off, int) else _c(sub.off, 8, _I32)
+            isum = b.neg(b.mul(off, asum)) if not (isinstance(sub.off, int) and sub.off == 0) else _c(0, 8, _I32)
+            for u, ao in sub.runs:
+                isum = _dpbusd(b, isum, u, _act_shuffle(b, a, ao), vnni)
+            isum = b.mul(isum, sub.scale)
+            facc = b.fadd(facc, b.fmul(b.sitofp(isum, _V8F), sa, flags=["fast"]), flags=["fast"])
+            if sub.mins is not None:
+                t = b.fmul(b.sitofp(b.mul(sub.mins, asum), _V8F), sa, flags=["fast"])
+                mterm = t if mterm is None else b.fadd(mterm, t, flags=["fast"])
+        b.store(b.fadd(b.load(accp), b.fmul(facc, _dup8(b, blk.d), flags=["fast"]), flags=["fast"]), accp)
+        if mterm is not None:
+            b.store(b.fadd(b.load(maccp), b.fmul(mterm, _dup8(b, blk.dm), flags=["fast"]), flags=["fast"]), maccp)
+    r8 = b.fadd(b.load(accp), b.load(maccp), flags=["fast"])
+    lo = b.shuffle_vector(r8, r8, ir.Constant(_vec(_I32, 4), [0, 1, 2, 3]))
+    hi = b.shuffle_vector(r8, r8, ir.Constant(_vec(_I32, 4), [4, 5, 6, 7]))
+    r = b.fadd(lo, hi, flags=["fast"])
+    if fmt.row_scale == "f32":
+        r = b.fmul(r, _ld(b, grp, 0, 4, _F32))
+    return r
+
+
+def _group_dot_intrinsic(vnni: bool):
+    """group_dot(qtype, buf, gbase, q, s, b16, cols, out, r0): out[r0 + k] = row k of the 4-row
+    group at byte gbase dotted with the activation row, for every type in R4_DOTS (others:
+    out untouched, returns False)."""
+
+    @intrinsic
+    def group_dot(typingctx, qtype, buf, gbase, q, s, b16, cols, out, r0):
+        if not all(isinstance(x, types.Array) for x in (buf, q, s, b16, out)):
+            return None
+        sig = types.boolean(types.int64, buf, types.int64, q, s, b16, types.int64, out, types.int64)
+
+        def codegen(context, builder, sig, args):
+            wbuf, qa, sa, b16a, oa = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (1, 3, 4, 5, 7))
+            grp = builder.gep(wbuf.data, [args[2]])
+            dst = builder.bitcast(builder.gep(oa.data, [args[8]]), _vec(_F32, 4).as_pointer())
+            okp = cgutils.alloca_once_value(builder, ir.Constant(ir.IntType(1), 0))
+            end = builder.append_basic_block("r4.end")
+            sw = builder.switch(args[0], end)
+            for tid, fmt in R4_DOTS.items():
+                bb = builder.append_basic_block(f"r4.{fmt.name}")
+                sw.add_case(ir.Constant(_I64, tid), bb)
+                builder.position_at_end(bb)
+                builder.store(_emit_group(builder, fmt, grp, qa.data, sa.data, b16a.data, args[6], vnni), dst, align=4)
+                builder.store(ir.Constant(ir.IntType(1), 1), okp)
+                builder.branch(end)
+            builder.position_at_end(end)
+            return builder.load(okp)
+        return sig, codegen
+    return group_dot
+
+
+group_dot_generic = _group_dot_intrinsic(False)
+group_dot_vnni = _group_dot_intrinsic(True) if HAS_VNNI else None
+group_dot = group_dot_vnni if HAS_VNNI else group_dot_generic
