@@ -464,27 +464,17 @@ def _silu_mul(g, u):
 _iopts = dict(cache=True, nogil=True)
 
 
-@njit(inline="always", **_iopts)
-def _int_row_dot(qtype, buf, base, nb, q, s, bs, b16, k):
-    """Dot of the row at byte `base` with int8 activation row k of (q, s, bs, b16): the
-    explicit-vector block loops of quant.simd (Q8_0, Q4_0) and quant.simd_blocks (the other
-    block types), chosen once per row."""
-    if qtype == Q8_0_ID:
-        return _simd.row_dot_q8_0(buf, base, q[k], s[k], bs[k], nb)
-    if qtype == Q4_0_ID:
-        return _simd.row_dot_q4_0(buf, base, q[k], s[k], bs[k], nb)
-    return _blocks.row_dot(qtype, buf, base, q[k], s[k], bs[k], b16[k], nb * QK)
-
-
 @njit(**_iopts)
 def _int_run(qtype, buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, bs, b16, out):
     """out[k, r] = row r . activation k for rows r0:r1 (from byte ebase on), pairs k0:k1.
-    Interleaved types go 4 or 8 rows at a time (r0, r1 are multiples of that for them)."""
+    Interleaved types go 4 or 8 rows at a time (r0, r1 are multiples of that for them).
+    quant.simd_blocks / simd_r4 take TMAX activation rows a call (a weight block unpacked once
+    for all of them); the tile of TMAX rows stays in L1 while the run's weight rows pass."""
     if qtype < 400 and _R4_KERNEL[qtype]:
-        for r in range(r0, r1, 4):
-            gbase = ebase + r * stride
-            for k in range(k0, k1):
-                _r4.group_dot(qtype, buf, gbase, q[k], s[k], b16[k], nb * qk, out[k], r)
+        for kt in range(k0, k1, _blocks.TMAX):
+            nt = min(_blocks.TMAX, k1 - kt)
+            for r in range(r0, r1, 4):
+                _r4.group_dot(qtype, buf, ebase + r * stride, q, s, bs, b16, nb * qk, kt, nt, out, r)
         return
     if qtype == Q8_0_R8_ID or qtype == Q4_0_R8_ID:
         for r in range(r0, r1, 8):
@@ -495,10 +485,19 @@ def _int_run(qtype, buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, bs, b
                 else:
                     _simd.group_dot_q4_0_r8(buf, gbase, q[k], s[k], bs[k], nb, out[k], r)
         return
-    for r in range(r0, r1):
-        base = ebase + r * stride
-        for k in range(k0, k1):
-            out[k, r] = _int_row_dot(qtype, buf, base, nb, q, s, bs, b16, k)
+    if qtype == Q8_0_ID or qtype == Q4_0_ID:
+        for r in range(r0, r1):
+            base = ebase + r * stride
+            for k in range(k0, k1):
+                if qtype == Q8_0_ID:
+                    out[k, r] = _simd.row_dot_q8_0(buf, base, q[k], s[k], bs[k], nb)
+                else:
+                    out[k, r] = _simd.row_dot_q4_0(buf, base, q[k], s[k], bs[k], nb)
+        return
+    for kt in range(k0, k1, _blocks.TMAX):
+        nt = min(_blocks.TMAX, k1 - kt)
+        for r in range(r0, r1):
+            _blocks.row_dot(qtype, buf, ebase + r * stride, q, s, bs, b16, nb * qk, kt, nt, out, r)
 
 
 @njit(**_opts)

@@ -57,6 +57,7 @@ from .types import BF16, F16, F32, Q4_0, Q6_0, Q8_0, type_info
 
 MANY_TOKENS = 16          # from this many activation rows on, use dequantized tiles + BLAS
 _MANY_TOKENS_INT = 8      # ... and this many for Q8_0 / Q4_0 (integer dots cost more per token)
+_MANY_TOKENS_BLOCKS = 32  # ... for the block types of quant.simd_blocks (see many_tokens)
 TILE_BYTES = 4 << 20      # target size of the f32 scratch tile
 # Numba threads that decode a tile (None: all of numba's).  Decoding is ~1-2 % of the work
 # of a many-token matmul; see the module docstring on thread pools fighting.
@@ -200,7 +201,16 @@ def _as_act(x: np.ndarray, cols: int) -> np.ndarray:
 
 
 def many_tokens(qtype: int) -> int:
-    """Number of activation rows from which matmul switches to the tile + BLAS path."""
+    """Number of activation rows from which matmul switches to the tile + BLAS path.
+
+    Measured (4096 x 4096, 2 threads, scripts/bench_prompt_path.py): the _R4 kernels beat the
+    tiles at every count (n = 512: 84 vs 126 ms for Q4_K_R4, 80 vs 128 for IQ2_K_R4), so they
+    never switch; the plain block types' integer kernels break even with the tiles near 32 rows
+    (Q4_K: 10.0 vs 11.8 ms at 32, 40 vs 36 at 128, 163 vs 117 at 512)."""
+    if qtype in K._r4.R4_DOTS:
+        return 1 << 62
+    if qtype in K._blocks.BLOCK_DOTS:
+        return _MANY_TOKENS_BLOCKS
     return min(MANY_TOKENS, _MANY_TOKENS_INT) if qtype in K.INT_DOT_TYPES else MANY_TOKENS
 
 

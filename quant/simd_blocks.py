@@ -24,8 +24,10 @@ Activations are quant.kernels.quantize_act_q8's blocks of 32 (int8, f32 scale, i
 the int32 sum of every 16 values (block_sums16), shared with the Q8_0 / Q4_0 kernels: one
 quantization per matmul whatever the weight types.
 
-`row_dot(qtype, buf, base, q, s, bs, bs16, cols)` is one intrinsic that switches on the type
-id (the switch is generated from BLOCK_DOTS) and runs that type's row loop.  IQ6_K uses the
+`row_dot(qtype, buf, base, q, s, bs, b16, cols, k0, ntok, out, r)` is one intrinsic that
+switches on the type id (the switch is generated from BLOCK_DOTS) and runs that type's row loop
+for up to TMAX activation rows at once: each weight block is unpacked once for all of them
+(prompts and the experts' pairs: the unpacking is paid once per TMAX tokens).  IQ6_K uses the
 integer levels ik's matmul kernels use (quant.iqk.IQ6K_INT_LEVELS).  IQ4_KSS has no record
 here (rows are decoded to f32 by quant.kernels).
 
@@ -490,92 +492,160 @@ def _sub_isum(b: ir.IRBuilder, u, a, off, corr, vnni: bool):
     return _pair_sum(b, _pair_sum(b, prod, 32), 16)
 
 
-def _emit_row(b: ir.IRBuilder, fmt: BlockDot, row, qp, sp, bsp, b16p, cols, vnni: bool):
-    """The f32 dot of one row of type fmt at pointer row with the activation row."""
+TMAX = 8   # activation rows per call: every weight block is unpacked once for all of them
+
+
+@dataclass
+class Act:
+    """Pointers to activation row 0 of a token tile (q int8, s f32 per 32, bs i32 per 32, b16 i32
+    per 16) and their row strides in elements; `row(t)` gives row t's pointers."""
+    q: object
+    s: object
+    bs: object
+    b16: object
+    strides: tuple
+
+    def row(self, b: ir.IRBuilder, t):
+        return tuple(b.gep(p, [b.mul(t, st)]) for p, st in zip((self.q, self.s, self.bs, self.b16), self.strides))
+
+
+def act_arrays(context, builder, sig_args, args, k0):
+    """Act for the activation arrays (q, s, bs, b16: 2-D, one row per token) from row k0 on."""
+    ptrs, strides = [], []
+    for ty, val in zip(sig_args, args):
+        a = context.make_array(ty)(context, builder, val)
+        st = builder.sdiv(builder.extract_value(a.strides, 0), _const_i64(ty.dtype.bitwidth // 8))
+        ptrs.append(builder.gep(a.data, [builder.mul(k0, st)]))
+        strides.append(st)
+    return Act(*ptrs, tuple(strides))
+
+
+def _emit_row(b: ir.IRBuilder, fmt: BlockDot, row, act: Act, ntok, cols, vnni: bool):
+    """The dots of one row of type fmt at pointer row with ntok (<= TMAX) activation rows:
+    returns an alloca of TMAX f32, the first ntok filled."""
     nsub = fmt.values // 32
     blocks = _gep(b, row, fmt.meta)
     nb = b.udiv(cols, _const_i64(fmt.values))
     v8f = _vec(_F32, 8)
-    accp = cgutils.alloca_once_value(b, ir.Constant(v8f, None))
-    maccp = cgutils.alloca_once_value(b, ir.Constant(_F32, 0.0))
+    accs = b.alloca(ir.ArrayType(v8f, TMAX))
+    maccs = b.alloca(ir.ArrayType(_F32, TMAX))
+    res = b.alloca(ir.ArrayType(_F32, TMAX))
+    zero32 = ir.Constant(_I32, 0)
+    for t in range(TMAX):
+        b.store(ir.Constant(v8f, None), b.gep(accs, [zero32, ir.Constant(_I32, t)]))
+        b.store(ir.Constant(_F32, 0.0), b.gep(maccs, [zero32, ir.Constant(_I32, t)]))
     with cgutils.for_range(b, nb) as loop:
         ib = loop.index
         blk = fmt.unpack(b, b.gep(blocks, [b.mul(ib, _const_i64(fmt.nbytes))]))
-        bacc = ir.Constant(v8f, None)
-        mterm = None
-        for j, (u, sc) in enumerate(blk.subs):
-            k = b.add(b.mul(ib, _const_i64(nsub)), _const_i64(j))
-            a = b.load(b.bitcast(b.gep(qp, [b.mul(k, _const_i64(32))]), _V32.as_pointer()), align=1)
-            sa = b.load(b.gep(sp, [k]))
-            per16 = isinstance(sc, tuple)
-            mn = blk.mins[j] if blk.mins is not None else None
-            need16 = per16 or isinstance(mn, tuple)
-            if need16:
-                k2 = b.mul(k, _const_i64(2))
-                s16 = (b.load(b.gep(b16p, [k2])), b.load(b.gep(b16p, [b.add(k2, _const_i64(1))])))
-            off = fmt.off if blk.offs is None else blk.offs[j]
-            if isinstance(off, tuple) and not per16:
-                raise AssertionError(f"{fmt.name}: per-16 offsets need per-16 scales")
-            if isinstance(off, int):
-                offs = (ir.Constant(_I32, off),) * 2
-            else:
-                offs = off if isinstance(off, tuple) else (off, off)
-            if per16:
-                corr = (b.neg(b.mul(s16[0], offs[0])), b.neg(b.mul(s16[1], offs[1])))
-            else:
-                corr = (b.neg(b.mul(b.load(b.gep(bsp, [k])), offs[0])), None)
-            lanes = _sub_isum(b, u, a, off, corr, vnni)
-            if per16:
-                lanes = b.mul(lanes, _lanes8(b, sc))
-                f = sa
-            else:
-                f = b.fmul(sa, b.sitofp(sc, _F32), flags=["fast"])
-            bacc = b.fadd(bacc, b.fmul(b.sitofp(lanes, v8f), _splat(b, f, _F32, 8), flags=["fast"]), flags=["fast"])
-            if mn is not None:
-                mi = (b.add(b.mul(mn[0], s16[0]), b.mul(mn[1], s16[1])) if isinstance(mn, tuple)
-                      else b.mul(mn, b.load(b.gep(bsp, [k]))))
-                t = b.fmul(sa, b.sitofp(mi, _F32), flags=["fast"])
-                mterm = t if mterm is None else b.fadd(mterm, t, flags=["fast"])
-        b.store(b.fadd(b.load(accp), b.fmul(bacc, _splat(b, blk.d, _F32, 8), flags=["fast"]), flags=["fast"]), accp)
-        if mterm is not None:
-            b.store(b.fadd(b.load(maccp), b.fmul(blk.dm, mterm, flags=["fast"]), flags=["fast"]), maccp)
-    red = cgutils.get_or_insert_function(b.module, ir.FunctionType(_F32, [_F32, v8f]), "llvm.vector.reduce.fadd.v8f32")
-    r = b.call(red, [ir.Constant(_F32, 0.0), b.load(accp)])
-    r.fastmath.add("reassoc")
-    r = b.fadd(r, b.load(maccp))
-    if fmt.row_scale == "f32":
-        r = b.fmul(r, _f32(b, row, 0))
-    elif fmt.row_scale == "f16":
-        r = b.fmul(r, _f16(b, row, 0))
-    return r
+        with cgutils.for_range(b, ntok) as tl:
+            qp, sp, bsp, b16p = act.row(b, tl.index)
+            accp = b.gep(accs, [zero32, tl.index])
+            maccp = b.gep(maccs, [zero32, tl.index])
+            _block_dot(b, fmt, blk, ib, nsub, qp, sp, bsp, b16p, accp, maccp, vnni)
+    with cgutils.for_range(b, ntok) as tl:
+        acc = b.load(b.gep(accs, [zero32, tl.index]))
+        red = cgutils.get_or_insert_function(b.module, ir.FunctionType(_F32, [_F32, v8f]), "llvm.vector.reduce.fadd.v8f32")
+        r = b.call(red, [ir.Constant(_F32, 0.0), acc])
+        r.fastmath.add("reassoc")
+        r = b.fadd(r, b.load(b.gep(maccs, [zero32, tl.index])))
+        if fmt.row_scale == "f32":
+            r = b.fmul(r, _f32(b, row, 0))
+        elif fmt.row_scale == "f16":
+            r = b.fmul(r, _f16(b, row, 0))
+        b.store(r, b.gep(res, [zero32, tl.index]))
+    return res
+
+
+def _block_dot(b: ir.IRBuilder, fmt: BlockDot, blk: Block, ib, nsub: int, qp, sp, bsp, b16p, accp, maccp, vnni: bool):
+    """acc += the unpacked block ib times one activation row (mins: macc)."""
+    v8f = _vec(_F32, 8)
+    bacc = ir.Constant(v8f, None)
+    mterm = None
+    for j, (u, sc) in enumerate(blk.subs):
+        k = b.add(b.mul(ib, _const_i64(nsub)), _const_i64(j))
+        a = b.load(b.bitcast(b.gep(qp, [b.mul(k, _const_i64(32))]), _V32.as_pointer()), align=1)
+        sa = b.load(b.gep(sp, [k]))
+        per16 = isinstance(sc, tuple)
+        mn = blk.mins[j] if blk.mins is not None else None
+        if per16 or isinstance(mn, tuple):
+            k2 = b.mul(k, _const_i64(2))
+            s16 = (b.load(b.gep(b16p, [k2])), b.load(b.gep(b16p, [b.add(k2, _const_i64(1))])))
+        off = fmt.off if blk.offs is None else blk.offs[j]
+        if isinstance(off, tuple) and not per16:
+            raise AssertionError(f"{fmt.name}: per-16 offsets need per-16 scales")
+        if isinstance(off, int):
+            offs = (ir.Constant(_I32, off),) * 2
+        else:
+            offs = off if isinstance(off, tuple) else (off, off)
+        if per16:
+            corr = (b.neg(b.mul(s16[0], offs[0])), b.neg(b.mul(s16[1], offs[1])))
+        else:
+            corr = (b.neg(b.mul(b.load(b.gep(bsp, [k])), offs[0])), None)
+        lanes = _sub_isum(b, u, a, off, corr, vnni)
+        if per16:
+            lanes = b.mul(lanes, _lanes8(b, sc))
+            f = sa
+        else:
+            f = b.fmul(sa, b.sitofp(sc, _F32), flags=["fast"])
+        bacc = b.fadd(bacc, b.fmul(b.sitofp(lanes, v8f), _splat(b, f, _F32, 8), flags=["fast"]), flags=["fast"])
+        if mn is not None:
+            mi = (b.add(b.mul(mn[0], s16[0]), b.mul(mn[1], s16[1])) if isinstance(mn, tuple)
+                  else b.mul(mn, b.load(b.gep(bsp, [k]))))
+            t = b.fmul(sa, b.sitofp(mi, _F32), flags=["fast"])
+            mterm = t if mterm is None else b.fadd(mterm, t, flags=["fast"])
+    b.store(b.fadd(b.load(accp), b.fmul(bacc, _splat(b, blk.d, _F32, 8), flags=["fast"]), flags=["fast"]), accp)
+    if mterm is not None:
+        b.store(b.fadd(b.load(maccp), b.fmul(blk.dm, mterm, flags=["fast"]), flags=["fast"]), maccp)
+
+
+def _one_or_many(b: ir.IRBuilder, ntok, emit) -> None:
+    """emit(ntok) twice: for the constant 1 (token generation: LLVM then keeps the accumulators in
+    registers; through the TMAX-row path one token measured 1.3-2x slower) and for the rest."""
+    one = b.icmp_unsigned("==", ntok, _const_i64(1))
+    with b.if_else(one) as (then, otherwise):
+        with then:
+            emit(_const_i64(1))
+        with otherwise:
+            emit(ntok)
 
 
 def _row_dot_intrinsic(vnni: bool):
-    """row_dot(qtype, buf, base, q, s, bs, bs16, cols) -> f32 for every type in BLOCK_DOTS
-    (NaN for others): a switch on qtype around each type's row loop."""
+    """row_dot(qtype, buf, base, q, s, bs, b16, cols, k0, ntok, out, r) -> bool: out[k0 + t, r] =
+    the row at byte base of buf dotted with activation row k0 + t of (q, s, bs, b16), t < ntok
+    (<= TMAX), for every type in BLOCK_DOTS (others: False, out untouched).  A switch on qtype
+    around each type's row loop; each block is unpacked once for the ntok rows."""
 
     @intrinsic
-    def row_dot(typingctx, qtype, buf, base, q, s, bs, bs16, cols):
-        if not all(isinstance(x, types.Array) for x in (buf, q, s, bs, bs16)):
+    def row_dot(typingctx, qtype, buf, base, q, s, bs, b16, cols, k0, ntok, out, r):
+        if not all(isinstance(x, types.Array) for x in (buf, q, s, bs, b16, out)):
             return None
-        sig = types.float32(types.int64, buf, types.int64, q, s, bs, bs16, types.int64)
+        sig = types.boolean(types.int64, buf, types.int64, q, s, bs, b16, types.int64, types.int64, types.int64,
+                            out, types.int64)
 
         def codegen(context, builder, sig, args):
-            arr = [context.make_array(sig.args[i])(context, builder, args[i]) for i in (1, 3, 4, 5, 6)]
-            wbuf, qa, sa, ba, b16 = arr
+            wbuf = context.make_array(sig.args[1])(context, builder, args[1])
             row = builder.gep(wbuf.data, [args[2]])
-            qp = builder.bitcast(qa.data, _I8.as_pointer())
-            resp = cgutils.alloca_once_value(builder, ir.Constant(_F32, float("nan")))
+            act = act_arrays(context, builder, sig.args[3:7], args[3:7], args[8])
+            oa = context.make_array(sig.args[10])(context, builder, args[10])
+            ost = builder.sdiv(builder.extract_value(oa.strides, 0), _const_i64(4))
+            obase = builder.gep(oa.data, [builder.add(builder.mul(args[8], ost), args[11])])
+            okp = cgutils.alloca_once_value(builder, ir.Constant(ir.IntType(1), 0))
             end = builder.append_basic_block("rowdot.end")
             sw = builder.switch(args[0], end)
             for tid, fmt in BLOCK_DOTS.items():
                 bb = builder.append_basic_block(f"rowdot.{fmt.name}")
                 sw.add_case(ir.Constant(_I64, tid), bb)
                 builder.position_at_end(bb)
-                builder.store(_emit_row(builder, fmt, row, qp, sa.data, ba.data, b16.data, args[7], vnni), resp)
+                def emit(ntok, fmt=fmt):
+                    res = _emit_row(builder, fmt, row, act, ntok, args[7], vnni)
+                    with cgutils.for_range(builder, ntok) as tl:
+                        v = builder.load(builder.gep(res, [ir.Constant(_I32, 0), tl.index]))
+                        builder.store(v, builder.gep(obase, [builder.mul(tl.index, ost)]))
+                _one_or_many(builder, args[9], emit)
+                builder.store(ir.Constant(ir.IntType(1), 1), okp)
                 builder.branch(end)
             builder.position_at_end(end)
-            return builder.load(resp)
+            return builder.load(okp)
         return sig, codegen
     return row_dot
 

@@ -34,7 +34,7 @@ from numba.extending import intrinsic
 
 from . import iqk as _iqk
 from .simd import HAS_VNNI, _F32, _I8, _I16, _I32, _I64, _vec, _const_i64, _pair_sum, _splat, _vpdpbusd
-from .simd_blocks import _c, _gep, _ld, _lookup, _tab16, _cat
+from .simd_blocks import TMAX, _c, _gep, _ld, _lookup, _one_or_many, _tab16, act_arrays
 
 _V32 = _vec(_I8, 32)
 _V8I = _vec(_I32, 8)
@@ -306,63 +306,87 @@ def _act_shuffle(b: ir.IRBuilder, a, ao):
     return b.shuffle_vector(a, a, ir.Constant(_vec(_I32, 32), mask))
 
 
-def _emit_group(b: ir.IRBuilder, fmt: R4Dot, grp, qp, sp, b16p, cols, vnni: bool):
-    """<4 x f32>: the 4 rows of the group at grp dotted with the activation row."""
+def _emit_group(b: ir.IRBuilder, fmt: R4Dot, grp, act, ntok, cols, vnni: bool):
+    """The 4 rows of the group at grp dotted with ntok (<= TMAX) activation rows: an alloca of
+    TMAX <4 x f32>, the first ntok filled."""
     meta = 16 if fmt.row_scale == "f32" else 0
     blocks = _gep(b, grp, meta)
     nb = b.udiv(cols, _const_i64(256))
-    accp = cgutils.alloca_once_value(b, ir.Constant(_V8F, None))
-    maccp = cgutils.alloca_once_value(b, ir.Constant(_V8F, None))
+    v4f = _vec(_F32, 4)
+    zero32 = ir.Constant(_I32, 0)
+    accs = b.alloca(ir.ArrayType(_V8F, TMAX))
+    maccs = b.alloca(ir.ArrayType(_V8F, TMAX))
+    res = b.alloca(ir.ArrayType(v4f, TMAX))
+    for t in range(TMAX):
+        b.store(ir.Constant(_V8F, None), b.gep(accs, [zero32, ir.Constant(_I32, t)]))
+        b.store(ir.Constant(_V8F, None), b.gep(maccs, [zero32, ir.Constant(_I32, t)]))
     with cgutils.for_range(b, nb) as loop:
         ib = loop.index
         blk = fmt.unpack(b, b.gep(blocks, [b.mul(ib, _const_i64(fmt.nbytes))]))
-        facc = ir.Constant(_V8F, None)
-        mterm = None
-        for j, sub in enumerate(blk.subs):
-            k = b.add(b.mul(ib, _const_i64(8)), _const_i64(j))
-            a = b.load(b.bitcast(b.gep(qp, [b.mul(k, _const_i64(32))]), _V32.as_pointer()), align=1)
-            sa = _splat(b, b.load(b.gep(sp, [k])), _F32, 8)
-            k2 = b.mul(k, _const_i64(2))
-            s0, s1 = b.load(b.gep(b16p, [k2])), b.load(b.gep(b16p, [b.add(k2, _const_i64(1))]))
-            asum = b.insert_element(b.insert_element(ir.Constant(_V8I, None), s0, ir.Constant(_I32, 0)),
-                                    s1, ir.Constant(_I32, 1))
-            asum = b.shuffle_vector(asum, asum, ir.Constant(_V8I, [0, 0, 0, 0, 1, 1, 1, 1]))
-            off = sub.off if not isinstance(sub.off, int) else _c(sub.off, 8, _I32)
-            isum = b.neg(b.mul(off, asum)) if not (isinstance(sub.off, int) and sub.off == 0) else _c(0, 8, _I32)
-            for u, ao in sub.runs:
-                isum = _dpbusd(b, isum, u, _act_shuffle(b, a, ao), vnni)
-            isum = b.mul(isum, sub.scale)
-            facc = b.fadd(facc, b.fmul(b.sitofp(isum, _V8F), sa, flags=["fast"]), flags=["fast"])
-            if sub.mins is not None:
-                t = b.fmul(b.sitofp(b.mul(sub.mins, asum), _V8F), sa, flags=["fast"])
-                mterm = t if mterm is None else b.fadd(mterm, t, flags=["fast"])
-        b.store(b.fadd(b.load(accp), b.fmul(facc, _dup8(b, blk.d), flags=["fast"]), flags=["fast"]), accp)
-        if mterm is not None:
-            b.store(b.fadd(b.load(maccp), b.fmul(mterm, _dup8(b, blk.dm), flags=["fast"]), flags=["fast"]), maccp)
-    r8 = b.fadd(b.load(accp), b.load(maccp), flags=["fast"])
-    lo = b.shuffle_vector(r8, r8, ir.Constant(_vec(_I32, 4), [0, 1, 2, 3]))
-    hi = b.shuffle_vector(r8, r8, ir.Constant(_vec(_I32, 4), [4, 5, 6, 7]))
-    r = b.fadd(lo, hi, flags=["fast"])
-    if fmt.row_scale == "f32":
-        r = b.fmul(r, _ld(b, grp, 0, 4, _F32))
-    return r
+        d8 = _dup8(b, blk.d)
+        dm8 = _dup8(b, blk.dm) if blk.dm is not None else None
+        with cgutils.for_range(b, ntok) as tl:
+            qp, sp, _, b16p = act.row(b, tl.index)
+            _block_dot4(b, blk, ib, qp, sp, b16p, d8, dm8, b.gep(accs, [zero32, tl.index]),
+                        b.gep(maccs, [zero32, tl.index]), vnni)
+    with cgutils.for_range(b, ntok) as tl:
+        r8 = b.fadd(b.load(b.gep(accs, [zero32, tl.index])), b.load(b.gep(maccs, [zero32, tl.index])),
+                    flags=["fast"])
+        lo = b.shuffle_vector(r8, r8, ir.Constant(_vec(_I32, 4), [0, 1, 2, 3]))
+        hi = b.shuffle_vector(r8, r8, ir.Constant(_vec(_I32, 4), [4, 5, 6, 7]))
+        r = b.fadd(lo, hi, flags=["fast"])
+        if fmt.row_scale == "f32":
+            r = b.fmul(r, _ld(b, grp, 0, 4, _F32))
+        b.store(r, b.gep(res, [zero32, tl.index]))
+    return res
+
+
+def _block_dot4(b: ir.IRBuilder, blk: R4Block, ib, qp, sp, b16p, d8, dm8, accp, maccp, vnni: bool):
+    """acc (lanes (h, k)) += the unpacked block column ib times one activation row."""
+    facc = ir.Constant(_V8F, None)
+    mterm = None
+    for j, sub in enumerate(blk.subs):
+        k = b.add(b.mul(ib, _const_i64(8)), _const_i64(j))
+        a = b.load(b.bitcast(b.gep(qp, [b.mul(k, _const_i64(32))]), _V32.as_pointer()), align=1)
+        sa = _splat(b, b.load(b.gep(sp, [k])), _F32, 8)
+        k2 = b.mul(k, _const_i64(2))
+        s0, s1 = b.load(b.gep(b16p, [k2])), b.load(b.gep(b16p, [b.add(k2, _const_i64(1))]))
+        asum = b.insert_element(b.insert_element(ir.Constant(_V8I, None), s0, ir.Constant(_I32, 0)),
+                                s1, ir.Constant(_I32, 1))
+        asum = b.shuffle_vector(asum, asum, ir.Constant(_V8I, [0, 0, 0, 0, 1, 1, 1, 1]))
+        off = sub.off if not isinstance(sub.off, int) else _c(sub.off, 8, _I32)
+        isum = b.neg(b.mul(off, asum)) if not (isinstance(sub.off, int) and sub.off == 0) else _c(0, 8, _I32)
+        for u, ao in sub.runs:
+            isum = _dpbusd(b, isum, u, _act_shuffle(b, a, ao), vnni)
+        isum = b.mul(isum, sub.scale)
+        facc = b.fadd(facc, b.fmul(b.sitofp(isum, _V8F), sa, flags=["fast"]), flags=["fast"])
+        if sub.mins is not None:
+            t = b.fmul(b.sitofp(b.mul(sub.mins, asum), _V8F), sa, flags=["fast"])
+            mterm = t if mterm is None else b.fadd(mterm, t, flags=["fast"])
+    b.store(b.fadd(b.load(accp), b.fmul(facc, d8, flags=["fast"]), flags=["fast"]), accp)
+    if mterm is not None:
+        b.store(b.fadd(b.load(maccp), b.fmul(mterm, dm8, flags=["fast"]), flags=["fast"]), maccp)
 
 
 def _group_dot_intrinsic(vnni: bool):
-    """group_dot(qtype, buf, gbase, q, s, b16, cols, out, r0): out[r0 + k] = row k of the 4-row
-    group at byte gbase dotted with the activation row, for every type in R4_DOTS (others:
-    out untouched, returns False)."""
+    """group_dot(qtype, buf, gbase, q, s, bs, b16, cols, k0, ntok, out, r0) -> bool:
+    out[k0 + t, r0 + k] = row k of the 4-row group at byte gbase dotted with activation row
+    k0 + t, t < ntok (<= TMAX), for every type in R4_DOTS (others: False, out untouched)."""
 
     @intrinsic
-    def group_dot(typingctx, qtype, buf, gbase, q, s, b16, cols, out, r0):
-        if not all(isinstance(x, types.Array) for x in (buf, q, s, b16, out)):
+    def group_dot(typingctx, qtype, buf, gbase, q, s, bs, b16, cols, k0, ntok, out, r0):
+        if not all(isinstance(x, types.Array) for x in (buf, q, s, bs, b16, out)):
             return None
-        sig = types.boolean(types.int64, buf, types.int64, q, s, b16, types.int64, out, types.int64)
+        sig = types.boolean(types.int64, buf, types.int64, q, s, bs, b16, types.int64, types.int64, types.int64,
+                            out, types.int64)
 
         def codegen(context, builder, sig, args):
-            wbuf, qa, sa, b16a, oa = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (1, 3, 4, 5, 7))
+            wbuf = context.make_array(sig.args[1])(context, builder, args[1])
             grp = builder.gep(wbuf.data, [args[2]])
-            dst = builder.bitcast(builder.gep(oa.data, [args[8]]), _vec(_F32, 4).as_pointer())
+            act = act_arrays(context, builder, sig.args[3:7], args[3:7], args[8])
+            oa = context.make_array(sig.args[10])(context, builder, args[10])
+            ost = builder.sdiv(builder.extract_value(oa.strides, 0), _const_i64(4))
+            obase = builder.gep(oa.data, [builder.add(builder.mul(args[8], ost), args[11])])
             okp = cgutils.alloca_once_value(builder, ir.Constant(ir.IntType(1), 0))
             end = builder.append_basic_block("r4.end")
             sw = builder.switch(args[0], end)
@@ -370,7 +394,13 @@ def _group_dot_intrinsic(vnni: bool):
                 bb = builder.append_basic_block(f"r4.{fmt.name}")
                 sw.add_case(ir.Constant(_I64, tid), bb)
                 builder.position_at_end(bb)
-                builder.store(_emit_group(builder, fmt, grp, qa.data, sa.data, b16a.data, args[6], vnni), dst, align=4)
+                def emit(ntok, fmt=fmt):
+                    res = _emit_group(builder, fmt, grp, act, ntok, args[7], vnni)
+                    with cgutils.for_range(builder, ntok) as tl:
+                        v = builder.load(builder.gep(res, [ir.Constant(_I32, 0), tl.index]))
+                        dst = builder.bitcast(builder.gep(obase, [builder.mul(tl.index, ost)]), _vec(_F32, 4).as_pointer())
+                        builder.store(v, dst, align=4)
+                _one_or_many(builder, args[9], emit)
                 builder.store(ir.Constant(ir.IntType(1), 1), okp)
                 builder.branch(end)
             builder.position_at_end(end)

@@ -1,7 +1,9 @@
 """Rough speed of quant.matmul: n=1 (integer-dot path) and a many-token (tile + BLAS) case.
 
-    python scripts/bench_matmul.py [--rows 4096] [--cols 4096] [--n-many 512] [--types q8_0,q4_0,f16]
+    python scripts/bench_matmul.py [--rows 4096] [--cols 4096] [--n-many 512] [--types q8_0,q4_0,f16|all]
                                    [--threads 1,2] [--passive]
+
+--types all: every type quant.matmul computes with (quant.types.COMPUTE_TYPES), plain and _R4/_R8.
 
 --passive sets OMP_WAIT_POLICY=PASSIVE before numba starts its OpenMP pool, so idle numba
 threads sleep instead of spinning while OpenBLAS works (see quant/matmul.py).
@@ -23,7 +25,7 @@ if "--passive" in sys.argv:
 import numpy as np  # noqa: E402
 
 from quant.matmul import matmul, quantize_tensor, set_num_threads  # noqa: E402
-from quant.types import type_info  # noqa: E402
+from quant.types import COMPUTE_TYPES, type_info  # noqa: E402
 
 
 def bench(fn, min_time=1.0, min_reps=3):
@@ -51,7 +53,10 @@ def main() -> None:
           f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs", flush=True)
     rng = np.random.default_rng(0)
     w32 = rng.standard_normal((a.rows, a.cols), dtype=np.float32)
-    for tname in a.types.split(","):
+    names = a.types.split(",")
+    if a.types == "all":
+        names = [type_info(t).name for t in sorted(COMPUTE_TYPES) if a.cols % type_info(t).block_size == 0]
+    for tname in names:
         ti = type_info(tname)
         w = quantize_tensor(w32, ti.id)
         for nt in [int(t) for t in a.threads.split(",")]:
@@ -62,7 +67,7 @@ def main() -> None:
                 t = bench(lambda: matmul(w, x, out))
                 gflops = 2.0 * n * a.rows * a.cols / t / 1e9
                 gbs = w.nbytes / t / 1e9
-                print(f"{ti.name:5s} {a.rows}x{a.cols} n={n:4d} threads={nt}: {t * 1e3:8.2f} ms "
+                print(f"{ti.name:9s} {a.rows}x{a.cols} n={n:4d} threads={nt}: {t * 1e3:8.2f} ms "
                       f"{gflops:7.1f} GFLOP/s {gbs:6.2f} GB/s(weights)", flush=True)
 
 

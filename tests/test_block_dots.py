@@ -14,7 +14,7 @@ from numba import njit
 from quant import kernels as K
 from quant import simd_blocks as SB
 from quant.iqk import decode_row_iqk_int6
-from quant.matmul import _q8_rounded, dequantize, matmul, matmul_id, moe_up_gate, quantize_tensor
+from quant.matmul import _q8_rounded, dequantize, many_tokens, matmul, matmul_id, moe_up_gate, quantize_tensor
 from quant.tensor import QTensor
 from quant.types import type_info
 
@@ -23,27 +23,30 @@ NAMES = [SB.BLOCK_DOTS[t].name for t in TYPES]
 
 
 @njit(cache=True)
-def _dot_generic(qtype, buf, q, s, bs, b16, cols):
-    return SB.row_dot_generic(qtype, buf, 0, q, s, bs, b16, cols)
+def _dot_generic(qtype, buf, q, s, bs, b16, cols, out):
+    return SB.row_dot_generic(qtype, buf, 0, q, s, bs, b16, cols, 0, q.shape[0], out, 0)
 
 
 if SB.HAS_VNNI:
     @njit(cache=True)
-    def _dot_vnni(qtype, buf, q, s, bs, b16, cols):
-        return SB.row_dot_vnni(qtype, buf, 0, q, s, bs, b16, cols)
+    def _dot_vnni(qtype, buf, q, s, bs, b16, cols, out):
+        return SB.row_dot_vnni(qtype, buf, 0, q, s, bs, b16, cols, 0, q.shape[0], out, 0)
 else:
     _dot_vnni = None
 
+NT = 3    # activation rows per kernel call (each weight block is unpacked once for all)
 
-def _act(rng, cols):
-    x = (rng.standard_normal((1, cols)) * rng.choice([0.01, 1, 100], size=(1, cols))).astype(np.float32)
-    q = np.empty((1, cols), np.int8)
-    s = np.empty((1, cols // 32), np.float32)
-    bs = np.empty((1, cols // 32), np.int32)
+
+def _act(rng, cols, n=NT):
+    """n activation rows quantized as quant.matmul does: (q, s, bs, b16, their f64 values)."""
+    x = (rng.standard_normal((n, cols)) * rng.choice([0.01, 1, 100], size=(n, cols))).astype(np.float32)
+    q = np.empty((n, cols), np.int8)
+    s = np.empty((n, cols // 32), np.float32)
+    bs = np.empty((n, cols // 32), np.int32)
     K.quantize_act_q8(x, 32, q, s, bs)
-    b16 = np.empty((1, cols // 16), np.int32)
+    b16 = np.empty((n, cols // 16), np.int32)
     K.block_sums16(q, b16)
-    return q[0], s[0], bs[0], b16[0], (q.reshape(-1, 32).astype(np.float64) * s.reshape(-1, 1)).reshape(-1)
+    return q, s, bs, b16, (q.reshape(n, -1, 32).astype(np.float64) * s[:, :, None]).reshape(n, cols)
 
 
 def _decode(qtype, raw, cols):
@@ -72,19 +75,22 @@ def test_row_dot_matches_decoder_on_random_bytes(qtype, form):
             y = _decode(qtype, raw, cols).astype(np.float64)
             if not np.all(np.isfinite(y)) or np.abs(y).max() > 1e6:   # f16 inf / nan scales
                 continue
-            want = float(y @ xa)
-            mag = float(np.abs(y * xa).sum())
-            got = fn(qtype, raw, q, s, bs, b16, cols)
-            assert abs(got - want) <= 2e-5 * mag + 1e-30, (cols, got, want)
+            want = xa @ y
+            mag = np.abs(xa) @ np.abs(y)
+            out = np.full((NT, 1), np.nan, np.float32)
+            assert fn(qtype, raw, q, s, bs, b16, cols, out)
+            assert np.all(np.abs(out[:, 0] - want) <= 2e-5 * mag + 1e-30), (cols, out[:, 0], want)
             checked += 1
     assert checked >= 30
 
 
-def test_row_dot_gives_nan_for_types_without_record():
+def test_row_dot_refuses_types_without_record():
     rng = np.random.default_rng(0)
     q, s, bs, b16, _ = _act(rng, 256)
     raw = rng.integers(0, 256, 300, dtype=np.uint8)
-    assert np.isnan(_dot_generic(8, raw, q, s, bs, b16, 256))     # Q8_0: quant.simd's, not here
+    out = np.zeros((NT, 1), np.float32)
+    assert not _dot_generic(8, raw, q, s, bs, b16, 256, out)     # Q8_0: quant.simd's, not here
+    assert np.all(out == 0)
 
 
 def _rounded_ref(w: QTensor, x: np.ndarray, n_tokens_hint: int) -> np.ndarray:
@@ -95,11 +101,13 @@ def _rounded_ref(w: QTensor, x: np.ndarray, n_tokens_hint: int) -> np.ndarray:
 @pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ2_K", "IQ3_K", "IQ4_K",
                                   "IQ5_K", "IQ4_KS", "IQ2_KS", "Q4_1", "Q5_0", "Q5_1", "Q6_0", "IQ4_NL"])
 def test_matmul_few_and_many_tokens_agree(name):
-    """13 rows (not a multiple of 4 or 8), 512 columns: the integer kernel (n < 8) and the tile
-    path (n >= 16) against NumPy on the same Q8-rounded activations."""
+    """13 rows (not a multiple of 4 or 8), 512 columns: the integer kernel (n < many_tokens: one
+    token, a partial and a full tile of TMAX rows, several tiles) and the tile path against NumPy
+    on the same Q8-rounded activations."""
     rng = np.random.default_rng(7)
     w = quantize_tensor(rng.standard_normal((13, 512)).astype(np.float32), type_info(name).id)
-    for n in (1, 3, 20):
+    assert 19 < many_tokens(w.qtype) <= 40
+    for n in (1, 3, 8, 19, 40):
         x = rng.standard_normal((n, 512)).astype(np.float32)
         want = _rounded_ref(w, x, n)
         got = matmul(w, x)
@@ -135,14 +143,14 @@ R4_TYPES = sorted(R4.R4_DOTS)
 
 
 @njit(cache=True)
-def _group_generic(qtype, buf, q, s, b16, cols, out):
-    return R4.group_dot_generic(qtype, buf, 0, q, s, b16, cols, out, 0)
+def _group_generic(qtype, buf, q, s, bs, b16, cols, out):
+    return R4.group_dot_generic(qtype, buf, 0, q, s, bs, b16, cols, 0, q.shape[0], out, 0)
 
 
 if R4.HAS_VNNI:
     @njit(cache=True)
-    def _group_vnni(qtype, buf, q, s, b16, cols, out):
-        return R4.group_dot_vnni(qtype, buf, 0, q, s, b16, cols, out, 0)
+    def _group_vnni(qtype, buf, q, s, bs, b16, cols, out):
+        return R4.group_dot_vnni(qtype, buf, 0, q, s, bs, b16, cols, 0, q.shape[0], out, 0)
 else:
     _group_vnni = None
 
@@ -166,10 +174,10 @@ def test_group_dot_matches_plain_decode_on_random_bytes(qtype, form):
             y = np.stack([_decode(pt, plain[k], cols) for k in range(4)]).astype(np.float64)
             if not np.all(np.isfinite(y)) or np.abs(y).max() > 1e6:
                 continue
-            out = np.full(4, np.nan, np.float32)
-            assert fn(qtype, raw, q, s, b16, cols, out)
-            want = y @ xa
-            mag = np.abs(y * xa).sum(axis=1)
+            out = np.full((NT, 4), np.nan, np.float32)
+            assert fn(qtype, raw, q, s, bs, b16, cols, out)
+            want = xa @ y.T
+            mag = np.abs(xa) @ np.abs(y).T
             assert np.all(np.abs(out - want) <= 2e-5 * mag + 1e-30), (cols, out, want)
             checked += 1
     assert checked >= 10
@@ -178,6 +186,6 @@ def test_group_dot_matches_plain_decode_on_random_bytes(qtype, form):
 def test_group_dot_refuses_types_without_record():
     rng = np.random.default_rng(0)
     q, s, bs, b16, _ = _act(rng, 256)
-    out = np.zeros(4, np.float32)
-    assert not _group_generic(210, rng.integers(0, 256, 4 * 84, dtype=np.uint8), q, s, b16, 256, out)  # Q2_K_R4
+    out = np.zeros((NT, 4), np.float32)
+    assert not _group_generic(210, rng.integers(0, 256, 4 * 84, dtype=np.uint8), q, s, bs, b16, 256, out)  # Q2_K_R4
     assert np.all(out == 0)
