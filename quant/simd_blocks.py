@@ -559,8 +559,7 @@ def _emit_row(b: ir.IRBuilder, fmt: BlockDot, row, act: Act, ntok, cols, vnni: b
 def _block_dot(b: ir.IRBuilder, fmt: BlockDot, blk: Block, ib, nsub: int, qp, sp, bsp, b16p, accp, maccp, vnni: bool):
     """acc += the unpacked block ib times one activation row (mins: macc)."""
     v8f = _vec(_F32, 8)
-    bacc = ir.Constant(v8f, None)
-    mterm = None
+    terms, mterms = [], []
     for j, (u, sc) in enumerate(blk.subs):
         k = b.add(b.mul(ib, _const_i64(nsub)), _const_i64(j))
         a = b.load(b.bitcast(b.gep(qp, [b.mul(k, _const_i64(32))]), _V32.as_pointer()), align=1)
@@ -587,15 +586,24 @@ def _block_dot(b: ir.IRBuilder, fmt: BlockDot, blk: Block, ib, nsub: int, qp, sp
             f = sa
         else:
             f = b.fmul(sa, b.sitofp(sc, _F32), flags=["fast"])
-        bacc = b.fadd(bacc, b.fmul(b.sitofp(lanes, v8f), _splat(b, f, _F32, 8), flags=["fast"]), flags=["fast"])
+        terms.append(b.fmul(b.sitofp(lanes, v8f), _splat(b, f, _F32, 8), flags=["fast"]))
         if mn is not None:
             mi = (b.add(b.mul(mn[0], s16[0]), b.mul(mn[1], s16[1])) if isinstance(mn, tuple)
                   else b.mul(mn, b.load(b.gep(bsp, [k]))))
-            t = b.fmul(sa, b.sitofp(mi, _F32), flags=["fast"])
-            mterm = t if mterm is None else b.fadd(mterm, t, flags=["fast"])
+            mterms.append(b.fmul(sa, b.sitofp(mi, _F32), flags=["fast"]))
+    bacc = tree_sum(b, terms)
     b.store(b.fadd(b.load(accp), b.fmul(bacc, _splat(b, blk.d, _F32, 8), flags=["fast"]), flags=["fast"]), accp)
-    if mterm is not None:
-        b.store(b.fadd(b.load(maccp), b.fmul(blk.dm, mterm, flags=["fast"]), flags=["fast"]), maccp)
+    if mterms:
+        b.store(b.fadd(b.load(maccp), b.fmul(blk.dm, tree_sum(b, mterms), flags=["fast"]), flags=["fast"]), maccp)
+
+
+def tree_sum(b: ir.IRBuilder, vals: list):
+    """Pairwise f32 sum: a chain of n dependent adds (the sub-blocks of a block) bounded the row
+    loops by add latency, a tree has log2(n) levels."""
+    while len(vals) > 1:
+        vals = [b.fadd(vals[i], vals[i + 1], flags=["fast"]) if i + 1 < len(vals) else vals[i]
+                for i in range(0, len(vals), 2)]
+    return vals[0]
 
 
 def _one_or_many(b: ir.IRBuilder, ntok, emit) -> None:

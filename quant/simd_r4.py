@@ -34,7 +34,7 @@ from numba.extending import intrinsic
 
 from . import iqk as _iqk
 from .simd import HAS_VNNI, _F32, _I8, _I16, _I32, _I64, _vec, _const_i64, _pair_sum, _splat, _vpdpbusd
-from .simd_blocks import TMAX, _c, _gep, _ld, _lookup, _one_or_many, _tab16, act_arrays
+from .simd_blocks import TMAX, _c, _gep, _ld, _lookup, _one_or_many, _tab16, act_arrays, tree_sum
 
 _V32 = _vec(_I8, 32)
 _V8I = _vec(_I32, 8)
@@ -343,8 +343,7 @@ def _emit_group(b: ir.IRBuilder, fmt: R4Dot, grp, act, ntok, cols, vnni: bool):
 
 def _block_dot4(b: ir.IRBuilder, blk: R4Block, ib, qp, sp, b16p, d8, dm8, accp, maccp, vnni: bool):
     """acc (lanes (h, k)) += the unpacked block column ib times one activation row."""
-    facc = ir.Constant(_V8F, None)
-    mterm = None
+    terms, mterms = [], []
     for j, sub in enumerate(blk.subs):
         k = b.add(b.mul(ib, _const_i64(8)), _const_i64(j))
         a = b.load(b.bitcast(b.gep(qp, [b.mul(k, _const_i64(32))]), _V32.as_pointer()), align=1)
@@ -359,13 +358,12 @@ def _block_dot4(b: ir.IRBuilder, blk: R4Block, ib, qp, sp, b16p, d8, dm8, accp, 
         for u, ao in sub.runs:
             isum = _dpbusd(b, isum, u, _act_shuffle(b, a, ao), vnni)
         isum = b.mul(isum, sub.scale)
-        facc = b.fadd(facc, b.fmul(b.sitofp(isum, _V8F), sa, flags=["fast"]), flags=["fast"])
+        terms.append(b.fmul(b.sitofp(isum, _V8F), sa, flags=["fast"]))
         if sub.mins is not None:
-            t = b.fmul(b.sitofp(b.mul(sub.mins, asum), _V8F), sa, flags=["fast"])
-            mterm = t if mterm is None else b.fadd(mterm, t, flags=["fast"])
-    b.store(b.fadd(b.load(accp), b.fmul(facc, d8, flags=["fast"]), flags=["fast"]), accp)
-    if mterm is not None:
-        b.store(b.fadd(b.load(maccp), b.fmul(mterm, dm8, flags=["fast"]), flags=["fast"]), maccp)
+            mterms.append(b.fmul(b.sitofp(b.mul(sub.mins, asum), _V8F), sa, flags=["fast"]))
+    b.store(b.fadd(b.load(accp), b.fmul(tree_sum(b, terms), d8, flags=["fast"]), flags=["fast"]), accp)
+    if mterms:
+        b.store(b.fadd(b.load(maccp), b.fmul(tree_sum(b, mterms), dm8, flags=["fast"]), flags=["fast"]), maccp)
 
 
 def _group_dot_intrinsic(vnni: bool):
