@@ -118,6 +118,8 @@ class _Writer:
 
     def put(self, name: str, w: np.ndarray, keep_f32: bool = False) -> None:
         t = self.qtype
+        if t.interleave and w.ndim >= 2 and w.shape[-2] % t.interleave:   # as llama-quantize: the plain type
+            t = type_info(t.base)
         if keep_f32 or w.ndim == 1 or w.shape[-1] % t.block_size:
             self.tensors.append((name, w.astype(np.float32), 0))
         else:
@@ -136,10 +138,10 @@ class _Writer:
                 gw.add_tensor(name, w.astype(np.float16))
             else:
                 q = quantize_tensor(w, tid)
-                raw = np.ascontiguousarray(q.data).view(np.uint8)
-                gw.add_tensor(name, raw, raw_shape=raw.shape[:-1] + (w.shape[-1] // type_info(tid).block_size
-                                                                       * type_info(tid).type_size,),
-                              raw_dtype=gguf.GGMLQuantizationType(tid))
+                # bytes given as int8 with the logical shape: gguf takes the type id as it is, so
+                # ik_llama.cpp's types (unknown to gguf's enum) are written as well
+                raw = np.ascontiguousarray(q.data).view(np.int8)
+                gw.add_tensor(name, raw, raw_shape=w.shape, raw_dtype=tid)
 
 
 def _tokenizer_kv(gw: gguf.GGUFWriter, n_vocab: int = 0) -> int:
