@@ -103,6 +103,16 @@ def _vshr(b: ir.IRBuilder, v, shift: int, mask: int, n: int = 32):
     return b.and_(v, _c(mask, n)) if mask != 255 else v
 
 
+def _bit_to(b: ir.IRBuilder, v, src: int, dst: int):
+    """Bit src of every byte of v moved to bit dst (other bits cleared): one shift and one mask
+    (x86 has no byte shifts: each one is a word shift plus a mask)."""
+    if dst > src:
+        v = b.shl(v, _c(dst - src))
+    elif src > dst:
+        v = b.lshr(v, _c(src - dst))
+    return b.and_(v, _c(1 << dst))
+
+
 def _cat(b: ir.IRBuilder, lo, hi):
     """Two 16-byte vectors -> one 32-byte vector (lo first)."""
     return b.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, 32), list(range(32))))
@@ -157,22 +167,24 @@ def _halves_tab(b: ir.IRBuilder, tables, e_lo, e_hi):
 # ----------------------------------------------------------------------------------------
 @dataclass
 class Block:
-    """What unpack gives for one block: d (f32), subs = [(u: <32 x i8>, scale)] with scale an
-    i32 (per 32 values) or an (lo, hi) pair (per 16), and optionally dm (f32) with mins in
-    the same form (None: no min term); offs: per sub-block level offsets in the scale's form,
-    where they vary (IQK extra bits), else None: the record's OFF."""
+    """What unpack gives for one block of nsub 32-value sub-blocks: d (f32); us = nsub vectors of
+    32 unsigned levels (true level + off); per 16-value half h (2 * nsub lanes, i32 vectors):
+    sc (the integer scales; types with one scale per 32 repeat it), off (an int for all, or a
+    vector: IQK extra bits), and optionally mins with their f32 dm (value = d sc (u - off) +
+    dm min)."""
     d: object
-    subs: list
+    us: list
+    sc: object
+    off: object = 0
     dm: object = None
-    mins: list | None = None
-    offs: list | None = None
+    mins: object = None
 
 
 @dataclass(frozen=True)
 class BlockDot:
     """One type's integer row dot: block size in values and bytes, the level offset OFF of its
-    unsigned levels, the row scale stored before the blocks ("f32", "f16" or ""), and unpack
-    (builder, block pointer) -> Block."""
+    unsigned levels (the int in Block.off, or for information where it varies), the row scale
+    stored before the blocks ("f32", "f16" or ""), and unpack (builder, block pointer) -> Block."""
     name: str
     values: int
     nbytes: int
@@ -186,85 +198,114 @@ class BlockDot:
 
 
 # ----------------------------------------------------------------------------------------
+# lane-vector helpers for the per-half fields (computed once per block, not per sub-block:
+# per sub-block scalar work measured up to a third of a Q6_K row dot)
+# ----------------------------------------------------------------------------------------
+def _cv(vals, t: ir.Type = _I32) -> ir.Constant:
+    return ir.Constant(_vec(t, len(vals)), list(vals))
+
+
+def _bytes32(b: ir.IRBuilder, p, off: int, n: int, signed: bool = False):
+    """n bytes at p + off as <n x i32>."""
+    v = _ld(b, p, off, n)
+    return b.sext(v, _vec(_I32, n)) if signed else b.zext(v, _vec(_I32, n))
+
+
+def _gather(b: ir.IRBuilder, v, idx):
+    """Lanes idx of vector v (a constant shuffle)."""
+    return b.shuffle_vector(v, v, ir.Constant(_vec(_I32, len(idx)), list(idx)))
+
+
+def _field(b: ir.IRBuilder, v, idx, shifts, mask: int):
+    """Per lane i: (v[idx[i]] >> shifts[i]) & mask  (i32 lanes)."""
+    g = _gather(b, v, idx)
+    if any(shifts):
+        g = b.lshr(g, _cv(shifts))
+    return b.and_(g, _cv([mask] * len(idx)))
+
+
+def _splat32(b: ir.IRBuilder, v, n: int):
+    return _splat(b, v, _I32, n)
+
+
+def _pairs(b: ir.IRBuilder, v8):
+    """Per-32 lanes <8 x i32> -> per-16 <16 x i32> (each repeated)."""
+    return _gather(b, v8, [j // 2 for j in range(16)])
+
+
+def _bits16(b: ir.IRBuilder, word, first: int = 0, n: int = 16):
+    """Bits first .. first + n - 1 of the i32 word as n lanes (0 / 1)."""
+    return b.and_(b.lshr(_splat32(b, word, n), _cv(range(first, first + n))), _cv([1] * n))
+
+
+# ----------------------------------------------------------------------------------------
 # unpackers: K-quants and IQ4_XS (layouts: quant.kquants)
 # ----------------------------------------------------------------------------------------
-def _k4_scales(b: ir.IRBuilder, p, s: int):
-    """Q4_K / Q5_K six-bit scale and min of 32-value sub-block s (12 bytes at p + 4)."""
-    if s < 4:
-        return _bits(b, _u8(b, p, 4 + s), 0, 63), _bits(b, _u8(b, p, 8 + s), 0, 63)
-    sc = b.or_(_bits(b, _u8(b, p, 8 + s), 0, 15), b.shl(_bits(b, _u8(b, p, s), 6, 3), ir.Constant(_I32, 4)))
-    m = b.or_(_bits(b, _u8(b, p, 8 + s), 4, 15), b.shl(_bits(b, _u8(b, p, 4 + s), 6, 3), ir.Constant(_I32, 4)))
-    return sc, m
+def _k4_scales_mins(b: ir.IRBuilder, p):
+    """Q4_K / Q5_K: the 12 scale bytes at p + 4 -> (scales, mins), 8 six-bit lanes each."""
+    B = _bytes32(b, p, 4, 12)
+    x = _gather(b, B, [0, 1, 2, 3, 8, 9, 10, 11])
+    y = _gather(b, B, [4, 5, 6, 7, 8, 9, 10, 11])
+    z = b.shl(b.lshr(_gather(b, B, [0, 1, 2, 3, 0, 1, 2, 3]), _cv([6] * 8)), _cv([4] * 8))
+    w = b.shl(b.lshr(_gather(b, B, [4, 5, 6, 7, 4, 5, 6, 7]), _cv([6] * 8)), _cv([4] * 8))
+    sc_lo, sc_hi = b.and_(x, _cv([63] * 8)), b.or_(b.and_(x, _cv([15] * 8)), z)
+    m_lo, m_hi = b.and_(y, _cv([63] * 8)), b.or_(b.lshr(y, _cv([4] * 8)), w)
+    sc = b.shuffle_vector(sc_lo, sc_hi, _cv([0, 1, 2, 3, 12, 13, 14, 15]))
+    mn = b.shuffle_vector(m_lo, m_hi, _cv([0, 1, 2, 3, 12, 13, 14, 15]))
+    return _pairs(b, sc), _pairs(b, mn)
 
 
 def _unpack_q4_k(b: ir.IRBuilder, p) -> Block:
-    subs, mins = [], []
-    for s in range(8):
-        sc, m = _k4_scales(b, p, s)
-        subs.append((_vshr(b, _ld(b, p, 16 + 32 * (s >> 1)), 4 * (s & 1), 15), sc))
-        mins.append(m)
-    return Block(_f16(b, p, 0), subs, b.fneg(_f16(b, p, 2)), mins)
+    sc, mn = _k4_scales_mins(b, p)
+    us = [_vshr(b, _ld(b, p, 16 + 32 * (s >> 1)), 4 * (s & 1), 15) for s in range(8)]
+    return Block(_f16(b, p, 0), us, sc, 0, b.fneg(_f16(b, p, 2)), mn)
 
 
 def _unpack_q5_k(b: ir.IRBuilder, p) -> Block:
+    sc, mn = _k4_scales_mins(b, p)
     qh = _ld(b, p, 16)
-    subs, mins = [], []
-    for s in range(8):
-        sc, m = _k4_scales(b, p, s)
-        lo = _vshr(b, _ld(b, p, 48 + 32 * (s >> 1)), 4 * (s & 1), 15)
-        subs.append((b.or_(lo, b.shl(_vshr(b, qh, s, 1), _c(4))), sc))
-        mins.append(m)
-    return Block(_f16(b, p, 0), subs, b.fneg(_f16(b, p, 2)), mins)
+    us = [b.or_(_vshr(b, _ld(b, p, 48 + 32 * (s >> 1)), 4 * (s & 1), 15), _bit_to(b, qh, s, 4))
+          for s in range(8)]
+    return Block(_f16(b, p, 0), us, sc, 0, b.fneg(_f16(b, p, 2)), mn)
 
 
 def _unpack_q6_k(b: ir.IRBuilder, p) -> Block:
-    subs = []
+    us = []
     for j in range(8):
         n, quarter = j >> 2, j & 3
         lo = _vshr(b, _ld(b, p, 64 * n + 32 * (quarter & 1)), 4 * (quarter >> 1), 15)
         hi = _vshr(b, _ld(b, p, 128 + 32 * n), 2 * quarter, 3)
-        subs.append((b.or_(lo, b.shl(hi, _c(4))), (_s8(b, p, 192 + 2 * j), _s8(b, p, 193 + 2 * j))))
-    return Block(_f16(b, p, 208), subs)
-
-
-def _q3_k_scale(b: ir.IRBuilder, p, s: int):
-    lo = _bits(b, _u8(b, p, 96 + (s & 7)), 4 * (s >> 3), 15)
-    hi = _bits(b, _u8(b, p, 104 + (s & 3)), 2 * (s >> 2), 3)
-    return b.sub(b.or_(lo, b.shl(hi, ir.Constant(_I32, 4))), ir.Constant(_I32, 32))
+        us.append(b.or_(lo, b.shl(hi, _c(4))))
+    return Block(_f16(b, p, 208), us, _bytes32(b, p, 192, 16, signed=True), 32)
 
 
 def _unpack_q3_k(b: ir.IRBuilder, p) -> Block:
     hm = _ld(b, p, 0)
-    subs = []
-    for j in range(8):
-        low = _vshr(b, _ld(b, p, 32 + 32 * (j >> 2)), 2 * (j & 3), 3)
-        u = b.or_(low, b.shl(_vshr(b, hm, j, 1), _c(2)))
-        subs.append((u, (_q3_k_scale(b, p, 2 * j), _q3_k_scale(b, p, 2 * j + 1))))
-    return Block(_f16(b, p, 108), subs)
+    us = [b.or_(_vshr(b, _ld(b, p, 32 + 32 * (j >> 2)), 2 * (j & 3), 3), _bit_to(b, hm, j, 2))
+          for j in range(8)]
+    lo = _field(b, _bytes32(b, p, 96, 8), [s & 7 for s in range(16)], [4 * (s >> 3) for s in range(16)], 15)
+    hi = _field(b, _bytes32(b, p, 104, 4), [s & 3 for s in range(16)], [2 * (s >> 2) for s in range(16)], 3)
+    sc = b.sub(b.or_(lo, b.shl(hi, _cv([4] * 16))), _cv([32] * 16))
+    return Block(_f16(b, p, 108), us, sc, 4)
 
 
 def _unpack_q2_k(b: ir.IRBuilder, p) -> Block:
-    subs, mins = [], []
-    for j in range(8):
-        u = _vshr(b, _ld(b, p, 16 + 32 * (j >> 2)), 2 * (j & 3), 3)
-        s0, s1 = _u8(b, p, 2 * j), _u8(b, p, 2 * j + 1)
-        subs.append((u, (_bits(b, s0, 0, 15), _bits(b, s1, 0, 15))))
-        mins.append((_bits(b, s0, 4, 15), _bits(b, s1, 4, 15)))
-    return Block(_f16(b, p, 80), subs, b.fneg(_f16(b, p, 82)), mins)
+    us = [_vshr(b, _ld(b, p, 16 + 32 * (j >> 2)), 2 * (j & 3), 3) for j in range(8)]
+    B = _bytes32(b, p, 0, 16)
+    return Block(_f16(b, p, 80), us, b.and_(B, _cv([15] * 16)), 0, b.fneg(_f16(b, p, 82)),
+                 b.lshr(B, _cv([4] * 16)))
 
 
 _T_IQ4NL = _tab16(_iqk.IQ4K[:16], 128)   # kvalues_iq4nl: IQ4_K's first table
 
 
 def _unpack_iq4_xs(b: ir.IRBuilder, p) -> Block:
-    sh = _u16(b, p, 2)
     tab = _cat(b, _T_IQ4NL, _T_IQ4NL)
-    subs = []
-    for ib in range(8):
-        ls = b.or_(_bits(b, _u8(b, p, 4 + (ib >> 1)), 4 * (ib & 1), 15),
-                   b.shl(_bits(b, sh, 2 * ib, 3), ir.Constant(_I32, 4)))
-        subs.append((_lookup(b, tab, _nib32(b, p, 8 + 16 * ib)), b.sub(ls, ir.Constant(_I32, 32))))
-    return Block(_f16(b, p, 0), subs)
+    us = [_lookup(b, tab, _nib32(b, p, 8 + 16 * ib)) for ib in range(8)]
+    lo = _field(b, _bytes32(b, p, 4, 4), [ib >> 1 for ib in range(8)], [4 * (ib & 1) for ib in range(8)], 15)
+    hi = b.and_(b.lshr(_splat32(b, _u16(b, p, 2), 8), _cv([2 * ib for ib in range(8)])), _cv([3] * 8))
+    sc = b.sub(b.or_(lo, b.shl(hi, _cv([4] * 8))), _cv([32] * 8))
+    return Block(_f16(b, p, 0), us, _pairs(b, sc), 128)
 
 
 # ----------------------------------------------------------------------------------------
@@ -273,8 +314,8 @@ def _unpack_iq4_xs(b: ir.IRBuilder, p) -> Block:
 def _tables(levels: np.ndarray, n: int) -> tuple[list, int]:
     """The first level table (n entries) cut into 16-entry pieces (+128), and the shift of the
     second table: every IQK type's "extra" table is the first plus a constant, so an extra bit
-    only moves the level offset of its sub-block (see Block.offs) and the lookup tables stay
-    constants (picking tables per sub-block with selects measured 3-5x slower)."""
+    only moves the level offset of its half (Block.off) and the lookup tables stay constants
+    (picking tables per sub-block with selects measured 3-5x slower)."""
     lv = np.asarray(levels).astype(np.int64)
     shift = {int(v) for v in lv[n:2 * n] - lv[:n]}
     assert len(shift) == 1, "the second table is not a shifted copy of the first"
@@ -298,111 +339,82 @@ def _lookup_pieces(b: ir.IRBuilder, T, idx, hi=None):
     return res
 
 
-def _extra_off(b: ir.IRBuilder, T, extra, g: int):
-    """The level offset of a sub-block whose extra bit is bit g of extra: 128 - shift * bit."""
-    return b.sub(ir.Constant(_I32, 128), b.mul(_bits(b, extra, g, 1), ir.Constant(_I32, T[1])))
+def _extra_offs(b: ir.IRBuilder, T, bits):
+    """Level offsets 128 - shift * extra bit, per lane."""
+    n = bits.type.count
+    return b.sub(_cv([128] * n), b.mul(bits, _cv([T[1]] * n)))
 
 
-def _extra_offs(b: ir.IRBuilder, T, extra, j: int):
-    """(lo, hi) level offsets of 32-value sub-block j with per-16 extra bits 2j, 2j + 1."""
-    return _extra_off(b, T, extra, 2 * j), _extra_off(b, T, extra, 2 * j + 1)
+_NIB16 = ([g >> 1 for g in range(16)], [4 * (g & 1) for g in range(16)])   # nibble g of 8 bytes
 
 
 def _unpack_iq2_k(b: ir.IRBuilder, p) -> Block:
-    extra = _u16(b, p, 2)
-    subs, offs = [], []
-    for j in range(8):
-        u = _lookup_pieces(b, _T_IQ2, _vshr(b, _ld(b, p, 12 + 32 * (j >> 2)), 2 * (j & 3), 3))
-        sc = _u8(b, p, 4 + j)
-        subs.append((u, (b.sub(_bits(b, sc, 0, 15), ir.Constant(_I32, 8)),
-                         b.sub(_bits(b, sc, 4, 15), ir.Constant(_I32, 8)))))
-        offs.append(_extra_offs(b, _T_IQ2, extra, j))
-    return Block(_f16(b, p, 0), subs, offs=offs)
+    us = [_lookup_pieces(b, _T_IQ2, _vshr(b, _ld(b, p, 12 + 32 * (j >> 2)), 2 * (j & 3), 3)) for j in range(8)]
+    sc = b.sub(_field(b, _bytes32(b, p, 4, 8), *_NIB16, 15), _cv([8] * 16))
+    return Block(_f16(b, p, 0), us, sc, _extra_offs(b, _T_IQ2, _bits16(b, _u16(b, p, 2))))
 
 
 def _unpack_iq3_k(b: ir.IRBuilder, p) -> Block:
-    extra, sign = _u16(b, p, 2), _u16(b, p, 4)
     qh = _ld(b, p, 78)
-    one = ir.Constant(_I32, 1)
-
-    def scale(g: int):
-        s = _bits(b, _u8(b, p, 6 + g // 2), 4 * (g % 2), 15)
-        v = b.add(b.shl(s, one), one)
-        return b.select(b.icmp_unsigned("!=", _bits(b, sign, g, 1), ir.Constant(_I32, 0)), b.neg(v), v)
-
-    subs, offs = [], []
+    us = []
     for j in range(8):
-        idx = b.or_(_vshr(b, _ld(b, p, 14 + 32 * (j >> 2)), 2 * (j & 3), 3), b.shl(_vshr(b, qh, j, 1), _c(2)))
-        subs.append((_lookup_pieces(b, _T_IQ3, idx), (scale(2 * j), scale(2 * j + 1))))
-        offs.append(_extra_offs(b, _T_IQ3, extra, j))
-    return Block(_f16(b, p, 0), subs, offs=offs)
+        idx = b.or_(_vshr(b, _ld(b, p, 14 + 32 * (j >> 2)), 2 * (j & 3), 3), _bit_to(b, qh, j, 2))
+        us.append(_lookup_pieces(b, _T_IQ3, idx))
+    v = b.add(b.shl(_field(b, _bytes32(b, p, 6, 8), *_NIB16, 15), _cv([1] * 16)), _cv([1] * 16))
+    sign = _bits16(b, _u16(b, p, 4))
+    sc = b.sub(v, b.mul(b.shl(sign, _cv([1] * 16)), v))           # v * (1 - 2 sign)
+    return Block(_f16(b, p, 0), us, sc, _extra_offs(b, _T_IQ3, _bits16(b, _u16(b, p, 2))))
 
 
-def _ls6(b: ir.IRBuilder, p, g: int):
-    """IQ4_K / IQ5_K six-bit scale of 16-value sub-block g, minus 32."""
-    v = b.or_(_bits(b, _u8(b, p, 8 + g // 2), 4 * (g % 2), 15),
-              b.shl(_bits(b, _u8(b, p, 4 + g // 4), 2 * (g % 4), 3), ir.Constant(_I32, 4)))
-    return b.sub(v, ir.Constant(_I32, 32))
+def _ls6_16(b: ir.IRBuilder, p):
+    """IQ4_K / IQ5_K: the 16 six-bit scales (nibbles of scales_l at 8 | crumbs of scales_h at 4),
+    minus 32."""
+    lo = _field(b, _bytes32(b, p, 8, 8), *_NIB16, 15)
+    hi = _field(b, _bytes32(b, p, 4, 4), [g >> 2 for g in range(16)], [2 * (g & 3) for g in range(16)], 3)
+    return b.sub(b.or_(lo, b.shl(hi, _cv([4] * 16))), _cv([32] * 16))
 
 
 def _unpack_iq4_k(b: ir.IRBuilder, p) -> Block:
-    extra = _u16(b, p, 2)
-    subs, offs = [], []
-    for j in range(8):
-        subs.append((_lookup_pieces(b, _T_IQ4K, _nib32(b, p, 16 + 16 * j)), (_ls6(b, p, 2 * j), _ls6(b, p, 2 * j + 1))))
-        offs.append(_extra_offs(b, _T_IQ4K, extra, j))
-    return Block(_f16(b, p, 0), subs, offs=offs)
+    us = [_lookup_pieces(b, _T_IQ4K, _nib32(b, p, 16 + 16 * j)) for j in range(8)]
+    return Block(_f16(b, p, 0), us, _ls6_16(b, p), _extra_offs(b, _T_IQ4K, _bits16(b, _u16(b, p, 2))))
 
 
 def _unpack_iq5_k(b: ir.IRBuilder, p) -> Block:
-    extra = _u16(b, p, 2)
     qh = _ld(b, p, 144)
-    subs, offs = [], []
-    for j in range(8):
-        nib = _vshr(b, _ld(b, p, 16 + 32 * (j >> 1)), 4 * (j & 1), 15)
-        u = _lookup_pieces(b, _T_IQ5, nib, _vshr(b, qh, j, 1))
-        subs.append((u, (_ls6(b, p, 2 * j), _ls6(b, p, 2 * j + 1))))
-        offs.append(_extra_offs(b, _T_IQ5, extra, j))
-    return Block(_f16(b, p, 0), subs, offs=offs)
+    us = [_lookup_pieces(b, _T_IQ5, _vshr(b, _ld(b, p, 16 + 32 * (j >> 1)), 4 * (j & 1), 15), _vshr(b, qh, j, 1))
+          for j in range(8)]
+    return Block(_f16(b, p, 0), us, _ls6_16(b, p), _extra_offs(b, _T_IQ5, _bits16(b, _u16(b, p, 2))))
 
 
 def _unpack_iq6_k(b: ir.IRBuilder, p) -> Block:
-    extra = _u16(b, p, 2)
-    subs, offs = [], []
+    us = []
     for j in range(8):
         nib = _vshr(b, _ld(b, p, 20 + 32 * (j >> 1)), 4 * (j & 1), 15)
         hi = _vshr(b, _ld(b, p, 148 + 32 * (j >> 2)), 2 * (j & 3), 3)
-        subs.append((_lookup_pieces(b, _T_IQ6, nib, hi), (_s8(b, p, 4 + 2 * j), _s8(b, p, 5 + 2 * j))))
-        offs.append(_extra_offs(b, _T_IQ6, extra, j))
-    return Block(_f16(b, p, 0), subs, offs=offs)
+        us.append(_lookup_pieces(b, _T_IQ6, nib, hi))
+    return Block(_f16(b, p, 0), us, _bytes32(b, p, 4, 16, signed=True),
+                 _extra_offs(b, _T_IQ6, _bits16(b, _u16(b, p, 2))))
 
 
 def _unpack_iq4_ks(b: ir.IRBuilder, p) -> Block:
-    subs, offs = [], []
-    for g in range(8):
-        s = _u8(b, p, g)
-        subs.append((_lookup_pieces(b, _T_IQ4K, _nib32(b, p, 8 + 16 * g)),
-                     b.sub(b.and_(s, ir.Constant(_I32, 254)), ir.Constant(_I32, 127))))
-        offs.append(_extra_off(b, _T_IQ4K, s, 0))
-    return Block(ir.Constant(_F32, 1.0), subs, offs=offs)
+    us = [_lookup_pieces(b, _T_IQ4K, _nib32(b, p, 8 + 16 * g)) for g in range(8)]
+    B = _bytes32(b, p, 0, 8)
+    sc = b.sub(b.and_(B, _cv([254] * 8)), _cv([127] * 8))
+    return Block(ir.Constant(_F32, 1.0), us, _pairs(b, sc), _pairs(b, _extra_offs(b, _T_IQ4K, b.and_(B, _cv([1] * 8)))))
 
 
 def _unpack_iq2_ks(b: ir.IRBuilder, p) -> Block:
+    us = [_lookup_pieces(b, _T_IQ2, _vshr(b, _ld(b, p, 6 + 32 * (g // 4)), 2 * (g % 4), 3)) for g in range(8)]
     extra = _u16(b, p, 0)
-    subs, offs = [], []
-    for g in range(8):
-        u = _lookup_pieces(b, _T_IQ2, _vshr(b, _ld(b, p, 6 + 32 * (g // 4)), 2 * (g % 4), 3))
-        ls = b.or_(_bits(b, _u8(b, p, 2 + g // 2), 4 * (g % 2), 15),
-                   b.shl(_bits(b, extra, 8 + g, 1), ir.Constant(_I32, 4)))
-        subs.append((u, b.sub(ls, ir.Constant(_I32, 16))))
-        offs.append(_extra_off(b, _T_IQ2, extra, g))
-    return Block(ir.Constant(_F32, 1.0), subs, offs=offs)
+    lo = _field(b, _bytes32(b, p, 2, 4), [g >> 1 for g in range(8)], [4 * (g & 1) for g in range(8)], 15)
+    sc = b.sub(b.or_(lo, b.shl(_bits16(b, extra, 8, 8), _cv([4] * 8))), _cv([16] * 8))
+    return Block(ir.Constant(_F32, 1.0), us, _pairs(b, sc), _pairs(b, _extra_offs(b, _T_IQ2, _bits16(b, extra, 0, 8))))
 
 
 # ----------------------------------------------------------------------------------------
 # unpackers: legacy 32-value blocks (layouts: quant.legacy; one sub-block per block)
 # ----------------------------------------------------------------------------------------
-_ONE = ir.Constant(_I32, 1)
+_ONE2 = _cv([1, 1])
 
 
 def _u32(b: ir.IRBuilder, p, off):
@@ -410,17 +422,17 @@ def _u32(b: ir.IRBuilder, p, off):
 
 
 def _unpack_q4_1(b: ir.IRBuilder, p) -> Block:
-    return Block(_f16(b, p, 0), [(_nib32(b, p, 4), _ONE)], _f16(b, p, 2), [_ONE])
+    return Block(_f16(b, p, 0), [_nib32(b, p, 4)], _ONE2, 0, _f16(b, p, 2), _ONE2)
 
 
 def _unpack_q5_0(b: ir.IRBuilder, p) -> Block:
     u = b.or_(_nib32(b, p, 6), b.shl(_bitlanes(b, _u32(b, p, 2)), _c(4)))
-    return Block(_f16(b, p, 0), [(u, _ONE)])
+    return Block(_f16(b, p, 0), [u], _ONE2, 16)
 
 
 def _unpack_q5_1(b: ir.IRBuilder, p) -> Block:
     u = b.or_(_nib32(b, p, 8), b.shl(_bitlanes(b, _u32(b, p, 4)), _c(4)))
-    return Block(_f16(b, p, 0), [(u, _ONE)], _f16(b, p, 2), [_ONE])
+    return Block(_f16(b, p, 0), [u], _ONE2, 0, _f16(b, p, 2), _ONE2)
 
 
 def _unpack_q6_0(b: ir.IRBuilder, p) -> Block:
@@ -428,12 +440,12 @@ def _unpack_q6_0(b: ir.IRBuilder, p) -> Block:
     h16 = b.lshr(b.shuffle_vector(qh, qh, ir.Constant(_vec(_I32, 16), [j % 8 for j in range(16)])),
                  ir.Constant(_V16, [0] * 8 + [4] * 8))
     h = _cat(b, b.and_(b.shl(h16, _c(4, 16)), _c(0x30, 16)), b.and_(b.shl(h16, _c(2, 16)), _c(0x30, 16)))
-    return Block(_f16(b, p, 0), [(b.or_(_nib32(b, p, 10), h), _ONE)])
+    return Block(_f16(b, p, 0), [b.or_(_nib32(b, p, 10), h)], _ONE2, 32)
 
 
 def _unpack_iq4_nl(b: ir.IRBuilder, p) -> Block:
     u = _lookup(b, _cat(b, _T_IQ4NL, _T_IQ4NL), _nib32(b, p, 2))
-    return Block(_f16(b, p, 0), [(u, _ONE)])
+    return Block(_f16(b, p, 0), [u], _ONE2, 128)
 
 
 # type id -> record (ids: quant.types)
@@ -462,32 +474,13 @@ BLOCK_DOTS: dict[int, BlockDot] = {
 # ----------------------------------------------------------------------------------------
 # the row template
 # ----------------------------------------------------------------------------------------
-def _lanes8(b: ir.IRBuilder, pair) -> ir.Value:
-    """<lo x4, hi x4> of an (lo, hi) i32 pair."""
-    v = b.insert_element(ir.Constant(_vec(_I32, 8), None), pair[0], ir.Constant(_I32, 0))
-    v = b.insert_element(v, pair[1], ir.Constant(_I32, 1))
-    return b.shuffle_vector(v, v, ir.Constant(_vec(_I32, 8), [0, 0, 0, 0, 1, 1, 1, 1]))
-
-
-def _sub_isum(b: ir.IRBuilder, u, a, off, corr, vnni: bool):
-    """Per-lane integer sums of 32 products (true levels u - off times a): <8 x i32>, lane i =
-    values 4i..4i+3.  off: an int, or per-16 (lo, hi) / per-32 i32 values; corr: the (lane 0,
-    lane 4) start values -off * activation sums (vnni; lane 4's None when off is per 32)."""
+def _sub_isum(b: ir.IRBuilder, u, a, off8, vnni: bool):
+    """Per-lane integer sums of 32 products: <8 x i32>, lane i = values 4i..4i+3.  vnni: of the
+    unsigned levels u (the block removes off * activation sums once, in lane vectors);
+    generic: of the true levels u - off (off8: None for 0, else the 32 byte offsets)."""
     if vnni:
-        init = ir.Constant(_vec(_I32, 8), [0] * 8)
-        if not isinstance(off, int) or off:
-            init = b.insert_element(init, corr[0], ir.Constant(_I32, 0))
-            if corr[1] is not None:
-                init = b.insert_element(init, corr[1], ir.Constant(_I32, 4))
-        return _vpdpbusd(b, init, u, a)
-    if isinstance(off, int):
-        w = b.sub(u, _c(off)) if off else u
-    else:
-        lo, hi = off if isinstance(off, tuple) else (off, off)
-        ov = ir.Constant(_V32, None)
-        for i in range(32):
-            ov = b.insert_element(ov, b.trunc(lo if i < 16 else hi, _I8), ir.Constant(_I32, i))
-        w = b.sub(u, ov)
+        return _vpdpbusd(b, ir.Constant(_vec(_I32, 8), [0] * 8), u, a)
+    w = b.sub(u, off8) if off8 is not None else u
     prod = b.mul(b.sext(w, _vec(_I32, 32)), b.sext(a, _vec(_I32, 32)))
     return _pair_sum(b, _pair_sum(b, prod, 32), 16)
 
@@ -526,28 +519,31 @@ def _emit_row(b: ir.IRBuilder, fmt: BlockDot, row, act: Act, ntok, cols, vnni: b
     nsub = fmt.values // 32
     blocks = _gep(b, row, fmt.meta)
     nb = b.udiv(cols, _const_i64(fmt.values))
-    v8f = _vec(_F32, 8)
+    v8f, vsf = _vec(_F32, 8), _vec(_F32, nsub)
     accs = b.alloca(ir.ArrayType(v8f, TMAX))
-    maccs = b.alloca(ir.ArrayType(_F32, TMAX))
+    saccs = b.alloca(ir.ArrayType(vsf, TMAX))
     res = b.alloca(ir.ArrayType(_F32, TMAX))
     zero32 = ir.Constant(_I32, 0)
     for t in range(TMAX):
         b.store(ir.Constant(v8f, None), b.gep(accs, [zero32, ir.Constant(_I32, t)]))
-        b.store(ir.Constant(_F32, 0.0), b.gep(maccs, [zero32, ir.Constant(_I32, t)]))
+        b.store(ir.Constant(vsf, None), b.gep(saccs, [zero32, ir.Constant(_I32, t)]))
     with cgutils.for_range(b, nb) as loop:
         ib = loop.index
         blk = fmt.unpack(b, b.gep(blocks, [b.mul(ib, _const_i64(fmt.nbytes))]))
+        prep = _block_prep(b, blk, nsub, vnni)
         with cgutils.for_range(b, ntok) as tl:
-            qp, sp, bsp, b16p = act.row(b, tl.index)
-            accp = b.gep(accs, [zero32, tl.index])
-            maccp = b.gep(maccs, [zero32, tl.index])
-            _block_dot(b, fmt, blk, ib, nsub, qp, sp, bsp, b16p, accp, maccp, vnni)
+            qp, sp, _, b16p = act.row(b, tl.index)
+            _block_dot(b, blk, prep, ib, nsub, qp, sp, b16p, b.gep(accs, [zero32, tl.index]),
+                       b.gep(saccs, [zero32, tl.index]), vnni)
+    red8 = cgutils.get_or_insert_function(b.module, ir.FunctionType(_F32, [_F32, v8f]), "llvm.vector.reduce.fadd.v8f32")
+    reds = cgutils.get_or_insert_function(b.module, ir.FunctionType(_F32, [_F32, vsf]),
+                                          f"llvm.vector.reduce.fadd.v{nsub}f32")
     with cgutils.for_range(b, ntok) as tl:
-        acc = b.load(b.gep(accs, [zero32, tl.index]))
-        red = cgutils.get_or_insert_function(b.module, ir.FunctionType(_F32, [_F32, v8f]), "llvm.vector.reduce.fadd.v8f32")
-        r = b.call(red, [ir.Constant(_F32, 0.0), acc])
+        r = b.call(red8, [ir.Constant(_F32, 0.0), b.load(b.gep(accs, [zero32, tl.index]))])
         r.fastmath.add("reassoc")
-        r = b.fadd(r, b.load(b.gep(maccs, [zero32, tl.index])))
+        r2 = b.call(reds, [ir.Constant(_F32, 0.0), b.load(b.gep(saccs, [zero32, tl.index]))])
+        r2.fastmath.add("reassoc")
+        r = b.fadd(r, r2)
         if fmt.row_scale == "f32":
             r = b.fmul(r, _f32(b, row, 0))
         elif fmt.row_scale == "f16":
@@ -556,45 +552,51 @@ def _emit_row(b: ir.IRBuilder, fmt: BlockDot, row, act: Act, ntok, cols, vnni: b
     return res
 
 
-def _block_dot(b: ir.IRBuilder, fmt: BlockDot, blk: Block, ib, nsub: int, qp, sp, bsp, b16p, accp, maccp, vnni: bool):
-    """acc += the unpacked block ib times one activation row (mins: macc)."""
+def _block_prep(b: ir.IRBuilder, blk: Block, nsub: int, vnni: bool):
+    """What the activation rows share of a block: the per-sub-block scale lanes, the per-half
+    weights of the activation sums (-d sc off + dm min, f32) and, for the generic IR, the
+    per-byte level offsets."""
+    nh = 2 * nsub
+    scl = [_gather(b, blk.sc, [2 * j] * 4 + [2 * j + 1] * 4) for j in range(nsub)]
+    wsum = None                      # f32 lanes: coefficient of each half's activation sum
+    off = blk.off
+    if vnni and not (isinstance(off, int) and off == 0):
+        offv = _cv([off] * nh) if isinstance(off, int) else off
+        wsum = b.fmul(b.sitofp(b.mul(blk.sc, offv), _vec(_F32, nh)), _splat(b, b.fneg(blk.d), _F32, nh),
+                      flags=["fast"])
+    if blk.mins is not None:
+        m = b.fmul(b.sitofp(blk.mins, _vec(_F32, nh)), _splat(b, blk.dm, _F32, nh), flags=["fast"])
+        wsum = m if wsum is None else b.fadd(wsum, m, flags=["fast"])
+    off8 = None
+    if not vnni and not (isinstance(off, int) and off == 0):
+        if isinstance(off, int):
+            off8 = [_c(off)] * nsub
+        else:
+            o8 = b.trunc(off, _vec(_I8, nh))
+            off8 = [_gather(b, o8, [2 * j] * 16 + [2 * j + 1] * 16) for j in range(nsub)]
+    return scl, wsum, off8
+
+
+def _block_dot(b: ir.IRBuilder, blk: Block, prep, ib, nsub: int, qp, sp, b16p, accp, saccp, vnni: bool):
+    """acc += the unpacked block ib times one activation row (the activation-sum terms: sacc)."""
+    scl, wsum, off8 = prep
     v8f = _vec(_F32, 8)
-    terms, mterms = [], []
-    for j, (u, sc) in enumerate(blk.subs):
+    sav = b.load(b.bitcast(b.gep(sp, [b.mul(ib, _const_i64(nsub))]), _vec(_F32, nsub).as_pointer()), align=4)
+    terms = []
+    for j, u in enumerate(blk.us):
         k = b.add(b.mul(ib, _const_i64(nsub)), _const_i64(j))
         a = b.load(b.bitcast(b.gep(qp, [b.mul(k, _const_i64(32))]), _V32.as_pointer()), align=1)
-        sa = b.load(b.gep(sp, [k]))
-        per16 = isinstance(sc, tuple)
-        mn = blk.mins[j] if blk.mins is not None else None
-        if per16 or isinstance(mn, tuple):
-            k2 = b.mul(k, _const_i64(2))
-            s16 = (b.load(b.gep(b16p, [k2])), b.load(b.gep(b16p, [b.add(k2, _const_i64(1))])))
-        off = fmt.off if blk.offs is None else blk.offs[j]
-        if isinstance(off, tuple) and not per16:
-            raise AssertionError(f"{fmt.name}: per-16 offsets need per-16 scales")
-        if isinstance(off, int):
-            offs = (ir.Constant(_I32, off),) * 2
-        else:
-            offs = off if isinstance(off, tuple) else (off, off)
-        if per16:
-            corr = (b.neg(b.mul(s16[0], offs[0])), b.neg(b.mul(s16[1], offs[1])))
-        else:
-            corr = (b.neg(b.mul(b.load(b.gep(bsp, [k])), offs[0])), None)
-        lanes = _sub_isum(b, u, a, off, corr, vnni)
-        if per16:
-            lanes = b.mul(lanes, _lanes8(b, sc))
-            f = sa
-        else:
-            f = b.fmul(sa, b.sitofp(sc, _F32), flags=["fast"])
-        terms.append(b.fmul(b.sitofp(lanes, v8f), _splat(b, f, _F32, 8), flags=["fast"]))
-        if mn is not None:
-            mi = (b.add(b.mul(mn[0], s16[0]), b.mul(mn[1], s16[1])) if isinstance(mn, tuple)
-                  else b.mul(mn, b.load(b.gep(bsp, [k]))))
-            mterms.append(b.fmul(sa, b.sitofp(mi, _F32), flags=["fast"]))
-    bacc = tree_sum(b, terms)
-    b.store(b.fadd(b.load(accp), b.fmul(bacc, _splat(b, blk.d, _F32, 8), flags=["fast"]), flags=["fast"]), accp)
-    if mterms:
-        b.store(b.fadd(b.load(maccp), b.fmul(blk.dm, tree_sum(b, mterms), flags=["fast"]), flags=["fast"]), maccp)
+        lanes = b.mul(_sub_isum(b, u, a, None if off8 is None else off8[j], vnni), scl[j])
+        sa = b.shuffle_vector(sav, sav, ir.Constant(_vec(_I32, 8), [j] * 8))
+        terms.append(b.fmul(b.sitofp(lanes, v8f), sa, flags=["fast"]))
+    b.store(b.fadd(b.load(accp), b.fmul(tree_sum(b, terms), _splat(b, blk.d, _F32, 8), flags=["fast"]),
+                   flags=["fast"]), accp)
+    if wsum is not None:
+        nh = 2 * nsub
+        s16 = b.load(b.bitcast(b.gep(b16p, [b.mul(ib, _const_i64(nh))]), _vec(_I32, nh).as_pointer()), align=4)
+        t = b.fmul(b.sitofp(s16, _vec(_F32, nh)), wsum, flags=["fast"])
+        t = b.fadd(_gather(b, t, range(0, nh, 2)), _gather(b, t, range(1, nh, 2)), flags=["fast"])  # per sub-block
+        b.store(b.fadd(b.load(saccp), b.fmul(t, sav, flags=["fast"]), flags=["fast"]), saccp)
 
 
 def tree_sum(b: ir.IRBuilder, vals: list):

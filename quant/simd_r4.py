@@ -34,7 +34,7 @@ from numba.extending import intrinsic
 
 from . import iqk as _iqk
 from .simd import HAS_VNNI, _F32, _I8, _I16, _I32, _I64, _vec, _const_i64, _pair_sum, _splat, _vpdpbusd
-from .simd_blocks import TMAX, _c, _gep, _ld, _lookup, _one_or_many, _tab16, act_arrays, tree_sum
+from .simd_blocks import TMAX, _bit_to, _c, _gep, _ld, _lookup, _one_or_many, _tab16, act_arrays, tree_sum
 
 _V32 = _vec(_I8, 32)
 _V8I = _vec(_I32, 8)
@@ -137,12 +137,13 @@ def _runs2(b: ir.IRBuilder, p, off: int, fix=None):
     return runs
 
 
-def _bitplane(b: ir.IRBuilder, p, off: int, bit0: int, bit1: int):
-    """A 1-bit weave (16 bytes at off: byte 4k + i) as a 32-lane vector: lanes of m = 0 take bit
-    bit0, lanes of m = 1 bit bit1 of their byte (values 0/1)."""
+def _bitplanes(b: ir.IRBuilder, p, off: int, delta: int):
+    """A 1-bit weave (16 bytes at off: byte 4k + i) as 32 lanes (m, k, i), the m = 1 lanes shifted
+    right by delta: bit t of a lane is then the bit of run t's value, in both halves (one shift
+    and mask per run instead of two shifts and a blend)."""
     v16 = _ld(b, p, off, 16)
     v = b.shuffle_vector(v16, v16, ir.Constant(_vec(_I32, 32), list(range(16)) * 2))
-    return _blend_halves(b, b.and_(b.lshr(v, _c(bit0)), _c(1)), b.and_(b.lshr(v, _c(bit1)), _c(1)))
+    return _blend_halves(b, v, b.lshr(v, _c(delta)))
 
 
 # ----------------------------------------------------------------------------------------
@@ -192,9 +193,10 @@ def _unpack_iq2_k_r4(b: ir.IRBuilder, p) -> R4Block:
 def _unpack_iq3_k_r4(b: ir.IRBuilder, p) -> R4Block:
     subs = []
     for s in range(8):
-        def fix(u, t, s=s):
-            h = _bitplane(b, p, 312 + 16 * s, t, t + 4)
-            return _lut(b, _T_IQ3, b.or_(u, b.shl(h, _c(2))))
+        hb = _bitplanes(b, p, 312 + 16 * s, 4)
+
+        def fix(u, t, hb=hb):
+            return _lut(b, _T_IQ3, b.or_(u, _bit_to(b, hb, t, 2)))
         runs = _runs2(b, p, 56 + 32 * s, fix)
         ls = b.add(b.shl(_nib_scales(b, p, 24, s), _c(1, 8, _I32)), _c(1, 8, _I32))
         neg = b.icmp_unsigned("!=", _lane_fields(b, p, 16, s, 1), _c(0, 8, _I32))
@@ -217,14 +219,16 @@ def _unpack_iq4_k_r4(b: ir.IRBuilder, p) -> R4Block:
     return R4Block(_d4(b, p, 0), subs)
 
 
-_IQ5_BITS = ((0, 2), (1, 3), (4, 6), (5, 7))     # qh bit of each nibble run's m = 0 / 1 lanes
+_IQ5_BITS = ((0, 2), (1, 3), (4, 6), (5, 7))     # qh bit of each nibble run's m = 0 / 1 lanes (+2)
 
 
 def _unpack_iq5_k_r4(b: ir.IRBuilder, p) -> R4Block:
     subs = []
     for s in range(8):
-        def fix(u, r, s=s):
-            return _lut(b, _T_IQ5, u, _bitplane(b, p, 576 + 16 * s, *_IQ5_BITS[r]))
+        hb = _bitplanes(b, p, 576 + 16 * s, 2)
+
+        def fix(u, r, hb=hb):
+            return _lut(b, _T_IQ5, u, b.and_(hb, _c(1 << _IQ5_BITS[r][0])))
         subs.append(R4Sub(_runs4(b, p, 64 + 64 * s, fix), _ls6_r4(b, p, s), _extra_off(b, _T_IQ5, p, s)))
     return R4Block(_d4(b, p, 0), subs)
 
@@ -259,7 +263,7 @@ def _unpack_q4_k_r4(b: ir.IRBuilder, p) -> R4Block:
     return R4Block(_d4(b, p, 0), subs, b.fneg(_d4(b, p, 8)))
 
 
-_Q5_BITS = ((0, 4), (1, 5), (2, 6), (3, 7))
+_Q5_BITS = ((0, 4), (1, 5), (2, 6), (3, 7))      # ... for Q5_K_R4 (+4)
 
 
 def _unpack_q5_k_r4(b: ir.IRBuilder, p) -> R4Block:
@@ -267,8 +271,10 @@ def _unpack_q5_k_r4(b: ir.IRBuilder, p) -> R4Block:
     for s in range(8):
         sc, mn = _k4_r4_scales(b, p, s)
 
-        def fix(u, r, s=s):
-            return b.or_(u, b.shl(_bitplane(b, p, 64 + 16 * s, *_Q5_BITS[r]), _c(4)))
+        hb = _bitplanes(b, p, 64 + 16 * s, 4)
+
+        def fix(u, r, hb=hb):
+            return b.or_(u, _bit_to(b, hb, _Q5_BITS[r][0], 4))
         subs.append(R4Sub(_runs4(b, p, 192 + 64 * s, fix), sc, 0, mn))
     return R4Block(_d4(b, p, 0), subs, b.fneg(_d4(b, p, 8)))
 
@@ -344,15 +350,13 @@ def _emit_group(b: ir.IRBuilder, fmt: R4Dot, grp, act, ntok, cols, vnni: bool):
 def _block_dot4(b: ir.IRBuilder, blk: R4Block, ib, qp, sp, b16p, d8, dm8, accp, maccp, vnni: bool):
     """acc (lanes (h, k)) += the unpacked block column ib times one activation row."""
     terms, mterms = [], []
+    # the block's 16 activation sums in one load (per sub-block inserts measured slower)
+    s16 = b.load(b.bitcast(b.gep(b16p, [b.mul(ib, _const_i64(16))]), _vec(_I32, 16).as_pointer()), align=4)
     for j, sub in enumerate(blk.subs):
         k = b.add(b.mul(ib, _const_i64(8)), _const_i64(j))
         a = b.load(b.bitcast(b.gep(qp, [b.mul(k, _const_i64(32))]), _V32.as_pointer()), align=1)
         sa = _splat(b, b.load(b.gep(sp, [k])), _F32, 8)
-        k2 = b.mul(k, _const_i64(2))
-        s0, s1 = b.load(b.gep(b16p, [k2])), b.load(b.gep(b16p, [b.add(k2, _const_i64(1))]))
-        asum = b.insert_element(b.insert_element(ir.Constant(_V8I, None), s0, ir.Constant(_I32, 0)),
-                                s1, ir.Constant(_I32, 1))
-        asum = b.shuffle_vector(asum, asum, ir.Constant(_V8I, [0, 0, 0, 0, 1, 1, 1, 1]))
+        asum = b.shuffle_vector(s16, s16, ir.Constant(_V8I, [2 * j] * 4 + [2 * j + 1] * 4))
         off = sub.off if not isinstance(sub.off, int) else _c(sub.off, 8, _I32)
         isum = b.neg(b.mul(off, asum)) if not (isinstance(sub.off, int) and sub.off == 0) else _c(0, 8, _I32)
         for u, ao in sub.runs:
