@@ -513,6 +513,17 @@ def act_arrays(context, builder, sig_args, args, k0):
     return Act(*ptrs, tuple(strides))
 
 
+def token_accs(b: ir.IRBuilder, *elems: ir.Type) -> list:
+    """For each element type, TMAX zeroed accumulators (one per activation row)."""
+    out = []
+    for t in elems:
+        a = b.alloca(ir.ArrayType(t, TMAX))
+        for i in range(TMAX):
+            b.store(ir.Constant(t, None), b.gep(a, [ir.Constant(_I32, 0), ir.Constant(_I32, i)]))
+        out.append(a)
+    return out
+
+
 def _emit_row(b: ir.IRBuilder, fmt: BlockDot, row, act: Act, ntok, cols, vnni: bool):
     """The dots of one row of type fmt at pointer row with ntok (<= TMAX) activation rows:
     returns an alloca of TMAX f32, the first ntok filled."""
@@ -520,13 +531,9 @@ def _emit_row(b: ir.IRBuilder, fmt: BlockDot, row, act: Act, ntok, cols, vnni: b
     blocks = _gep(b, row, fmt.meta)
     nb = b.udiv(cols, _const_i64(fmt.values))
     v8f, vsf = _vec(_F32, 8), _vec(_F32, nsub)
-    accs = b.alloca(ir.ArrayType(v8f, TMAX))
-    saccs = b.alloca(ir.ArrayType(vsf, TMAX))
+    accs, saccs = token_accs(b, v8f, vsf)
     res = b.alloca(ir.ArrayType(_F32, TMAX))
     zero32 = ir.Constant(_I32, 0)
-    for t in range(TMAX):
-        b.store(ir.Constant(v8f, None), b.gep(accs, [zero32, ir.Constant(_I32, t)]))
-        b.store(ir.Constant(vsf, None), b.gep(saccs, [zero32, ir.Constant(_I32, t)]))
     with cgutils.for_range(b, nb) as loop:
         ib = loop.index
         blk = fmt.unpack(b, b.gep(blocks, [b.mul(ib, _const_i64(fmt.nbytes))]))
@@ -619,14 +626,16 @@ def _one_or_many(b: ir.IRBuilder, ntok, emit) -> None:
             emit(ntok)
 
 
-def _row_dot_intrinsic(vnni: bool):
-    """row_dot(qtype, buf, base, q, s, bs, b16, cols, k0, ntok, out, r) -> bool: out[k0 + t, r] =
-    the row at byte base of buf dotted with activation row k0 + t of (q, s, bs, b16), t < ntok
-    (<= TMAX), for every type in BLOCK_DOTS (others: False, out untouched).  A switch on qtype
-    around each type's row loop; each block is unpacked once for the ntok rows."""
+def dot_intrinsic(records: dict, emit_rows: Callable, width: int, vnni: bool, label: str):
+    """An intrinsic f(qtype, buf, base, q, s, bs, b16, cols, k0, ntok, out, r) -> bool: the weight
+    rows r .. r + width - 1 at byte base of buf (one row, or a width-row interleaved group)
+    dotted with activation rows k0 + t of (q, s, bs, b16), t < ntok (<= TMAX), written to
+    out[k0 + t, r:r + width], for every type in `records` (others: False, out untouched).  A
+    switch on qtype around each type's loop: emit_rows(builder, record, weight pointer, Act,
+    ntok, cols, vnni) -> alloca of TMAX results (f32, or <width x f32>)."""
 
     @intrinsic
-    def row_dot(typingctx, qtype, buf, base, q, s, bs, b16, cols, k0, ntok, out, r):
+    def dot(typingctx, qtype, buf, base, q, s, bs, b16, cols, k0, ntok, out, r):
         if not all(isinstance(x, types.Array) for x in (buf, q, s, bs, b16, out)):
             return None
         sig = types.boolean(types.int64, buf, types.int64, q, s, bs, b16, types.int64, types.int64, types.int64,
@@ -634,30 +643,41 @@ def _row_dot_intrinsic(vnni: bool):
 
         def codegen(context, builder, sig, args):
             wbuf = context.make_array(sig.args[1])(context, builder, args[1])
-            row = builder.gep(wbuf.data, [args[2]])
+            wp = builder.gep(wbuf.data, [args[2]])
             act = act_arrays(context, builder, sig.args[3:7], args[3:7], args[8])
             oa = context.make_array(sig.args[10])(context, builder, args[10])
             ost = builder.sdiv(builder.extract_value(oa.strides, 0), _const_i64(4))
             obase = builder.gep(oa.data, [builder.add(builder.mul(args[8], ost), args[11])])
             okp = cgutils.alloca_once_value(builder, ir.Constant(ir.IntType(1), 0))
-            end = builder.append_basic_block("rowdot.end")
+            end = builder.append_basic_block(f"{label}.end")
             sw = builder.switch(args[0], end)
-            for tid, fmt in BLOCK_DOTS.items():
-                bb = builder.append_basic_block(f"rowdot.{fmt.name}")
+            for tid, fmt in records.items():
+                bb = builder.append_basic_block(f"{label}.{fmt.name}")
                 sw.add_case(ir.Constant(_I64, tid), bb)
                 builder.position_at_end(bb)
+
                 def emit(ntok, fmt=fmt):
-                    res = _emit_row(builder, fmt, row, act, ntok, args[7], vnni)
+                    res = emit_rows(builder, fmt, wp, act, ntok, args[7], vnni)
                     with cgutils.for_range(builder, ntok) as tl:
                         v = builder.load(builder.gep(res, [ir.Constant(_I32, 0), tl.index]))
-                        builder.store(v, builder.gep(obase, [builder.mul(tl.index, ost)]))
+                        dst = builder.gep(obase, [builder.mul(tl.index, ost)])
+                        if width > 1:
+                            dst = builder.bitcast(dst, _vec(_F32, width).as_pointer())
+                        builder.store(v, dst, align=4)
                 _one_or_many(builder, args[9], emit)
                 builder.store(ir.Constant(ir.IntType(1), 1), okp)
                 builder.branch(end)
             builder.position_at_end(end)
             return builder.load(okp)
         return sig, codegen
-    return row_dot
+    return dot
+
+
+def _row_dot_intrinsic(vnni: bool):
+    """row_dot(qtype, buf, base, q, s, bs, b16, cols, k0, ntok, out, r) -> bool: out[k0 + t, r] =
+    the row at byte base of buf dotted with activation row k0 + t, for the types of BLOCK_DOTS
+    (dot_intrinsic; each block is unpacked once for the ntok rows)."""
+    return dot_intrinsic(BLOCK_DOTS, _emit_row, 1, vnni, "rowdot")
 
 
 row_dot_generic = _row_dot_intrinsic(False)

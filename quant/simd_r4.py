@@ -28,13 +28,11 @@ from typing import Callable
 
 import numpy as np
 from llvmlite import ir
-from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic
 
 from . import iqk as _iqk
-from .simd import HAS_VNNI, _F32, _I8, _I16, _I32, _I64, _vec, _const_i64, _pair_sum, _splat, _vpdpbusd
-from .simd_blocks import TMAX, _bit_to, _c, _gep, _ld, _lookup, _one_or_many, _tab16, act_arrays, tree_sum
+from .simd import HAS_VNNI, _F32, _I8, _I16, _I32, _vec, _const_i64, _pair_sum, _splat, _vpdpbusd
+from .simd_blocks import TMAX, _bit_to, _c, _gep, _ld, _lookup, _tab16, dot_intrinsic, token_accs, tree_sum
 
 _V32 = _vec(_I8, 32)
 _V8I = _vec(_I32, 8)
@@ -320,12 +318,8 @@ def _emit_group(b: ir.IRBuilder, fmt: R4Dot, grp, act, ntok, cols, vnni: bool):
     nb = b.udiv(cols, _const_i64(256))
     v4f = _vec(_F32, 4)
     zero32 = ir.Constant(_I32, 0)
-    accs = b.alloca(ir.ArrayType(_V8F, TMAX))
-    maccs = b.alloca(ir.ArrayType(_V8F, TMAX))
+    accs, maccs = token_accs(b, _V8F, _V8F)
     res = b.alloca(ir.ArrayType(v4f, TMAX))
-    for t in range(TMAX):
-        b.store(ir.Constant(_V8F, None), b.gep(accs, [zero32, ir.Constant(_I32, t)]))
-        b.store(ir.Constant(_V8F, None), b.gep(maccs, [zero32, ir.Constant(_I32, t)]))
     with cgutils.for_range(b, nb) as loop:
         ib = loop.index
         blk = fmt.unpack(b, b.gep(blocks, [b.mul(ib, _const_i64(fmt.nbytes))]))
@@ -373,42 +367,8 @@ def _block_dot4(b: ir.IRBuilder, blk: R4Block, ib, qp, sp, b16p, d8, dm8, accp, 
 def _group_dot_intrinsic(vnni: bool):
     """group_dot(qtype, buf, gbase, q, s, bs, b16, cols, k0, ntok, out, r0) -> bool:
     out[k0 + t, r0 + k] = row k of the 4-row group at byte gbase dotted with activation row
-    k0 + t, t < ntok (<= TMAX), for every type in R4_DOTS (others: False, out untouched)."""
-
-    @intrinsic
-    def group_dot(typingctx, qtype, buf, gbase, q, s, bs, b16, cols, k0, ntok, out, r0):
-        if not all(isinstance(x, types.Array) for x in (buf, q, s, bs, b16, out)):
-            return None
-        sig = types.boolean(types.int64, buf, types.int64, q, s, bs, b16, types.int64, types.int64, types.int64,
-                            out, types.int64)
-
-        def codegen(context, builder, sig, args):
-            wbuf = context.make_array(sig.args[1])(context, builder, args[1])
-            grp = builder.gep(wbuf.data, [args[2]])
-            act = act_arrays(context, builder, sig.args[3:7], args[3:7], args[8])
-            oa = context.make_array(sig.args[10])(context, builder, args[10])
-            ost = builder.sdiv(builder.extract_value(oa.strides, 0), _const_i64(4))
-            obase = builder.gep(oa.data, [builder.add(builder.mul(args[8], ost), args[11])])
-            okp = cgutils.alloca_once_value(builder, ir.Constant(ir.IntType(1), 0))
-            end = builder.append_basic_block("r4.end")
-            sw = builder.switch(args[0], end)
-            for tid, fmt in R4_DOTS.items():
-                bb = builder.append_basic_block(f"r4.{fmt.name}")
-                sw.add_case(ir.Constant(_I64, tid), bb)
-                builder.position_at_end(bb)
-                def emit(ntok, fmt=fmt):
-                    res = _emit_group(builder, fmt, grp, act, ntok, args[7], vnni)
-                    with cgutils.for_range(builder, ntok) as tl:
-                        v = builder.load(builder.gep(res, [ir.Constant(_I32, 0), tl.index]))
-                        dst = builder.bitcast(builder.gep(obase, [builder.mul(tl.index, ost)]), _vec(_F32, 4).as_pointer())
-                        builder.store(v, dst, align=4)
-                _one_or_many(builder, args[9], emit)
-                builder.store(ir.Constant(ir.IntType(1), 1), okp)
-                builder.branch(end)
-            builder.position_at_end(end)
-            return builder.load(okp)
-        return sig, codegen
-    return group_dot
+    k0 + t, for the types of R4_DOTS (quant.simd_blocks.dot_intrinsic)."""
+    return dot_intrinsic(R4_DOTS, _emit_group, 4, vnni, "r4")
 
 
 group_dot_generic = _group_dot_intrinsic(False)

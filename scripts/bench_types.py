@@ -36,7 +36,7 @@ def main() -> None:
     a = ap.parse_args()
     ikcli = os.path.join(os.path.dirname(sys.executable), "ikcli")
     res: dict[str, tuple[float, float]] = {}
-    lines = [f"| type | S_PP t/s | S_TG t/s | S_PP / Q8_0 | S_TG / Q8_0 |", "|---|---:|---:|---:|---:|"]
+    lines = ["| type | S_PP t/s | S_TG t/s | S_PP / Q8_0 | S_TG / Q8_0 |", "|---|---:|---:|---:|---:|"]
     types = a.types.split(",")
     if "Q8_0" in types:                               # the reference first
         types.remove("Q8_0")
@@ -48,7 +48,11 @@ def main() -> None:
             continue
         cmd = [ikcli, "sweep-bench", "-m", path, "-c", str(a.c), "-ub", str(a.ub), "-t", str(a.t),
                "-mla", "3", "-fa", "on"] + (["-rtr"] if a.rtr else [])
-        rows = sweep(cmd)
+        try:
+            rows = sweep(cmd)
+        except RuntimeError as e:                      # e.g. a truncated file: report, go on
+            print(f"{t}: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
+            continue
         pp = sum(v[0] for v in rows.values()) / len(rows)
         tg = sum(v[1] for v in rows.values()) / len(rows)
         res[t] = (pp, tg)

@@ -22,17 +22,27 @@ TYPES = sorted(SB.BLOCK_DOTS)
 NAMES = [SB.BLOCK_DOTS[t].name for t in TYPES]
 
 
+from quant import simd_r4 as R4  # noqa: E402
+
+
 @njit(cache=True)
-def _dot_generic(qtype, buf, q, s, bs, b16, cols, out):
-    return SB.row_dot_generic(qtype, buf, 0, q, s, bs, b16, cols, 0, q.shape[0], out, 0)
+def _dot(kind, qtype, buf, q, s, bs, b16, cols, out):
+    """kind 0 / 1: quant.simd_blocks' generic / host (VNNI where present) row dot; 2 / 3: the
+    same of quant.simd_r4's group dot.  All rows of q in one call."""
+    n = q.shape[0]
+    if kind == 0:
+        return SB.row_dot_generic(qtype, buf, 0, q, s, bs, b16, cols, 0, n, out, 0)
+    if kind == 1:
+        return SB.row_dot(qtype, buf, 0, q, s, bs, b16, cols, 0, n, out, 0)
+    if kind == 2:
+        return R4.group_dot_generic(qtype, buf, 0, q, s, bs, b16, cols, 0, n, out, 0)
+    return R4.group_dot(qtype, buf, 0, q, s, bs, b16, cols, 0, n, out, 0)
 
 
-if SB.HAS_VNNI:
-    @njit(cache=True)
-    def _dot_vnni(qtype, buf, q, s, bs, b16, cols, out):
-        return SB.row_dot_vnni(qtype, buf, 0, q, s, bs, b16, cols, 0, q.shape[0], out, 0)
-else:
-    _dot_vnni = None
+def _kind(form: str, r4: bool) -> int:
+    if form == "vnni" and not SB.HAS_VNNI:
+        pytest.skip("no AVX512-VNNI on this CPU")
+    return (2 if r4 else 0) + (form == "vnni")
 
 NT = 3    # activation rows per kernel call (each weight block is unpacked once for all)
 
@@ -61,9 +71,7 @@ def _decode(qtype, raw, cols):
 @pytest.mark.parametrize("form", ["generic", "vnni"])
 @pytest.mark.parametrize("qtype", TYPES, ids=NAMES)
 def test_row_dot_matches_decoder_on_random_bytes(qtype, form):
-    fn = _dot_generic if form == "generic" else _dot_vnni
-    if fn is None:
-        pytest.skip("no AVX512-VNNI on this CPU")
+    kind = _kind(form, False)
     fmt = SB.BLOCK_DOTS[qtype]
     rng = np.random.default_rng(qtype)
     checked = 0
@@ -78,7 +86,7 @@ def test_row_dot_matches_decoder_on_random_bytes(qtype, form):
             want = xa @ y
             mag = np.abs(xa) @ np.abs(y)
             out = np.full((NT, 1), np.nan, np.float32)
-            assert fn(qtype, raw, q, s, bs, b16, cols, out)
+            assert _dot(kind, qtype, raw, q, s, bs, b16, cols, out)
             assert np.all(np.abs(out[:, 0] - want) <= 2e-5 * mag + 1e-30), (cols, out[:, 0], want)
             checked += 1
     assert checked >= 30
@@ -89,7 +97,7 @@ def test_row_dot_refuses_types_without_record():
     q, s, bs, b16, _ = _act(rng, 256)
     raw = rng.integers(0, 256, 300, dtype=np.uint8)
     out = np.zeros((NT, 1), np.float32)
-    assert not _dot_generic(8, raw, q, s, bs, b16, 256, out)     # Q8_0: quant.simd's, not here
+    assert not _dot(0, 8, raw, q, s, bs, b16, 256, out)     # Q8_0: quant.simd's, not here
     assert np.all(out == 0)
 
 
@@ -137,22 +145,7 @@ def test_matmul_id_and_fused_gate_up(name):
 # _R4 layouts (quant.simd_r4)
 # ----------------------------------------------------------------------------------------
 from quant import interleaved as IL  # noqa: E402
-from quant import simd_r4 as R4  # noqa: E402
-
 R4_TYPES = sorted(R4.R4_DOTS)
-
-
-@njit(cache=True)
-def _group_generic(qtype, buf, q, s, bs, b16, cols, out):
-    return R4.group_dot_generic(qtype, buf, 0, q, s, bs, b16, cols, 0, q.shape[0], out, 0)
-
-
-if R4.HAS_VNNI:
-    @njit(cache=True)
-    def _group_vnni(qtype, buf, q, s, bs, b16, cols, out):
-        return R4.group_dot_vnni(qtype, buf, 0, q, s, bs, b16, cols, 0, q.shape[0], out, 0)
-else:
-    _group_vnni = None
 
 
 @pytest.mark.parametrize("form", ["generic", "vnni"])
@@ -160,9 +153,7 @@ else:
 def test_group_dot_matches_plain_decode_on_random_bytes(qtype, form):
     """Random R bytes (every level, scale, sign, extra and min bit), one and two block columns:
     the 4 row results against the plain decoder of the unpacked rows."""
-    fn = _group_generic if form == "generic" else _group_vnni
-    if fn is None:
-        pytest.skip("no AVX512-VNNI on this CPU")
+    kind = _kind(form, True)
     rng = np.random.default_rng(qtype)
     pt = IL.plain_type(qtype)
     checked = 0
@@ -175,7 +166,7 @@ def test_group_dot_matches_plain_decode_on_random_bytes(qtype, form):
             if not np.all(np.isfinite(y)) or np.abs(y).max() > 1e6:
                 continue
             out = np.full((NT, 4), np.nan, np.float32)
-            assert fn(qtype, raw, q, s, bs, b16, cols, out)
+            assert _dot(kind, qtype, raw, q, s, bs, b16, cols, out)
             want = xa @ y.T
             mag = np.abs(xa) @ np.abs(y).T
             assert np.all(np.abs(out - want) <= 2e-5 * mag + 1e-30), (cols, out, want)
@@ -187,5 +178,5 @@ def test_group_dot_refuses_types_without_record():
     rng = np.random.default_rng(0)
     q, s, bs, b16, _ = _act(rng, 256)
     out = np.zeros((NT, 4), np.float32)
-    assert not _group_generic(210, rng.integers(0, 256, 4 * 84, dtype=np.uint8), q, s, bs, b16, 256, out)  # Q2_K_R4
+    assert not _dot(2, 210, rng.integers(0, 256, 4 * 84, dtype=np.uint8), q, s, bs, b16, 256, out)  # Q2_K_R4
     assert np.all(out == 0)
