@@ -1,4 +1,6 @@
-"""Numba kernels for the compute types F32, F16, BF16, Q8_0, Q4_0 (and Q6_0 decoding, for KV caches).
+"""Numba kernels for every compute type: row decoders, activation quantization, and the few-token
+matmul loops that call the integer row dots of quant.simd (Q8_0, Q4_0, _R8), quant.simd_blocks
+(the other block types) and quant.simd_r4 (the _R4 layouts).
 
 Calling convention shared by every weight kernel (quant.matmul builds these arguments):
 
@@ -18,7 +20,7 @@ Activation side of the integer dot products: a row of f32 values is quantized on
 matmul into int8 values plus one scale per 32 (`quantize_act_q8`), with the rounding of the
 Q8_2 blocks ik_llama.cpp uses for the same purpose (bf16 scale, round half to even).
 
-The few-token kernels are one loop per type family: matvec_int (Q8_0, Q4_0) and
+The few-token kernels are one loop per type family: matvec_int (INT_DOT_TYPES) and
 matvec_float (F16, BF16, F32), each serving plain matmuls, expert-indexed pairs (mul_mat_id)
 and the fused SiLU gate/up product (see the section below).  The integer row dot is one
 inlined function that branches on the type once per row, outside the block loops: measured

@@ -3,10 +3,11 @@
 matmul(w, x) computes x @ W.T for f32 activations x (n, cols) and weights W (rows, cols)
 stored in any supported GGML type, reading the packed weight bytes in place:
 
-* few tokens (n < many_tokens(qtype): 8 for Q8_0/Q4_0, 16 for F16/BF16): x is quantized
-  once to int8 + f32 scale per 32 and Q8_0 / Q4_0 rows are dotted with it using integer
-  block sums (F16 / BF16 rows are decoded row by row and dotted in f32), parallel over
-  output rows (numba prange).  Cost grows linearly with n.
+* few tokens (n < many_tokens(qtype): 8 for Q8_0/Q4_0, 32 for the other block types, any
+  number for the _R4 types with kernels of their own, 16 for F16/BF16): x is quantized once
+  to int8 + f32 scale per 32 (with int sums per 32 and per 16) and the block rows are dotted
+  with it using integer block sums (quant.simd, quant.simd_blocks, quant.simd_r4; F16 / BF16
+  rows are decoded row by row and dotted in f32), parallel over output rows (numba prange).
 * many tokens: a tile of rows (about TILE_BYTES of f32) is decoded into a reusable scratch
   buffer and multiplied with BLAS (numpy matmul), tile after tile; at no point is more
   than one tile of the weight matrix held in f32.  Cost grows slowly with n.
@@ -64,7 +65,7 @@ TILE_BYTES = 4 << 20      # target size of the f32 scratch tile
 TILE_DEQUANT_THREADS: int | None = None
 
 # every type whose rows quant.kernels.decode_row decodes; types without integer dot kernels
-# (all but Q8_0 / Q4_0) go through the f32-decode paths (matvec_float, tiles + BLAS)
+# (F16, BF16, IQ4_KSS) go through the f32-decode paths (matvec_float, tiles + BLAS)
 _SUPPORTED = frozenset({F32, F16, BF16, Q8_0, Q4_0, Q6_0} | IQK_TYPES | LEGACY_TYPES | KQUANT_TYPES
                        | {int(t) for t in np.flatnonzero(K._R_TABLE[:, 0])})   # every _R4/_R8 type
 _ELEM = {F32: 4, F16: 2, BF16: 2}   # alignment the kernels' views need (1 byte for block types)
