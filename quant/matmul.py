@@ -3,7 +3,7 @@
 matmul(w, x) computes x @ W.T for f32 activations x (n, cols) and weights W (rows, cols)
 stored in any supported GGML type, reading the packed weight bytes in place:
 
-* few tokens (n < many_tokens(qtype): 8 for Q8_0/Q4_0, 32 for the other block types, any
+* few tokens (n < many_tokens(qtype): 8 for Q8_0/Q4_0, 96 for the other block types, any
   number for the _R4 types with kernels of their own, 16 for F16/BF16): x is quantized once
   to int8 + f32 scale per 32 (with int sums per 32 and per 16) and the block rows are dotted
   with it using integer block sums (quant.simd, quant.simd_blocks, quant.simd_r4; F16 / BF16
@@ -58,7 +58,7 @@ from .types import BF16, F16, F32, Q4_0, Q6_0, Q8_0, type_info
 
 MANY_TOKENS = 16          # from this many activation rows on, use dequantized tiles + BLAS
 _MANY_TOKENS_INT = 8      # ... and this many for Q8_0 / Q4_0 (integer dots cost more per token)
-_MANY_TOKENS_BLOCKS = 32  # ... for the block types of quant.simd_blocks (see many_tokens)
+_MANY_TOKENS_BLOCKS = 96  # ... for the block types of quant.simd_blocks (see many_tokens)
 TILE_BYTES = 4 << 20      # target size of the f32 scratch tile
 # Numba threads that decode a tile (None: all of numba's).  Decoding is ~1-2 % of the work
 # of a many-token matmul; see the module docstring on thread pools fighting.
@@ -204,10 +204,11 @@ def _as_act(x: np.ndarray, cols: int) -> np.ndarray:
 def many_tokens(qtype: int) -> int:
     """Number of activation rows from which matmul switches to the tile + BLAS path.
 
-    Measured (4096 x 4096, 2 threads, scripts/bench_prompt_path.py): the _R4 kernels beat the
-    tiles at every count (n = 512: 84 vs 126 ms for Q4_K_R4, 80 vs 128 for IQ2_K_R4), so they
-    never switch; the plain block types' integer kernels break even with the tiles near 32 rows
-    (Q4_K: 10.0 vs 11.8 ms at 32, 40 vs 36 at 128, 163 vs 117 at 512)."""
+    Measured (4096 x 4096): the _R4 kernels beat the tiles at every count (2 threads, n = 512:
+    84 vs 126 ms for Q4_K_R4, 80 vs 128 for IQ2_K_R4), so they never switch; the plain block
+    types' integer kernels break even with the tiles near 96 rows (one thread, int vs tiles:
+    Q4_K 21.3 vs 28.0 ms at 48, 46.4 vs 44.7 at 96; Q6_K 24.3 vs 31.5 and 44.5 vs 46.8; IQ4_K
+    21.6 vs 33.4 and 48.7 vs 49.5).  A MoE prompt of 512 tokens gives each of 64 experts ~48."""
     if qtype in K._r4.R4_DOTS:
         return 1 << 62
     if qtype in K._blocks.BLOCK_DOTS:

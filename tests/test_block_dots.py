@@ -115,8 +115,8 @@ def test_matmul_few_and_many_tokens_agree(name):
     on the same Q8-rounded activations."""
     rng = np.random.default_rng(7)
     w = quantize_tensor(rng.standard_normal((13, 512)).astype(np.float32), type_info(name).id)
-    assert 19 < many_tokens(w.qtype) <= 40
-    for n in (1, 3, 8, 19, 40):
+    assert 19 < many_tokens(w.qtype) <= 100
+    for n in (1, 3, 8, 19, 100):
         x = rng.standard_normal((n, 512)).astype(np.float32)
         want = _rounded_ref(w, x, n)
         got = matmul(w, x)

@@ -14,8 +14,8 @@ LOG: list[str] = []
 
 
 def run(path, t_prompt, t_gen, repack=False, log=quiet_log, **kw):
-    """Logits of a prompt in one batch (tile path at >= 32 tokens for the plain types), then of
-    tokens generated one at a time (integer kernels)."""
+    """Logits of a prompt in one batch (the plain block types: integer kernels below 96 tokens,
+    f32 tiles from 96), then of tokens generated one at a time (integer kernels)."""
     cfg = EngineConfig(path, **{"n_ctx": 256, **kw})
     ctx = Context(load_model(path, log, mla=cfg.mla, repack=repack), cfg, quiet_log)
     out = [ctx.decode(t_prompt)]

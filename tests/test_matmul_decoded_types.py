@@ -58,7 +58,7 @@ def _kernel_deq(t, raw, deq, n_tokens):
 
 
 @pytest.mark.parametrize("name,raw,deq", CASES, ids=[c[0] for c in CASES])
-@pytest.mark.parametrize("n_tokens", [1, 3, 40])
+@pytest.mark.parametrize("n_tokens", [1, 3, 40, 100])   # 100: the tile path of every type
 def test_matmul_on_ik_quantized_rows(name, raw, deq, n_tokens):
     t = type_info(name)
     raw = np.ascontiguousarray(raw.reshape(deq.shape[0], -1))
