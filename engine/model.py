@@ -91,19 +91,15 @@ class Weights:
 
     def _unpacked(self, q: QTensor) -> QTensor:
         """An _R4/_R8 tensor whose layout has no kernel of its own in ikcli, unpacked in memory to
-        its plain type (the same values, bit for bit), whose integer kernels it then uses;
-        Q8_0_R8 / Q4_0_R8 stay as they are."""
-        from quant import interleaved
-        from quant.matmul import has_interleaved_kernel
-        if has_interleaved_kernel(q.qtype):
-            return q
-        nrows = q.data.size // q.data.shape[-1]
-        pt = interleaved.plain_type(q.qtype)
-        raw = interleaved.unpack_fast(q.data.reshape(nrows, -1), q.qtype, nrows, q.cols)
-        tn = type_info(q.qtype).name.lower()
-        self.unpacked[tn] = self.unpacked.get(tn, 0) + 1
-        self.unpacked_bytes += raw.nbytes
-        return QTensor(raw.reshape(*q.data.shape[:-1], raw.shape[-1]), pt, q.shape)
+        its plain type (quant.matmul.plain_if_no_kernel: the same values, bit for bit); the
+        others are returned as they are."""
+        from quant.matmul import plain_if_no_kernel
+        p = plain_if_no_kernel(q)
+        if p is not q:
+            tn = type_info(q.qtype).name.lower()
+            self.unpacked[tn] = self.unpacked.get(tn, 0) + 1
+            self.unpacked_bytes += p.nbytes
+        return p
 
     def vector(self, name: str, n: int | None = None) -> np.ndarray:
         t = self.entry(name)

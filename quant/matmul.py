@@ -129,7 +129,7 @@ def _view(w: QTensor) -> _View:
 
 def _make_view(w: QTensor) -> _View:
     _check(w.qtype)
-    w = _plain_if_no_kernel(w)
+    w = plain_if_no_kernel(w)
     data = w.data
     if data.ndim not in (2, 3):
         raise ValueError(f"expected weights of shape (rows, row_bytes) or (experts, rows, row_bytes), "
@@ -159,11 +159,12 @@ def _make_view(w: QTensor) -> _View:
     return _View(buf, int(es), int(stride), int(ne), int(rows), int(cols), int(rb), int(w.qtype))
 
 
-def _plain_if_no_kernel(w: QTensor) -> QTensor:
+def plain_if_no_kernel(w: QTensor) -> QTensor:
     """An _R4/_R8 tensor without kernels of its own (Q2_K_R4, Q3_K_R4, IQ4_NL_R4, IQ4_XS_R8,
-    Q8_K_R8) as its plain type's rows, unpacked once (the view keeps them): the plain type's
-    integer kernels, and the same activation rounding as the plain type on every path.  The
-    engine does this at load already (engine.model), so models never pay it on first use."""
+    Q8_K_R8) as its plain type's rows, unpacked (a new QTensor; any other tensor: w itself):
+    the plain type's integer kernels, and the same activation rounding as the plain type on
+    every path.  The engine calls it at load (engine.model), so models never pay it on first
+    use; matmul's views call it for other callers (the view keeps the result)."""
     from .interleaved import plain_type, unpack_fast
     ti = type_info(w.qtype)
     if not ti.interleave or has_interleaved_kernel(w.qtype) or w.data.ndim not in (2, 3):

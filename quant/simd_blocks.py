@@ -67,15 +67,6 @@ def _ld(b: ir.IRBuilder, p, off, n: int = 32, t: ir.Type = _I8):
     return b.load(b.bitcast(_gep(b, p, off), _vec(t, n).as_pointer()), align=1)
 
 
-def _u8(b: ir.IRBuilder, p, off):
-    """Byte at p + off as i32 (zero-extended)."""
-    return b.zext(b.load(_gep(b, p, off)), _I32)
-
-
-def _s8(b: ir.IRBuilder, p, off):
-    return b.sext(b.load(_gep(b, p, off)), _I32)
-
-
 def _u16(b: ir.IRBuilder, p, off):
     return b.zext(b.load(b.bitcast(_gep(b, p, off), _I16.as_pointer()), align=1), _I32)
 
@@ -138,11 +129,6 @@ def _tab16(table: np.ndarray, off: int) -> ir.Constant:
     return ir.Constant(_V16, t)
 
 
-def _pick(b: ir.IRBuilder, cond_i32, t1, t0):
-    """t1 where the scalar cond_i32 is non-zero, else t0 (whole vectors)."""
-    return b.select(b.icmp_unsigned("!=", cond_i32, ir.Constant(_I32, 0)), t1, t0)
-
-
 def _lookup(b: ir.IRBuilder, tab32, idx):
     """Byte lane i of the result = tab32[16 * (i // 16) + idx[i]], idx in 0..15: vpshufb on
     AVX2; elsewhere a compare/select per table entry."""
@@ -154,12 +140,6 @@ def _lookup(b: ir.IRBuilder, tab32, idx):
         cand = b.shuffle_vector(tab32, tab32, ir.Constant(_vec(_I32, 32), [e] * 16 + [16 + e] * 16))
         res = b.select(b.icmp_unsigned("==", idx, _c(e)), cand, res)
     return res
-
-
-def _halves_tab(b: ir.IRBuilder, tables, e_lo, e_hi):
-    """The 32-byte lookup vector whose first 16 bytes are tables[1] if e_lo else tables[0], the
-    next 16 the same for e_hi (per-16 "extra" bits picking the shifted table)."""
-    return _cat(b, _pick(b, e_lo, tables[1], tables[0]), _pick(b, e_hi, tables[1], tables[0]))
 
 
 # ----------------------------------------------------------------------------------------

@@ -26,13 +26,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 from llvmlite import ir
 from numba.core import cgutils
 
-from . import iqk as _iqk
 from .simd import HAS_VNNI, _F32, _I8, _I16, _I32, _vec, _const_i64, _pair_sum, _splat, _vpdpbusd
-from .simd_blocks import TMAX, _bit_to, _c, _gep, _ld, _lookup, _tab16, dot_intrinsic, token_accs, tree_sum
+from . import simd_blocks as _blk
+from .simd_blocks import TMAX, _bit_to, _c, _cat, _gep, _ld, _lookup, dot_intrinsic, token_accs, tree_sum
 
 _V32 = _vec(_I8, 32)
 _V8I = _vec(_I32, 8)
@@ -147,24 +146,18 @@ def _bitplanes(b: ir.IRBuilder, p, off: int, delta: int):
 # ----------------------------------------------------------------------------------------
 # unpackers (byte offsets: quant.interleaved's _r_<type> builders)
 # ----------------------------------------------------------------------------------------
-def _tables(levels, n: int):
-    lv = np.asarray(levels).astype(np.int64)
-    return [_cat_const(_tab16(lv[16 * k:16 * k + min(16, n)], 128)) for k in range(max(1, n // 16))], \
-        int(lv[n] - lv[0])
-
-
-def _cat_const(t16: ir.Constant) -> ir.Constant:
-    return ir.Constant(_V32, list(t16.constant) * 2)
-
-
-_T_IQ2, _T_IQ3, _T_IQ4, _T_IQ5 = (_tables(_iqk.IQ2NL, 4), _tables(_iqk.IQ3NL, 8), _tables(_iqk.IQ4K, 16),
-                                  _tables(_iqk.IQ5NL, 32))
+# the level tables of quant.simd_blocks (16-entry pieces, +128, and the extra-bit shift)
+_T_IQ2, _T_IQ3, _T_IQ4, _T_IQ5 = _blk._T_IQ2, _blk._T_IQ3, _blk._T_IQ4K, _blk._T_IQ5
 
 
 def _lut(b: ir.IRBuilder, T, idx, hi=None):
-    r = _lookup(b, T[0][0], idx)
+    """Levels (+128) of piece 0 of table T at idx (0..15), or of piece 1 where hi is non-zero
+    (hi: a masked high bit, any power of two, so no shift is spent on it)."""
+    def piece(k):
+        return _lookup(b, _cat(b, T[0][k], T[0][k]), idx)
+    r = piece(0)
     if hi is not None:
-        r = b.select(b.icmp_unsigned("!=", hi, _c(0)), _lookup(b, T[0][1], idx), r)
+        r = b.select(b.icmp_unsigned("!=", hi, _c(0)), piece(1), r)
     return r
 
 
@@ -235,7 +228,7 @@ def _unpack_iq4_ks_r4(b: ir.IRBuilder, p) -> R4Block:
     subs = []
     for s in range(8):
         v = _lane_fields(b, p, 4 * s, 0, None, dup=True)
-        runs = [(_lookup(b, _T_IQ4[0][0], u), ao) for u, ao in _runs4(b, p, 32 + 64 * s)]
+        runs = [(_lut(b, _T_IQ4, u), ao) for u, ao in _runs4(b, p, 32 + 64 * s)]
         sc = b.sub(b.and_(v, _c(254, 8, _I32)), _c(127, 8, _I32))
         off = b.sub(_c(128, 8, _I32), b.mul(b.and_(v, _c(1, 8, _I32)), _c(_T_IQ4[1], 8, _I32)))
         subs.append(R4Sub(runs, sc, off))
