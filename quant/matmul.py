@@ -68,6 +68,7 @@ TILE_DEQUANT_THREADS: int | None = None
 # (F16, BF16, IQ4_KSS) go through the f32-decode paths (matvec_float, tiles + BLAS)
 _SUPPORTED = frozenset({F32, F16, BF16, Q8_0, Q4_0, Q6_0} | IQK_TYPES | LEGACY_TYPES | KQUANT_TYPES
                        | {int(t) for t in np.flatnonzero(K._R_TABLE[:, 0])})   # every _R4/_R8 type
+_Q8_SIMD = frozenset({Q8_0, Q4_0, K.Q8_0_R8_ID, K.Q4_0_R8_ID})   # quant.simd's types: no per-16 sums
 _ELEM = {F32: 4, F16: 2, BF16: 2}   # alignment the kernels' views need (1 byte for block types)
 
 
@@ -259,9 +260,11 @@ def _f32_matrix(v: _View) -> np.ndarray:
                                            strides=(v.stride, 4), writeable=False)
 
 
-def _quantize_act(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _quantize_act(x: np.ndarray, sums16: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """x (n, cols) -> int8 values, one scale per 32 (ik_llama.cpp's Q8_2 rule, see kernels), the
-    int32 sum of each 32 values and of each 16 (the block types' per-16 scales and mins)."""
+    int32 sum of each 32 values and of each 16 (the block types' per-16 scales and mins; with
+    sums16=False an (n, 0) array: Q8_0 / Q4_0 and their _R8 forms, and the Q8 rounding, never
+    read them)."""
     q = np.empty(x.shape, dtype=np.int8)
     s = np.empty((x.shape[0], x.shape[1] // K.QK), dtype=np.float32)
     bs = np.empty(s.shape, dtype=np.int32)
@@ -269,14 +272,15 @@ def _quantize_act(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np
     # parallel call for an MLA per-head product (16 heads x 128 values) averaged ~27 us in the 1B
     # model (cProfile), the serial one ~3.6 us
     (K.quantize_act_q8 if x.size >= 65536 else K.quantize_act_q8_serial)(x, K.QK, q, s, bs)
-    b16 = np.empty((x.shape[0], x.shape[1] // 16), dtype=np.int32)
-    K.block_sums16(q, b16)
+    b16 = np.empty((x.shape[0], x.shape[1] // 16 if sums16 else 0), dtype=np.int32)
+    if sums16:
+        K.block_sums16(q, b16)
     return q, s, bs, b16
 
 
 def _act(qt: int, x: np.ndarray) -> tuple[np.ndarray, ...]:
     """The few-pair kernels' activations: (q, s, bs, b16) for the integer types, (x,) for the others."""
-    return _quantize_act(x) if qt in K.INT_DOT_TYPES else (x,)
+    return _quantize_act(x, qt not in _Q8_SIMD) if qt in K.INT_DOT_TYPES else (x,)
 
 
 def _round_act(qt: int, x: np.ndarray, act: tuple[np.ndarray, ...] = ()) -> np.ndarray:
@@ -307,7 +311,7 @@ def _q8_rounded(x: np.ndarray, qs: tuple[np.ndarray, ...] | None = None) -> np.n
     perplexities within 0.2% of ik_llama.cpp's (-mla 0) on the random Q8_0/Q4_0 models of
     scripts/compare_perplexity.py, except the chaotic 26-layer Lite one (1.8%, README).
     """
-    q, s = (_quantize_act(x) if qs is None else qs)[:2]
+    q, s = (_quantize_act(x, False) if qs is None else qs)[:2]
     return (q.reshape(x.shape[0], -1, K.QK).astype(np.float32) * s[:, :, None]).reshape(x.shape)
 
 
