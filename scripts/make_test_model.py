@@ -84,7 +84,7 @@ PRESETS = {
                 n_ff_exp=512, n_dense_lead=1, gating=2, weights_norm=True, weights_scale=2.5),
     # ~2.2B parameters, DeepSeek-V3-shaped with every width a multiple of 256 (so ik's mixtures and
     # the 256-block types apply to every matrix) and DeepSeek's 102400-token output matrix: the
-    # model of the kernel benchmarks (README, scripts/bench_types.sh)
+    # model of the kernel benchmarks (README, scripts/bench_types.py)
     "2b": Shape(n_embd=2048, n_layer=4, n_head=16, n_ff=4096, n_ctx=4096, q_lora_rank=512, kv_lora_rank=512,
                 qk_nope=128, qk_rope=64, v_head=128, n_expert=64, n_expert_used=6, n_expert_shared=2,
                 n_ff_exp=1536, n_dense_lead=1, gating=2, weights_norm=True, weights_scale=2.5, n_vocab=102400),

@@ -177,7 +177,8 @@ def test_matmul_runs_every_r_type_like_its_plain_type(name):
     """quant.matmul on an _R4/_R8 tensor (3-D, experts) equals the same on the unpacked plain
     rows: decoded values bit for bit; products within f32 rounding (the types with kernels of
     their own, quant.simd and quant.simd_r4, sum in another order; the others are unpacked to
-    their plain type, Q8_K_R8 to Q8_0), on the few-token and the tile paths."""
+    their plain type, Q8_K_R8 to Q8_0), on the few-token and the tile paths (100 rows: tiles for
+    every type whose rows go there; the quant.simd_r4 types stay on their kernels)."""
     from quant import matmul as M
     from quant.tensor import QTensor
     ti = type_info(name)
@@ -190,7 +191,7 @@ def test_matmul_runs_every_r_type_like_its_plain_type(name):
     wr, wp = QTensor(raw, ti.id, (E, rows, cols)), QTensor(plain, pt, (E, rows, cols))
     for e in range(E):
         assert np.array_equal(M.dequantize(wr[e]), M.dequantize(wp[e]))
-    for n in (1, 3, 24):
+    for n in (1, 3, 24, 100):
         a = rng.standard_normal((n, cols)).astype(np.float32)
         scale = float((np.abs(a) @ np.abs(M.dequantize(wp[1])).T).max())
         want = M.matmul(wp[1], a)
