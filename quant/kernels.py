@@ -354,15 +354,18 @@ def quantize_act_q8(x, qk, q, s, bs):
 
 
 @njit(cache=True, nogil=True)
-def block_sums16(q, out):
-    """out[t, i] = sum of q[t, 16 i:16 i + 16] (int32): the per-16 activation sums the block
-    types with 16-value sub-scales or mins need (quant.simd_blocks)."""
+def block_sums16(q, s, i16, f16):
+    """i16[t, i] = the sum of q[t, 16 i:16 i + 16] (int32) and f16[t, i] = the same times the
+    activation scale of its 32-block, s[t, i // 2] (f32, exact: an 11-bit sum times a bfloat16
+    scale): the per-16 activation sums of the block types with 16-value sub-scales, level
+    offsets or mins (quant.simd_blocks takes the f32 ones, quant.simd_r4 both)."""
     for t in range(q.shape[0]):
-        for i in range(out.shape[1]):
+        for i in range(f16.shape[1]):
             acc = np.int32(0)
             for j in range(16):
                 acc += np.int32(q[t, 16 * i + j])
-            out[t, i] = acc
+            i16[t, i] = acc
+            f16[t, i] = np.float32(acc) * s[t, i // 2]
 
 
 @njit(**_qopts)

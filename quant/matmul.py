@@ -261,20 +261,21 @@ def _f32_matrix(v: _View) -> np.ndarray:
 
 
 def _quantize_act(x: np.ndarray, sums16: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """x (n, cols) -> int8 values, one scale per 32 (ik_llama.cpp's Q8_2 rule, see kernels), the
-    int32 sum of each 32 values and of each 16 (the block types' per-16 scales and mins; with
-    sums16=False an (n, 0) array: Q8_0 / Q4_0 and their _R8 forms, and the Q8 rounding, never
-    read them)."""
+    """x (n, cols) -> (q, s, bs, b16): int8 values, one scale per 32 (ik_llama.cpp's Q8_2 rule, see
+    kernels), and activation sums: with sums16=False (Q8_0 / Q4_0 and their _R8 forms, and the
+    Q8 rounding) bs = the int32 sum of each 32 values and b16 an (n, 0) array; with sums16 (the
+    block types' per-16 scales, level offsets and mins) bs = the int32 sum of each 16 values and
+    b16 = the same times its scale (f32)."""
     q = np.empty(x.shape, dtype=np.int8)
     s = np.empty((x.shape[0], x.shape[1] // K.QK), dtype=np.float32)
-    bs = np.empty(s.shape, dtype=np.int32)
+    bs = np.empty((x.shape[0], x.shape[1] // (16 if sums16 else K.QK)), dtype=np.int32)
     # parallel only for big inputs: in token generation the pool has usually gone to sleep, and the
     # parallel call for an MLA per-head product (16 heads x 128 values) averaged ~27 us in the 1B
     # model (cProfile), the serial one ~3.6 us
     (K.quantize_act_q8 if x.size >= 65536 else K.quantize_act_q8_serial)(x, K.QK, q, s, bs)
-    b16 = np.empty((x.shape[0], x.shape[1] // 16 if sums16 else 0), dtype=np.int32)
+    b16 = np.empty((x.shape[0], x.shape[1] // 16 if sums16 else 0), dtype=np.float32)
     if sums16:
-        K.block_sums16(q, b16)
+        K.block_sums16(q, s, bs, b16)
     return q, s, bs, b16
 
 

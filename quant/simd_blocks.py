@@ -559,7 +559,7 @@ def _blocks_loop(b: ir.IRBuilder, fmt: BlockDot, blocks, sub0, nb, act: Act, nto
     """nb blocks of fmt from pointer blocks on, whose first sub-block is activation sub-block
     sub0, times the ntok activation rows: (accs, saccs), TMAX accumulators each."""
     nsub = fmt.values // 32
-    accs, saccs = token_accs(b, _vec(_F32, 8), _vec(_F32, nsub))
+    accs, saccs = token_accs(b, _vec(_F32, 8), _vec(_F32, 2 * nsub))
     zero32 = ir.Constant(_I32, 0)
     with cgutils.for_range(b, nb) as loop:
         ib = loop.index
@@ -580,12 +580,34 @@ def _per_half(b: ir.IRBuilder, v, nh: int):
     return _splat(b, v, _F32, nh)
 
 
+def _quad_lanes(g: int, m: int, nh: int) -> list:
+    """Lanes of the per-half vectors (natural order: sub-block j's halves at 2j, 2j + 1) in the
+    order of _quad_sum's result for sub-blocks 4g .. 4g + m - 1 (index nh: a zero lane)."""
+    return [2 * (4 * g + i) + h if i < m else nh for h in range(2) for i in range(4)]
+
+
+def _quad_sum(b: ir.IRBuilder, ps: list):
+    """Four <8 x i32> vectors (lanes 0..3: the first 16 values of a sub-block, 4..7: the second)
+    -> one <8 x i32>: lane 4h + i = the sum of half h of ps[i].  Two levels of unpack-and-add
+    (vpunpck{l,h}{dq,qdq}) instead of a horizontal sum per sub-block: the f32 scales are then
+    applied with one convert and one FMA per four sub-blocks, as ik_llama.cpp's K-quant
+    kernels do."""
+    def level(x, y, lo, hi):
+        return b.add(b.shuffle_vector(x, y, _cv(lo)), b.shuffle_vector(x, y, _cv(hi)))
+    lo1, hi1 = [0, 8, 1, 9, 4, 12, 5, 13], [2, 10, 3, 11, 6, 14, 7, 15]
+    x = level(ps[0], ps[1], lo1, hi1)
+    y = level(ps[2], ps[3], lo1, hi1)
+    return level(x, y, [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15])
+
+
 def _block_prep(b: ir.IRBuilder, blk: Block, nsub: int, vnni: bool):
-    """What the activation rows share of a block: the per-sub-block scale lanes, the per-half
-    weights of the activation sums (-d sc off + dm min, f32) and, for the generic IR, the
-    per-byte level offsets."""
+    """What the activation rows share of a block: per quad of sub-blocks the f32 lanes d * sc in
+    _quad_sum's order, the per-half weights of the activation sums (-d sc off + dm min, f32,
+    natural order) and, for the generic IR, the per-byte level offsets."""
     nh = 2 * nsub
-    scl = [_gather(b, blk.sc, [2 * j] * 4 + [2 * j + 1] * 4) for j in range(nsub)]
+    scf = b.fmul(b.sitofp(blk.sc, _vec(_F32, nh)), _per_half(b, blk.d, nh), flags=["fast"])
+    scz = b.shuffle_vector(scf, ir.Constant(_vec(_F32, nh), [0.0] * nh), _cv(range(nh + 1)))
+    dsc = [_gather(b, scz, _quad_lanes(g, min(4, nsub - 4 * g), nh)) for g in range((nsub + 3) // 4)]
     wsum = None                      # f32 lanes: coefficient of each half's activation sum
     off = blk.off
     if vnni and not (isinstance(off, int) and off == 0):
@@ -602,34 +624,43 @@ def _block_prep(b: ir.IRBuilder, blk: Block, nsub: int, vnni: bool):
         else:
             o8 = b.trunc(off, _vec(_I8, nh))
             off8 = [_gather(b, o8, [2 * j] * 16 + [2 * j + 1] * 16) for j in range(nsub)]
-    return scl, wsum, off8
+    return dsc, wsum, off8
 
 
 def _block_dot(b: ir.IRBuilder, blk: Block, prep, k0, nsub: int, qp, sp, b16p, accp, saccp, vnni: bool):
     """acc += the unpacked block whose first sub-block is activation sub-block k0, times one
-    activation row (the activation-sum terms: sacc)."""
-    scl, wsum, off8 = prep
+    activation row (the activation-sum terms: sacc; b16 holds each half's sum times its
+    sub-block's activation scale, f32)."""
+    dsc, wsum, off8 = prep
     v8f = _vec(_F32, 8)
-    sav = b.load(b.bitcast(b.gep(sp, [k0]), _vec(_F32, nsub).as_pointer()), align=4)
-    per_sub_d = isinstance(blk.d.type, ir.VectorType)
-    fv = b.fmul(sav, blk.d, flags=["fast"]) if per_sub_d else sav
-    terms = []
-    for j, u in enumerate(blk.us):
-        k = b.add(k0, _const_i64(j))
-        a = b.load(b.bitcast(b.gep(qp, [b.mul(k, _const_i64(32))]), _V32.as_pointer()), align=1)
-        lanes = b.mul(_sub_isum(b, u, a, None if off8 is None else off8[j], vnni), scl[j])
-        sa = b.shuffle_vector(fv, fv, ir.Constant(_vec(_I32, 8), [j] * 8))
-        terms.append(b.fmul(b.sitofp(lanes, v8f), sa, flags=["fast"]))
-    t = tree_sum(b, terms)
-    if not per_sub_d:
-        t = b.fmul(t, _splat(b, blk.d, _F32, 8), flags=["fast"])
-    b.store(b.fadd(b.load(accp), t, flags=["fast"]), accp)
+    zero8 = ir.Constant(_vec(_I32, 8), [0] * 8)
+    acc = b.load(accp)
+    for g, coef in enumerate(dsc):
+        m = min(4, nsub - 4 * g)
+        ps = []
+        for i in range(4):
+            if i >= m:
+                ps.append(zero8)
+                continue
+            j = 4 * g + i
+            k = b.add(k0, _const_i64(j))
+            a = b.load(b.bitcast(b.gep(qp, [b.mul(k, _const_i64(32))]), _V32.as_pointer()), align=1)
+            ps.append(_sub_isum(b, blk.us[j], a, None if off8 is None else off8[j], vnni))
+        kg = b.add(k0, _const_i64(4 * g))
+        if m == 4:
+            s4 = b.load(b.bitcast(b.gep(sp, [kg]), _vec(_F32, 4).as_pointer()), align=4)
+        else:
+            s4 = ir.Constant(_vec(_F32, 4), [0.0] * 4)
+            for i in range(m):
+                s4 = b.insert_element(s4, b.load(b.gep(sp, [b.add(kg, _const_i64(i))])), ir.Constant(_I32, i))
+        s8 = b.shuffle_vector(s4, s4, _cv([0, 1, 2, 3, 0, 1, 2, 3]))
+        t = b.fmul(b.sitofp(_quad_sum(b, ps), v8f), b.fmul(coef, s8, flags=["fast"]), flags=["fast"])
+        acc = b.fadd(acc, t, flags=["fast"])
+    b.store(acc, accp)
     if wsum is not None:
         nh = 2 * nsub
-        s16 = b.load(b.bitcast(b.gep(b16p, [b.mul(k0, _const_i64(2))]), _vec(_I32, nh).as_pointer()), align=4)
-        t = b.fmul(b.sitofp(s16, _vec(_F32, nh)), wsum, flags=["fast"])
-        t = b.fadd(_gather(b, t, range(0, nh, 2)), _gather(b, t, range(1, nh, 2)), flags=["fast"])  # per sub-block
-        b.store(b.fadd(b.load(saccp), b.fmul(t, sav, flags=["fast"]), flags=["fast"]), saccp)
+        f16 = b.load(b.bitcast(b.gep(b16p, [b.mul(k0, _const_i64(2))]), _vec(_F32, nh).as_pointer()), align=4)
+        b.store(b.fadd(b.load(saccp), b.fmul(f16, wsum, flags=["fast"]), flags=["fast"]), saccp)
 
 
 def tree_sum(b: ir.IRBuilder, vals: list):

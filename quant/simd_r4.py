@@ -31,7 +31,7 @@ from numba.core import cgutils
 
 from .simd import HAS_VNNI, _F32, _I8, _I16, _I32, _vec, _const_i64, _pair_sum, _splat, _vpdpbusd
 from . import simd_blocks as _blk
-from .simd_blocks import TMAX, _bit_to, _c, _cat, _gep, _ld, _lookup, dot_intrinsic, token_accs, tree_sum
+from .simd_blocks import TMAX, _bit_to, _c, _cat, _cv, _gep, _ld, _lookup, dot_intrinsic, token_accs, tree_sum
 
 _V32 = _vec(_I8, 32)
 _V8I = _vec(_I32, 8)
@@ -43,12 +43,11 @@ CRUMBS = ((0, 4, 8, 12), (16, 20, 24, 28))          # ... and the 2-bit one
 @dataclass
 class R4Sub:
     """One 32-value sub-block of a block column: runs = [(u <32 x i8>, (off0, off1))], each run's
-    dword lane (m, k) holding row k's values off_m .. off_m + 3; scale, off and mins: <8 x i32>
-    lane vectors over (h, k) (off may be a plain int); mins None when the type has none."""
+    dword lane (m, k) holding row k's values off_m .. off_m + 3; scale and off: <8 x i32> lane
+    vectors over (h, k) (off may be a plain int)."""
     runs: list
     scale: object
     off: object
-    mins: object = None
 
 
 @dataclass
@@ -56,6 +55,7 @@ class R4Block:
     d: object            # <4 x f32>: the 4 rows' block scales
     subs: list
     dm: object = None    # <4 x f32> min scales (types with mins)
+    mins: object = None  # <32 x i8> the mins, lane 4 s + k (sub-block s, row k)
 
 
 @dataclass(frozen=True)
@@ -236,22 +236,27 @@ def _unpack_iq4_ks_r4(b: ir.IRBuilder, p) -> R4Block:
 
 
 def _k4_r4_scales(b: ir.IRBuilder, p, s: int):
-    """Q4_K_R4 / Q5_K_R4 (scale, min) lanes of sub-block s: scales_h (4 bits: scale >> 4 |
-    min >> 4 << 2) at 16 + 4 (s % 4), bits 4 (s // 4); scales_l (scale & 15 | min << 4) at 32 + 4 s."""
+    """Q4_K_R4 / Q5_K_R4 scale lanes of sub-block s: scales_h (4 bits: scale >> 4 | min >> 4 << 2)
+    at 16 + 4 (s % 4), bits 4 (s // 4); scales_l (scale & 15 | min << 4) at 32 + 4 s."""
     hi = _lane_fields(b, p, 16 + 4 * (s % 4), 4 * (s // 4), 15, dup=True)
     lo = _lane_fields(b, p, 32 + 4 * s, 0, None, dup=True)
-    four = _c(4, 8, _I32)
-    sc = b.or_(b.and_(lo, _c(15, 8, _I32)), b.shl(b.and_(hi, _c(3, 8, _I32)), four))
-    mn = b.or_(b.lshr(lo, four), b.shl(b.lshr(hi, _c(2, 8, _I32)), four))
-    return sc, mn
+    return b.or_(b.and_(lo, _c(15, 8, _I32)), b.shl(b.and_(hi, _c(3, 8, _I32)), _c(4, 8, _I32)))
+
+
+def _k4_r4_mins(b: ir.IRBuilder, p):
+    """Q4_K_R4 / Q5_K_R4 mins of all 8 sub-blocks in one byte vector, lane 4 s + k (sub-block s,
+    row k): the same fields as _k4_r4_scales, read 32 lanes at a time."""
+    h16 = _ld(b, p, 16, 16)
+    hi = _cat(b, h16, b.lshr(h16, _c(4, 16)))
+    lo = _ld(b, p, 32)
+    return b.or_(b.and_(b.lshr(lo, _c(4)), _c(15)), b.shl(b.and_(b.lshr(hi, _c(2)), _c(3)), _c(4)))
 
 
 def _unpack_q4_k_r4(b: ir.IRBuilder, p) -> R4Block:
     subs = []
     for s in range(8):
-        sc, mn = _k4_r4_scales(b, p, s)
-        subs.append(R4Sub(_runs4(b, p, 64 + 64 * s), sc, 0, mn))
-    return R4Block(_d4(b, p, 0), subs, b.fneg(_d4(b, p, 8)))
+        subs.append(R4Sub(_runs4(b, p, 64 + 64 * s), _k4_r4_scales(b, p, s), 0))
+    return R4Block(_d4(b, p, 0), subs, b.fneg(_d4(b, p, 8)), _k4_r4_mins(b, p))
 
 
 _Q5_BITS = ((0, 4), (1, 5), (2, 6), (3, 7))      # ... for Q5_K_R4 (+4)
@@ -260,14 +265,14 @@ _Q5_BITS = ((0, 4), (1, 5), (2, 6), (3, 7))      # ... for Q5_K_R4 (+4)
 def _unpack_q5_k_r4(b: ir.IRBuilder, p) -> R4Block:
     subs = []
     for s in range(8):
-        sc, mn = _k4_r4_scales(b, p, s)
+        sc = _k4_r4_scales(b, p, s)
 
         hb = _bitplanes(b, p, 64 + 16 * s, 4)
 
         def fix(u, r, hb=hb):
             return b.or_(u, _bit_to(b, hb, _Q5_BITS[r][0], 4))
-        subs.append(R4Sub(_runs4(b, p, 192 + 64 * s, fix), sc, 0, mn))
-    return R4Block(_d4(b, p, 0), subs, b.fneg(_d4(b, p, 8)))
+        subs.append(R4Sub(_runs4(b, p, 192 + 64 * s, fix), sc, 0))
+    return R4Block(_d4(b, p, 0), subs, b.fneg(_d4(b, p, 8)), _k4_r4_mins(b, p))
 
 
 def _unpack_q6_k_r4(b: ir.IRBuilder, p) -> R4Block:
@@ -317,10 +322,17 @@ def _emit_group(b: ir.IRBuilder, fmt: R4Dot, grp, act, ntok, cols, vnni: bool):
         ib = loop.index
         blk = fmt.unpack(b, b.gep(blocks, [b.mul(ib, _const_i64(fmt.nbytes))]))
         d8 = _dup8(b, blk.d)
-        dm8 = _dup8(b, blk.dm) if blk.dm is not None else None
+        # the mins: per pair of sub-blocks (2p, 2p + 1) a <8 x f32> over (sub-block, row) times
+        # dm, so a token's min terms are 4 FMAs on its per-32 sums (per sub-block products of
+        # the per-16 lanes measured a quarter of a Q4_K_R4 token)
+        mins = None
+        if blk.dm is not None:
+            dm8 = _dup8(b, blk.dm)
+            mins = [b.fmul(b.uitofp(b.zext(b.shuffle_vector(blk.mins, blk.mins, _cv(range(8 * q, 8 * q + 8))), _V8I),
+                                    _V8F), dm8, flags=["fast"]) for q in range(4)]
         with cgutils.for_range(b, ntok) as tl:
-            qp, sp, _, b16p = act.row(b, tl.index)
-            _block_dot4(b, blk, ib, qp, sp, b16p, d8, dm8, b.gep(accs, [zero32, tl.index]),
+            qp, sp, i16p, b16p = act.row(b, tl.index)
+            _block_dot4(b, blk, mins, ib, qp, sp, i16p, b16p, d8, b.gep(accs, [zero32, tl.index]),
                         b.gep(maccs, [zero32, tl.index]), vnni)
     with cgutils.for_range(b, ntok) as tl:
         r8 = b.fadd(b.load(b.gep(accs, [zero32, tl.index])), b.load(b.gep(maccs, [zero32, tl.index])),
@@ -334,27 +346,36 @@ def _emit_group(b: ir.IRBuilder, fmt: R4Dot, grp, act, ntok, cols, vnni: bool):
     return res
 
 
-def _block_dot4(b: ir.IRBuilder, blk: R4Block, ib, qp, sp, b16p, d8, dm8, accp, maccp, vnni: bool):
-    """acc (lanes (h, k)) += the unpacked block column ib times one activation row."""
-    terms, mterms = [], []
+def _block_dot4(b: ir.IRBuilder, blk: R4Block, mins, ib, qp, sp, i16p, b16p, d8, accp, maccp, vnni: bool):
+    """acc (lanes (h, k)) += the unpacked block column ib times one activation row; macc += the
+    min terms (mins: the min weights per sub-block pair, lanes (sub-block parity, k)).  The level
+    offsets are taken off in the integer sums (i16p: the row's int per-16 sums; b16p: the same
+    times their scales, f32)."""
+    terms, oterms = [], []
     # the block's 16 activation sums in one load (per sub-block inserts measured slower)
-    s16 = b.load(b.bitcast(b.gep(b16p, [b.mul(ib, _const_i64(16))]), _vec(_I32, 16).as_pointer()), align=4)
+    i16 = b.load(b.bitcast(b.gep(i16p, [b.mul(ib, _const_i64(16))]), _vec(_I32, 16).as_pointer()), align=4)
     for j, sub in enumerate(blk.subs):
         k = b.add(b.mul(ib, _const_i64(8)), _const_i64(j))
         a = b.load(b.bitcast(b.gep(qp, [b.mul(k, _const_i64(32))]), _V32.as_pointer()), align=1)
         sa = _splat(b, b.load(b.gep(sp, [k])), _F32, 8)
-        asum = b.shuffle_vector(s16, s16, ir.Constant(_V8I, [2 * j] * 4 + [2 * j + 1] * 4))
-        off = sub.off if not isinstance(sub.off, int) else _c(sub.off, 8, _I32)
-        isum = b.neg(b.mul(off, asum)) if not (isinstance(sub.off, int) and sub.off == 0) else _c(0, 8, _I32)
+        if isinstance(sub.off, int) and sub.off == 0:
+            isum = _c(0, 8, _I32)
+        else:
+            off = sub.off if not isinstance(sub.off, int) else _c(sub.off, 8, _I32)
+            isum = b.neg(b.mul(off, b.shuffle_vector(i16, i16, ir.Constant(_V8I, [2 * j] * 4 + [2 * j + 1] * 4))))
         for u, ao in sub.runs:
             isum = _dpbusd(b, isum, u, _act_shuffle(b, a, ao), vnni)
-        isum = b.mul(isum, sub.scale)
-        terms.append(b.fmul(b.sitofp(isum, _V8F), sa, flags=["fast"]))
-        if sub.mins is not None:
-            mterms.append(b.fmul(b.sitofp(b.mul(sub.mins, asum), _V8F), sa, flags=["fast"]))
+        terms.append(b.fmul(b.sitofp(b.mul(isum, sub.scale), _V8F), sa, flags=["fast"]))
     b.store(b.fadd(b.load(accp), b.fmul(tree_sum(b, terms), d8, flags=["fast"]), flags=["fast"]), accp)
-    if mterms:
-        b.store(b.fadd(b.load(maccp), b.fmul(tree_sum(b, mterms), dm8, flags=["fast"]), flags=["fast"]), maccp)
+    if mins is not None:
+        s16 = b.load(b.bitcast(b.gep(b16p, [b.mul(ib, _const_i64(16))]), _vec(_F32, 16).as_pointer()), align=4)
+        a32 = b.fadd(b.shuffle_vector(s16, s16, _cv(range(0, 16, 2))), b.shuffle_vector(s16, s16, _cv(range(1, 16, 2))),
+                     flags=["fast"])
+        for q in range(4):
+            oterms.append(b.fmul(mins[q], b.shuffle_vector(a32, a32, _cv([2 * q] * 4 + [2 * q + 1] * 4)),
+                                 flags=["fast"]))
+    if oterms:
+        b.store(b.fadd(b.load(maccp), tree_sum(b, oterms), flags=["fast"]), maccp)
 
 
 def _group_dot_intrinsic(vnni: bool):

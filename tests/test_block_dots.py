@@ -54,8 +54,10 @@ def _act(rng, cols, n=NT):
     s = np.empty((n, cols // 32), np.float32)
     bs = np.empty((n, cols // 32), np.int32)
     K.quantize_act_q8(x, 32, q, s, bs)
-    b16 = np.empty((n, cols // 16), np.int32)
-    K.block_sums16(q, b16)
+    i16 = np.empty((n, cols // 16), np.int32)
+    b16 = np.empty((n, cols // 16), np.float32)
+    K.block_sums16(q, s, i16, b16)
+    bs = i16
     return q, s, bs, b16, (q.reshape(n, -1, 32).astype(np.float64) * s[:, :, None]).reshape(n, cols)
 
 
