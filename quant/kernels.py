@@ -478,8 +478,8 @@ def _int_run(qtype, buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, bs, b
     if qtype < 400 and _R4_KERNEL[qtype]:
         for kt in range(k0, k1, _blocks.TMAX):
             nt = min(_blocks.TMAX, k1 - kt)
-            for r in range(r0, r1, 4):
-                _r4.group_dot(qtype, buf, ebase + r * stride, q, s, bs, b16, nb * qk, kt, nt, out, r)
+            _r4.group_dot(qtype, buf, ebase + r0 * stride, 4 * stride, (r1 - r0) // 4, q, s, bs, b16, nb * qk, kt, nt,
+                          out, r0)
         return
     if qtype == Q8_0_R8_ID or qtype == Q4_0_R8_ID:
         for r in range(r0, r1, 8):
@@ -501,8 +501,7 @@ def _int_run(qtype, buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, bs, b
         return
     for kt in range(k0, k1, _blocks.TMAX):
         nt = min(_blocks.TMAX, k1 - kt)
-        for r in range(r0, r1):
-            _blocks.row_dot(qtype, buf, ebase + r * stride, q, s, bs, b16, nb * qk, kt, nt, out, r)
+        _blocks.row_dot(qtype, buf, ebase + r0 * stride, stride, r1 - r0, q, s, bs, b16, nb * qk, kt, nt, out, r0)
 
 
 @njit(**_opts)

@@ -320,7 +320,9 @@ def _emit_group(b: ir.IRBuilder, fmt: R4Dot, grp, act, ntok, cols, vnni: bool):
     res = b.alloca(ir.ArrayType(v4f, TMAX))
     with cgutils.for_range(b, nb) as loop:
         ib = loop.index
-        blk = fmt.unpack(b, b.gep(blocks, [b.mul(ib, _const_i64(fmt.nbytes))]))
+        bp = b.gep(blocks, [b.mul(ib, _const_i64(fmt.nbytes))])
+        _blk.prefetch(b, bp, _blk.PREFETCH_BYTES, fmt.nbytes)
+        blk = fmt.unpack(b, bp)
         d8 = _dup8(b, blk.d)
         # the mins: per pair of sub-blocks (2p, 2p + 1) a <8 x f32> over (sub-block, row) times
         # dm, so a token's min terms are 4 FMAs on its per-32 sums (per sub-block products of
@@ -379,9 +381,9 @@ def _block_dot4(b: ir.IRBuilder, blk: R4Block, mins, ib, qp, sp, i16p, b16p, d8,
 
 
 def _group_dot_intrinsic(vnni: bool):
-    """group_dot(qtype, buf, gbase, q, s, bs, b16, cols, k0, ntok, out, r0) -> bool:
-    out[k0 + t, r0 + k] = row k of the 4-row group at byte gbase dotted with activation row
-    k0 + t, for the types of R4_DOTS (quant.simd_blocks.dot_intrinsic)."""
+    """group_dot(qtype, buf, gbase, gstride, n, q, s, bs, b16, cols, k0, ntok, out, r0) -> bool:
+    out[k0 + t, r0 + 4 i + k] = row k of the 4-row group at byte gbase + i gstride dotted with
+    activation row k0 + t, i < n, for the types of R4_DOTS (quant.simd_blocks.dot_intrinsic)."""
     return dot_intrinsic(R4_DOTS, _emit_group, 4, vnni, "r4")
 
 

@@ -31,12 +31,12 @@ def _dot(kind, qtype, buf, q, s, bs, b16, cols, out):
     same of quant.simd_r4's group dot.  All rows of q in one call."""
     n = q.shape[0]
     if kind == 0:
-        return SB.row_dot_generic(qtype, buf, 0, q, s, bs, b16, cols, 0, n, out, 0)
+        return SB.row_dot_generic(qtype, buf, 0, 0, 1, q, s, bs, b16, cols, 0, n, out, 0)
     if kind == 1:
-        return SB.row_dot(qtype, buf, 0, q, s, bs, b16, cols, 0, n, out, 0)
+        return SB.row_dot(qtype, buf, 0, 0, 1, q, s, bs, b16, cols, 0, n, out, 0)
     if kind == 2:
-        return R4.group_dot_generic(qtype, buf, 0, q, s, bs, b16, cols, 0, n, out, 0)
-    return R4.group_dot(qtype, buf, 0, q, s, bs, b16, cols, 0, n, out, 0)
+        return R4.group_dot_generic(qtype, buf, 0, 0, 1, q, s, bs, b16, cols, 0, n, out, 0)
+    return R4.group_dot(qtype, buf, 0, 0, 1, q, s, bs, b16, cols, 0, n, out, 0)
 
 
 def _kind(form: str, r4: bool) -> int:

@@ -34,8 +34,11 @@ def close(a, b, rel):
     The paths compared sum the same integer products in other f32 orders (each product within
     1e-6 of the other path's, tests/test_block_dots.py).  Such a difference can flip the
     rounding of an activation to int8 or a near-tie in the expert routing, and these random
-    models amplify that (measured: 6e-7 in one ffn_down product -> 1% in later logits); the
-    first token, attending only to itself, stays within rel."""
+    models amplify that (measured: 6e-7 in one ffn_down product -> 1% in later logits).  The
+    first token attends only to itself, but even there one flipped int8 rounding in the
+    low-rank MLA products moves them by ~1e-3 (measured: 7.7e-7 out of the first layer's IQ2_K / IQ2_K_R4
+    kernels -> 1.2e-3 out of the next product -> 1% in the logits), so rel allows that much;
+    a wrong kernel is off by O(1)."""
     np.testing.assert_allclose(a[0], b[0], rtol=0, atol=rel * np.abs(b[0]).max())
     assert np.corrcoef(a.ravel(), b.ravel())[0, 1] > 0.999
     assert np.abs(a - b).max() < 0.1 * np.abs(b).max()
@@ -53,7 +56,7 @@ def test_rtr_gives_the_plain_model_logits(make_model, qtype):
     lines: list[str] = []
     got = run(p, tp, tg, repack=True, log=lines.append)
     assert any(line.startswith("============ Repacked") for line in lines)
-    close(got, run(p, tp, tg), 2e-3)
+    close(got, run(p, tp, tg), 2e-2)
 
 
 @pytest.mark.parametrize("r_type,plain", [("iq2_k_r4", "iq2_k"), ("q4_k_r4", "q4_k"), ("q2_k_r4", "q2_k"),
@@ -74,7 +77,7 @@ def test_r4_file_equals_its_plain_twin(make_model, r_type, plain):
         np.testing.assert_array_equal(got, want)
     else:
         assert not unpacked
-        close(got, want, 2e-3)
+        close(got, want, 2e-2)
 
 
 @pytest.mark.parametrize("mla,fa", [(0, False), (1, False), (2, True), (3, True), (3, False)])
