@@ -3,10 +3,12 @@
 matmul(w, x) computes x @ W.T for f32 activations x (n, cols) and weights W (rows, cols)
 stored in any supported GGML type, reading the packed weight bytes in place:
 
-* few tokens (n < many_tokens(qtype): 8 for Q8_0/Q4_0, 96 for the other block types, any
-  number for the _R4 types with kernels of their own, 16 for F16/BF16): x is quantized once
-  to int8 + f32 scale per 32 (with int sums per 32 and per 16) and the block rows are dotted
-  with it using integer block sums (quant.simd, quant.simd_blocks, quant.simd_r4; F16 / BF16
+* few tokens (n < many_tokens(qtype): 8 for Q8_0/Q4_0, any number for the block types of
+  quant.simd_blocks on CPUs with AVX512-VNNI (96 without) and for the _R4 types with kernels
+  of their own, 16 for F16/BF16): x is quantized once to int8 + f32 scale per 32 (with int
+  sums per 32 or 16) and the block rows are dotted with it using integer block sums
+  (quant.simd, quant.simd_blocks, quant.simd_r4; from quant.kernels.GEMM_MIN tokens on, the
+  simd_blocks types go through quant.simd_gemm's integer GEMM on 16-row tiles; F16 / BF16
   rows are decoded row by row and dotted in f32), parallel over output rows (numba prange).
 * many tokens: a tile of rows (about TILE_BYTES of f32) is decoded into a reusable scratch
   buffer and multiplied with BLAS (numpy matmul), tile after tile; at no point is more
@@ -214,7 +216,7 @@ def many_tokens(qtype: int) -> int:
     if qtype in K._r4.R4_DOTS:
         return 1 << 62
     if qtype in K._blocks.BLOCK_DOTS:
-        return _MANY_TOKENS_BLOCKS
+        return _MANY_TOKENS_BLOCKS if K.GEMM_MIN > _MANY_TOKENS_BLOCKS else 1 << 62
     return min(MANY_TOKENS, _MANY_TOKENS_INT) if qtype in K.INT_DOT_TYPES else MANY_TOKENS
 
 

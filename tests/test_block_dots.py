@@ -13,8 +13,9 @@ from numba import njit
 
 from quant import kernels as K
 from quant import simd_blocks as SB
+from quant import simd_gemm as SG
 from quant.iqk import decode_row_iqk_int6
-from quant.matmul import _q8_rounded, dequantize, many_tokens, matmul, matmul_id, moe_up_gate, quantize_tensor
+from quant.matmul import _q8_rounded, _tiles, _view, dequantize, many_tokens, matmul, matmul_id, moe_up_gate, quantize_tensor
 from quant.tensor import QTensor
 from quant.types import type_info
 
@@ -112,17 +113,62 @@ def _rounded_ref(w: QTensor, x: np.ndarray, n_tokens_hint: int) -> np.ndarray:
 @pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ2_K", "IQ3_K", "IQ4_K",
                                   "IQ5_K", "IQ4_KS", "IQ2_KS", "Q4_1", "Q5_0", "Q5_1", "Q6_0", "IQ4_NL"])
 def test_matmul_few_and_many_tokens_agree(name):
-    """13 rows (not a multiple of 4 or 8), 512 columns: the integer kernel (n < many_tokens: one
-    token, a partial and a full tile of TMAX rows, several tiles) and the tile path against NumPy
-    on the same Q8-rounded activations."""
+    """13 rows (not a multiple of 4 or 8), 512 columns: the row dots (one token, a partial and a
+    full tile of TMAX rows), the integer GEMM (from K.GEMM_MIN tokens with VNNI: one pass of 4
+    tokens plus single ones) and the f32 tile path (CPUs without VNNI; called here directly)
+    against NumPy on the same Q8-rounded activations."""
     rng = np.random.default_rng(7)
     w = quantize_tensor(rng.standard_normal((13, 512)).astype(np.float32), type_info(name).id)
-    assert 19 < many_tokens(w.qtype) <= 100
     for n in (1, 3, 8, 19, 100):
         x = rng.standard_normal((n, 512)).astype(np.float32)
         want = _rounded_ref(w, x, n)
-        got = matmul(w, x)
-        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+        np.testing.assert_allclose(matmul(w, x), want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+        tiles = np.empty((n, 13), np.float32)
+        _tiles(_view(w), _q8_rounded(x), tiles)
+        np.testing.assert_allclose(tiles, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+@njit(cache=True)
+def _gemm(generic, qtype, buf, stride, rows, cols, q, s, b16, out):
+    """quant.simd_gemm over every 16-row run (tiles start as NaN: rows past `rows` stay so)."""
+    tu = np.full(16 * cols, 0x7F, np.uint8)
+    td = np.full(cols, np.nan, np.float32)
+    tw = np.full(cols, np.nan, np.float32)
+    for r0 in range(0, rows, 16):
+        n = min(16, rows - r0)
+        if not SG.tile_pack(qtype, buf, r0 * stride, stride, n, cols, tu, td, tw):
+            return False
+        if generic:
+            SG.tile_gemm_generic(tu, td, tw, cols // 16, q, s, b16, 0, q.shape[0], out, r0, n)
+        else:
+            SG.tile_gemm(tu, td, tw, cols // 16, q, s, b16, 0, q.shape[0], out, r0, n)
+    return True
+
+
+@pytest.mark.parametrize("form", ["generic", "vnni"])
+@pytest.mark.parametrize("qtype", TYPES, ids=NAMES)
+def test_tile_gemm_matches_decoder_on_random_bytes(qtype, form):
+    """The GEMM's packing and products, on random rows (every level, scale, sign, extra bit and
+    min): 21 rows (a full and a partial 16-row tile), 7 tokens (a pass of 4 and 3 single ones),
+    one block, several, and for the grouped legacy records a row ending in single blocks."""
+    _kind(form, False)
+    fmt = SB.BLOCK_DOTS[qtype]
+    rng = np.random.default_rng(qtype + 1)
+    for cols in sorted({fmt.values, 3 * fmt.values} | ({fmt.values + 96} if fmt.tail else set())):
+        rb = type_info(qtype).row_bytes(cols)
+        rows, ys = [], []
+        while len(rows) < 21:
+            raw = rng.integers(0, 256, rb, dtype=np.uint8)
+            y = _decode(qtype, raw, cols).astype(np.float64)
+            if np.all(np.isfinite(y)) and np.abs(y).max() <= 1e6:    # f16 inf / nan scales
+                rows.append(raw)
+                ys.append(y)
+        buf, y = np.concatenate(rows), np.stack(ys)
+        q, s, bs, b16, xa = _act(rng, cols, 7)
+        out = np.full((7, 21), np.nan, np.float32)
+        assert _gemm(form == "generic", qtype, buf, rb, 21, cols, q, s, b16, out)
+        want, mag = xa @ y.T, np.abs(xa) @ np.abs(y).T
+        assert np.all(np.abs(out - want) <= 2e-5 * mag + 1e-30), (cols, out, want)
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "IQ2_K", "Q6_K"])

@@ -1,0 +1,224 @@
+"""Integer GEMM for the block types of quant.simd_blocks: many activation rows (prompts, the
+experts' shares of a prompt) times a tile of 16 weight rows.
+
+A row dot unpacks every weight block once per TMAX tokens and pays per block and token for
+its per-sub-block scales (about 46 vector ops per 256 products, quant.simd_blocks).  Here a
+run of 16 weight rows is unpacked once into a woven tile:
+
+    tu    unsigned levels (the record's u = level + OFF), per 16-value half h and quad j of it
+          one 64-byte vector holding the quad's 4 levels of each of the 16 rows, so one
+          vpdpbusd with the activation quad broadcast gives 16 rows' partial sums in 16 lanes;
+    tdsc  f32 d * scale of each row's half (row scale included);
+    tws   f32 weight of each half's activation sum (-d scale OFF + dm min), as in the row dot.
+
+and every token then costs per half 4 broadcasts, 4 vpdpbusd (512-bit), one convert and
+three f32 multiply-adds for 16 x 16 products: no horizontal sums, no per-row work.  The same
+record unpackers (BLOCK_DOTS) feed both, so every block type gets the GEMM.  Activations are
+quant.matmul's (q, s, bs, b16) with the f32 per-16 sums.
+
+Without AVX512-VNNI the generic IR form is compiled (LLVM lowers the 512-bit vectors to what
+the CPU has); quant.kernels only uses the GEMM where VNNI is present.
+
+Development note (as quant.simd): after editing this module delete quant/__pycache__/*.nb*.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .simd import HAS_VNNI, _F32, _I8, _I32, _I64, _vec, _const_i64, _pair_sum, _splat
+from .simd_blocks import BLOCK_DOTS, BlockDot, _cv, _f16, _f32, _gep, _per_half
+
+ROWS = 16          # weight rows per tile (one 512-bit lane each)
+TOKENS = 4         # activation rows per pass over the tile (the tile's vectors are loaded once for them)
+_V16F = _vec(_F32, ROWS)
+_V16I = _vec(_I32, ROWS)
+_V64B = _vec(_I8, 64)
+
+
+def tile_sizes(cols: int) -> tuple[int, int]:
+    """(bytes of tu, floats of tdsc / tws) for a tile of `cols` columns."""
+    return ROWS * cols, ROWS * (cols // 16)
+
+
+# ----------------------------------------------------------------------------------------
+# packing: weight rows -> tile
+# ----------------------------------------------------------------------------------------
+def _pack_blocks(b: ir.IRBuilder, fmt: BlockDot, rows, nrows, boff, nb, h0, tu, tdsc, tws) -> None:
+    """Blocks 0 .. nb - 1 of fmt at byte boff of every row (rows(i) -> (row pointer, row scale))
+    into the tile rows i < nrows, their first half being half h0.  Block-major: the 16 rows of
+    one block write the same 4 KiB of tile (row-major packing measured 4.6 ms for a 4096^2
+    Q4_K tile set, its stores missing L1)."""
+    nsub = fmt.values // 32
+    nh = 2 * nsub
+    with cgutils.for_range(b, nb) as loop:
+        ib = loop.index
+        hb = b.add(h0, b.mul(ib, _const_i64(nh)))
+        with cgutils.for_range(b, nrows) as rl:
+            i = rl.index
+            row, rs = rows(i)
+            blk = fmt.unpack(b, b.gep(row, [b.add(_const_i64(boff) if isinstance(boff, int) else boff,
+                                                  b.mul(ib, _const_i64(fmt.nbytes)))]))
+            dh = b.fmul(_per_half(b, blk.d, nh), _splat(b, rs, _F32, nh), flags=["fast"])
+            dsc = b.fmul(b.sitofp(blk.sc, _vec(_F32, nh)), dh, flags=["fast"])
+            ws = ir.Constant(_vec(_F32, nh), [0.0] * nh)
+            off = blk.off
+            if not (isinstance(off, int) and off == 0):
+                offv = _cv([off] * nh) if isinstance(off, int) else off
+                ws = b.fmul(b.sitofp(b.mul(blk.sc, offv), _vec(_F32, nh)), b.fneg(dh), flags=["fast"])
+            if blk.mins is not None:
+                dm = b.fmul(_per_half(b, blk.dm, nh), _splat(b, rs, _F32, nh), flags=["fast"])
+                ws = b.fadd(ws, b.fmul(b.sitofp(blk.mins, _vec(_F32, nh)), dm, flags=["fast"]), flags=["fast"])
+            for h in range(nh):
+                at = b.add(b.mul(b.add(hb, _const_i64(h)), _const_i64(ROWS)), i)
+                b.store(b.extract_element(dsc, ir.Constant(_I32, h)), b.gep(tdsc, [at]))
+                b.store(b.extract_element(ws, ir.Constant(_I32, h)), b.gep(tws, [at]))
+            for j, u in enumerate(blk.us):
+                u32 = b.bitcast(u, _vec(_I32, 8))
+                for m in range(8):
+                    quad = b.add(b.mul(b.add(hb, _const_i64(2 * j + m // 4)), _const_i64(4)), _const_i64(m % 4))
+                    b.store(b.extract_element(u32, ir.Constant(_I32, m)),
+                            b.gep(tu, [b.add(b.mul(quad, _const_i64(ROWS)), i)]))
+
+
+@intrinsic
+def tile_pack(typingctx, qtype, buf, base, stride, nrows, cols, tu, tdsc, tws):
+    """tile_pack(qtype, buf, base, stride, nrows, cols, tu, tdsc, tws) -> bool: the rows at byte
+    base + i stride of buf, i < nrows (<= ROWS), into tile rows i (tu: uint8, tdsc / tws: f32,
+    1-D, tile_sizes(cols)); rows nrows.. are left as they are.  False (nothing written) for a
+    type without a BLOCK_DOTS record."""
+    if not all(isinstance(x, types.Array) for x in (buf, tu, tdsc, tws)):
+        return None
+    sig = types.boolean(types.int64, buf, types.int64, types.int64, types.int64, types.int64, tu, tdsc, tws)
+
+    def codegen(context, builder, sig, args):
+        b = builder
+        qt, bufv, basev, stridev, nrows, cols = args[:6]
+        wbuf = context.make_array(sig.args[1])(context, b, bufv)
+        tu_p = b.bitcast(context.make_array(sig.args[6])(context, b, args[6]).data, _I32.as_pointer())
+        tdsc_p = context.make_array(sig.args[7])(context, b, args[7]).data
+        tws_p = context.make_array(sig.args[8])(context, b, args[8]).data
+        okp = cgutils.alloca_once_value(b, ir.Constant(ir.IntType(1), 0))
+        end = b.append_basic_block("pack.end")
+        sw = b.switch(qt, end)
+        for tid, fmt in BLOCK_DOTS.items():
+            bb = b.append_basic_block(f"pack.{fmt.name}")
+            sw.add_case(ir.Constant(_I64, tid), bb)
+            b.position_at_end(bb)
+            def rows(i, fmt=fmt):
+                row = b.gep(wbuf.data, [b.add(basev, b.mul(i, stridev))])
+                rs = {"f32": lambda: _f32(b, row, 0), "f16": lambda: _f16(b, row, 0),
+                      "": lambda: ir.Constant(_F32, 1.0)}[fmt.row_scale]()
+                return row, rs
+            nb = b.udiv(cols, _const_i64(fmt.values))
+            _pack_blocks(b, fmt, rows, nrows, fmt.meta, nb, _const_i64(0), tu_p, tdsc_p, tws_p)
+            if fmt.tail is not None:
+                t = fmt.tail
+                rest = b.udiv(b.urem(cols, _const_i64(fmt.values)), _const_i64(t.values))
+                _pack_blocks(b, t, rows, nrows, b.add(_const_i64(fmt.meta), b.mul(nb, _const_i64(fmt.nbytes))), rest,
+                             b.mul(nb, _const_i64(fmt.values // 16)), tu_p, tdsc_p, tws_p)
+            b.store(ir.Constant(ir.IntType(1), 1), okp)
+            b.branch(end)
+        b.position_at_end(end)
+        return b.load(okp)
+    return sig, codegen
+
+
+# ----------------------------------------------------------------------------------------
+# the GEMM: tile x activation rows
+# ----------------------------------------------------------------------------------------
+def _dpbusd16(b: ir.IRBuilder, acc, u, a, vnni: bool):
+    """acc (16 x i32) + per lane the 4 products u (unsigned bytes) x a (signed bytes)."""
+    if vnni:
+        fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(_V16I, [_V16I] * 3),
+                                            "llvm.x86.avx512.vpdpbusd.512")
+        return b.call(fn, [acc, b.bitcast(u, _V16I), b.bitcast(a, _V16I)])
+    prod = b.mul(b.zext(u, _vec(_I32, 64)), b.sext(a, _vec(_I32, 64)))
+    return b.add(acc, _pair_sum(b, _pair_sum(b, prod, 64), 32))
+
+
+def _gemm_codegen(vnni: bool):
+    def codegen(context, builder, sig, args):
+        b = builder
+        tu_p = context.make_array(sig.args[0])(context, b, args[0]).data
+        tdsc_p = context.make_array(sig.args[1])(context, b, args[1]).data
+        tws_p = context.make_array(sig.args[2])(context, b, args[2]).data
+        nh = args[3]
+        arrs = []
+        for k in (4, 5, 6, 9):        # q, s, b16, out: data pointer and row stride in elements
+            a = context.make_array(sig.args[k])(context, b, args[k])
+            st = b.sdiv(b.extract_value(a.strides, 0), _const_i64(sig.args[k].dtype.bitwidth // 8))
+            arrs.append((a.data, st))
+        (qd, qst), (sd, sst), (fd, fst), (od, ost) = arrs
+        k0, ntok, r0, nrows = args[7], args[8], args[10], args[11]
+        zf = ir.Constant(_V16F, [0.0] * ROWS)
+
+        def chunk(t0, nt: int):
+            """Tokens t0 .. t0 + nt - 1 (nt constant) over the whole tile."""
+            tok = [b.add(k0, b.add(t0, _const_i64(t))) for t in range(nt)]
+            qp = [b.gep(qd, [b.mul(t, qst)]) for t in tok]
+            sp = [b.gep(sd, [b.mul(t, sst)]) for t in tok]
+            fp = [b.gep(fd, [b.mul(t, fst)]) for t in tok]
+            accs = [cgutils.alloca_once_value(b, zf) for _ in range(2 * nt)]
+            for a in accs:
+                b.store(zf, a)
+            with cgutils.for_range(b, nh) as hl:
+                h = hl.index
+                ws = [b.load(b.bitcast(b.gep(tu_p, [b.mul(b.add(b.mul(h, _const_i64(4)), _const_i64(j)),
+                                                          _const_i64(64))]), _V64B.as_pointer()), align=1)
+                      for j in range(4)]
+                dsc = b.load(b.bitcast(b.gep(tdsc_p, [b.mul(h, _const_i64(ROWS))]), _V16F.as_pointer()), align=4)
+                wsum = b.load(b.bitcast(b.gep(tws_p, [b.mul(h, _const_i64(ROWS))]), _V16F.as_pointer()), align=4)
+                for t in range(nt):
+                    isum = ir.Constant(_V16I, [0] * ROWS)
+                    q16 = b.bitcast(b.gep(qp[t], [b.mul(h, _const_i64(16))]), _I32.as_pointer())
+                    for j in range(4):
+                        a = _splat(b, b.load(b.gep(q16, [_const_i64(j)]), align=1), _I32, ROWS)
+                        isum = _dpbusd16(b, isum, ws[j], b.bitcast(a, _V64B), vnni)
+                    sv = _splat(b, b.load(b.gep(sp[t], [b.lshr(h, _const_i64(1))])), _F32, ROWS)
+                    coef = b.fmul(dsc, sv, flags=["fast"])
+                    acc = b.fadd(b.load(accs[2 * t]), b.fmul(b.sitofp(isum, _V16F), coef, flags=["fast"]),
+                                 flags=["fast"])
+                    b.store(acc, accs[2 * t])
+                    fv = _splat(b, b.load(b.gep(fp[t], [h])), _F32, ROWS)
+                    b.store(b.fadd(b.load(accs[2 * t + 1]), b.fmul(wsum, fv, flags=["fast"]), flags=["fast"]),
+                            accs[2 * t + 1])
+            full = b.icmp_unsigned("==", nrows, _const_i64(ROWS))
+            for t in range(nt):
+                res = b.fadd(b.load(accs[2 * t]), b.load(accs[2 * t + 1]), flags=["fast"])
+                dst = b.gep(od, [b.add(b.mul(tok[t], ost), r0)])
+                with b.if_else(full) as (then, otherwise):
+                    with then:
+                        b.store(res, b.bitcast(dst, _V16F.as_pointer()), align=4)
+                    with otherwise:
+                        with cgutils.for_range(b, nrows) as il:
+                            b.store(b.extract_element(res, b.trunc(il.index, _I32)), b.gep(dst, [il.index]))
+
+        nfull = b.udiv(ntok, _const_i64(TOKENS))
+        with cgutils.for_range(b, nfull) as cl:
+            chunk(b.mul(cl.index, _const_i64(TOKENS)), TOKENS)
+        with cgutils.for_range(b, b.urem(ntok, _const_i64(TOKENS))) as rl:
+            chunk(b.add(b.mul(nfull, _const_i64(TOKENS)), rl.index), 1)
+        return context.get_dummy_value()
+    return codegen
+
+
+def _gemm_intrinsic(vnni: bool):
+    """tile_gemm(tu, tdsc, tws, nh, q, s, b16, k0, ntok, out, r0, nrows): out[k0 + t, r0 + i] =
+    tile row i dotted with activation row k0 + t (q int8, s f32 per 32, b16 f32 per 16 sums),
+    t < ntok, i < nrows; nh = cols / 16."""
+    @intrinsic
+    def tile_gemm(typingctx, tu, tdsc, tws, nh, q, s, b16, k0, ntok, out, r0, nrows):
+        if not all(isinstance(x, types.Array) for x in (tu, tdsc, tws, q, s, b16, out)):
+            return None
+        sig = types.void(tu, tdsc, tws, types.int64, q, s, b16, types.int64, types.int64, out, types.int64,
+                         types.int64)
+        return sig, _gemm_codegen(vnni)
+    return tile_gemm
+
+
+tile_gemm_generic = _gemm_intrinsic(False)
+tile_gemm_vnni = _gemm_intrinsic(True) if HAS_VNNI else None
+tile_gemm = tile_gemm_vnni if HAS_VNNI else tile_gemm_generic
