@@ -397,9 +397,9 @@ def quantize_act_q8_serial(x, qk, q, s, bs):
 # kernel costs what the two separate products cost (within 3 %, SiLU included).
 ROW_RUN = 16
 assert ROW_RUN == _gemm.ROWS
-# From this many pairs on, a run of rows of a quant.simd_blocks type is packed into a 16-row
-# tile and multiplied by quant.simd_gemm (with AVX512-VNNI): one thread, 4096^2, n = 8 / 64 /
-# 512: Q4_K 3.7 / 11.1 / 71 ms against the row dots' 3.3 / 23 / (tiles + BLAS) 137.
+# From this many pairs on, a run of rows of a quant.simd_blocks / simd_r4 type is packed into a
+# 16-row tile and multiplied by quant.simd_gemm (with AVX512-VNNI): one thread, 4096^2, n = 8 /
+# 64 / 512: Q4_K 3.7 / 11.1 / 71 ms against the row dots' 3.3 / 23 / (tiles + BLAS) 137.
 GEMM_MIN = 12 if _simd.HAS_VNNI else 1 << 62
 
 
@@ -476,12 +476,32 @@ _iopts = dict(cache=True, nogil=True)
 
 
 @njit(**_iopts)
+def _gemm_rows(qtype, r4, buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16, out):
+    """out[k, r] for rows r0:r1 (<= 16; r4: the _R4 layout, whole groups) and pairs k0:k1
+    through quant.simd_gemm (False: the type has no record there, nothing written)."""
+    tu = np.empty(_gemm.ROWS * cols, np.uint8)
+    tdsc = np.empty(cols, np.float32)
+    tws = np.empty(cols, np.float32)
+    if r4:
+        ok = _gemm.tile_pack_r4(qtype, buf, ebase + r0 * stride, 4 * stride, (r1 - r0) // 4, cols, tu, tdsc, tws)
+    else:
+        ok = _gemm.tile_pack(qtype, buf, ebase + r0 * stride, stride, r1 - r0, cols, tu, tdsc, tws)
+    if ok:
+        _gemm.tile_gemm(tu, tdsc, tws, cols // 16, q, s, b16, k0, k1 - k0, out, r0, r1 - r0)
+    return ok
+
+
+@njit(**_iopts)
 def _int_run(qtype, buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, bs, b16, out):
     """out[k, r] = row r . activation k for rows r0:r1 (from byte ebase on), pairs k0:k1.
     Interleaved types go 4 or 8 rows at a time (r0, r1 are multiples of that for them).
     quant.simd_blocks / simd_r4 take TMAX activation rows a call (a weight block unpacked once
     for all of them); the tile of TMAX rows stays in L1 while the run's weight rows pass."""
+    cols = nb * qk
     if qtype < 400 and _R4_KERNEL[qtype]:
+        if k1 - k0 >= GEMM_MIN:
+            _gemm_rows(qtype, True, buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16, out)
+            return
         for kt in range(k0, k1, _blocks.TMAX):
             nt = min(_blocks.TMAX, k1 - kt)
             _r4.group_dot(qtype, buf, ebase + r0 * stride, 4 * stride, (r1 - r0) // 4, q, s, bs, b16, nb * qk, kt, nt,
@@ -505,14 +525,8 @@ def _int_run(qtype, buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, bs, b
                 else:
                     out[k, r] = _simd.row_dot_q4_0(buf, base, q[k], s[k], bs[k], nb)
         return
-    cols = nb * qk
-    if k1 - k0 >= GEMM_MIN:
-        tu = np.empty(_gemm.ROWS * cols, np.uint8)
-        tdsc = np.empty(cols, np.float32)
-        tws = np.empty(cols, np.float32)
-        if _gemm.tile_pack(qtype, buf, ebase + r0 * stride, stride, r1 - r0, cols, tu, tdsc, tws):
-            _gemm.tile_gemm(tu, tdsc, tws, cols // 16, q, s, b16, k0, k1 - k0, out, r0, r1 - r0)
-            return
+    if k1 - k0 >= GEMM_MIN and _gemm_rows(qtype, False, buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16, out):
+        return
     for kt in range(k0, k1, _blocks.TMAX):
         nt = min(_blocks.TMAX, k1 - kt)
         _blocks.row_dot(qtype, buf, ebase + r0 * stride, stride, r1 - r0, q, s, bs, b16, cols, kt, nt, out, r0)

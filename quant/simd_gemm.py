@@ -29,7 +29,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .simd import HAS_VNNI, _F32, _I8, _I32, _I64, _vec, _const_i64, _pair_sum, _splat
-from .simd_blocks import BLOCK_DOTS, BlockDot, _cv, _f16, _f32, _gep, _per_half
+from .simd_blocks import BLOCK_DOTS, BlockDot, _cv, _f16, _f32, _gep, _ld, _per_half
+from .simd_r4 import R4_DOTS, R4Dot
 
 ROWS = 16          # weight rows per tile (one 512-bit lane each)
 TOKENS = 4         # activation rows per pass over the tile (the tile's vectors are loaded once for them)
@@ -119,6 +120,86 @@ def tile_pack(typingctx, qtype, buf, base, stride, nrows, cols, tu, tdsc, tws):
                 rest = b.udiv(b.urem(cols, _const_i64(fmt.values)), _const_i64(t.values))
                 _pack_blocks(b, t, rows, nrows, b.add(_const_i64(fmt.meta), b.mul(nb, _const_i64(fmt.nbytes))), rest,
                              b.mul(nb, _const_i64(fmt.values // 16)), tu_p, tdsc_p, tws_p)
+            b.store(ir.Constant(ir.IntType(1), 1), okp)
+            b.branch(end)
+        b.position_at_end(end)
+        return b.load(okp)
+    return sig, codegen
+
+
+def _pack_r4_blocks(b: ir.IRBuilder, fmt: R4Dot, groups, ngroups, nb, tu, tdsc, tws) -> None:
+    """The _R4 form: blocks 0 .. nb - 1 of every 4-row group g < ngroups (groups(g) -> (block
+    pointer, <4 x f32> row scales)) into tile rows 4 g .. 4 g + 3.  A run's dword lane (m, k)
+    already holds row k's 4 levels at offset ao[m] of its sub-block: one store each, no
+    unpacking to the plain rows first (quant.interleaved's table-driven unpack measured
+    slower than the _R4 row dots it would feed)."""
+    v8f = _vec(_F32, 8)
+    with cgutils.for_range(b, nb) as loop:
+        ib = loop.index
+        hb = b.mul(ib, _const_i64(16))
+        with cgutils.for_range(b, ngroups) as gl:
+            g = gl.index
+            bp, rs4 = groups(g)
+            blk = fmt.unpack(b, b.gep(bp, [b.mul(ib, _const_i64(fmt.nbytes))]))
+            dup = _cv([0, 1, 2, 3, 0, 1, 2, 3])
+            d8 = b.shuffle_vector(b.fmul(blk.d, rs4, flags=["fast"]), blk.d, dup)
+            dm8 = None if blk.dm is None else b.shuffle_vector(b.fmul(blk.dm, rs4, flags=["fast"]), blk.dm, dup)
+            for si, sub in enumerate(blk.subs):
+                dsc = b.fmul(b.sitofp(sub.scale, v8f), d8, flags=["fast"])
+                ws = ir.Constant(v8f, [0.0] * 8)
+                if not (isinstance(sub.off, int) and sub.off == 0):
+                    off = _cv([sub.off] * 8) if isinstance(sub.off, int) else sub.off
+                    ws = b.fmul(b.sitofp(b.mul(off, sub.scale), v8f), b.fneg(d8), flags=["fast"])
+                if dm8 is not None:
+                    mn = b.uitofp(b.zext(b.shuffle_vector(blk.mins, blk.mins, _cv([4 * si + k for k in range(4)] * 2)),
+                                         _vec(_I32, 8)), v8f)
+                    ws = b.fadd(ws, b.fmul(mn, dm8, flags=["fast"]), flags=["fast"])
+                for h in range(2):
+                    for k in range(4):
+                        at = b.add(b.mul(b.add(hb, _const_i64(2 * si + h)), _const_i64(ROWS)),
+                                   b.add(b.mul(g, _const_i64(4)), _const_i64(k)))
+                        b.store(b.extract_element(dsc, ir.Constant(_I32, 4 * h + k)), b.gep(tdsc, [at]))
+                        b.store(b.extract_element(ws, ir.Constant(_I32, 4 * h + k)), b.gep(tws, [at]))
+                for u, ao in sub.runs:
+                    u32 = b.bitcast(u, _vec(_I32, 8))
+                    for m in range(2):
+                        half, quad = 2 * si + ao[m] // 16, (ao[m] % 16) // 4
+                        for k in range(4):
+                            at = b.add(b.mul(b.add(b.mul(b.add(hb, _const_i64(half)), _const_i64(4)), _const_i64(quad)),
+                                             _const_i64(ROWS)), b.add(b.mul(g, _const_i64(4)), _const_i64(k)))
+                            b.store(b.extract_element(u32, ir.Constant(_I32, 4 * m + k)), b.gep(tu, [at]))
+
+
+@intrinsic
+def tile_pack_r4(typingctx, qtype, buf, base, gstride, ngroups, cols, tu, tdsc, tws):
+    """tile_pack_r4(qtype, buf, base, gstride, ngroups, cols, tu, tdsc, tws) -> bool: tile_pack for
+    the _R4 types of quant.simd_r4 (R4_DOTS): the 4-row groups at byte base + g gstride, g <
+    ngroups (<= ROWS / 4), into tile rows 4 g .. 4 g + 3."""
+    if not all(isinstance(x, types.Array) for x in (buf, tu, tdsc, tws)):
+        return None
+    sig = types.boolean(types.int64, buf, types.int64, types.int64, types.int64, types.int64, tu, tdsc, tws)
+
+    def codegen(context, builder, sig, args):
+        b = builder
+        qt, bufv, basev, gstride, ngroups, cols = args[:6]
+        wbuf = context.make_array(sig.args[1])(context, b, bufv)
+        tu_p = b.bitcast(context.make_array(sig.args[6])(context, b, args[6]).data, _I32.as_pointer())
+        tdsc_p = context.make_array(sig.args[7])(context, b, args[7]).data
+        tws_p = context.make_array(sig.args[8])(context, b, args[8]).data
+        okp = cgutils.alloca_once_value(b, ir.Constant(ir.IntType(1), 0))
+        end = b.append_basic_block("packr4.end")
+        sw = b.switch(qt, end)
+        for tid, fmt in R4_DOTS.items():
+            bb = b.append_basic_block(f"packr4.{fmt.name}")
+            sw.add_case(ir.Constant(_I64, tid), bb)
+            b.position_at_end(bb)
+
+            def groups(g, fmt=fmt):
+                grp = b.gep(wbuf.data, [b.add(basev, b.mul(g, gstride))])
+                if fmt.row_scale == "f32":
+                    return _gep(b, grp, 16), _ld(b, grp, 0, 4, _F32)
+                return grp, ir.Constant(_vec(_F32, 4), [1.0] * 4)
+            _pack_r4_blocks(b, fmt, groups, ngroups, b.udiv(cols, _const_i64(256)), tu_p, tdsc_p, tws_p)
             b.store(ir.Constant(ir.IntType(1), 1), okp)
             b.branch(end)
         b.position_at_end(end)

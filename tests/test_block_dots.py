@@ -129,14 +129,19 @@ def test_matmul_few_and_many_tokens_agree(name):
 
 
 @njit(cache=True)
-def _gemm(generic, qtype, buf, stride, rows, cols, q, s, b16, out):
-    """quant.simd_gemm over every 16-row run (tiles start as NaN: rows past `rows` stay so)."""
+def _gemm(generic, qtype, buf, stride, rows, cols, q, s, b16, out, r4=False):
+    """quant.simd_gemm over every 16-row run (tiles start as NaN: rows past `rows` stay so);
+    r4: the _R4 packing (stride: of one row, groups of 4 rows)."""
     tu = np.full(16 * cols, 0x7F, np.uint8)
     td = np.full(cols, np.nan, np.float32)
     tw = np.full(cols, np.nan, np.float32)
     for r0 in range(0, rows, 16):
         n = min(16, rows - r0)
-        if not SG.tile_pack(qtype, buf, r0 * stride, stride, n, cols, tu, td, tw):
+        if r4:
+            ok = SG.tile_pack_r4(qtype, buf, r0 * stride, 4 * stride, n // 4, cols, tu, td, tw)
+        else:
+            ok = SG.tile_pack(qtype, buf, r0 * stride, stride, n, cols, tu, td, tw)
+        if not ok:
             return False
         if generic:
             SG.tile_gemm_generic(tu, td, tw, cols // 16, q, s, b16, 0, q.shape[0], out, r0, n)
@@ -229,3 +234,29 @@ def test_group_dot_refuses_types_without_record():
     out = np.zeros((NT, 4), np.float32)
     assert not _dot(2, 210, rng.integers(0, 256, 4 * 84, dtype=np.uint8), q, s, bs, b16, 256, out)  # Q2_K_R4
     assert np.all(out == 0)
+
+
+@pytest.mark.parametrize("form", ["generic", "vnni"])
+@pytest.mark.parametrize("qtype", R4_TYPES, ids=[R4.R4_DOTS[t].name for t in R4_TYPES])
+def test_tile_gemm_packs_r4_groups(qtype, form):
+    """quant.simd_gemm's _R4 packing: random groups (20 rows: a full tile and one group), one and
+    two block columns, 7 tokens, against the plain decoder of the unpacked rows."""
+    _kind(form, True)
+    rng = np.random.default_rng(qtype + 2)
+    pt = IL.plain_type(qtype)
+    for cols in (256, 512):
+        grb = 4 * type_info(qtype).row_bytes(cols)
+        groups, ys = [], []
+        while len(groups) < 5:
+            raw = rng.integers(0, 256, grb, dtype=np.uint8)
+            plain = IL.unpack(raw, qtype, 4, cols)
+            y = np.stack([_decode(pt, plain[k], cols) for k in range(4)]).astype(np.float64)
+            if np.all(np.isfinite(y)) and np.abs(y).max() <= 1e6:
+                groups.append(raw)
+                ys.append(y)
+        buf, y = np.concatenate(groups), np.concatenate(ys)
+        q, s, bs, b16, xa = _act(rng, cols, 7)
+        out = np.full((7, 20), np.nan, np.float32)
+        assert _gemm(form == "generic", qtype, buf, grb // 4, 20, cols, q, s, b16, out, True)
+        want, mag = xa @ y.T, np.abs(xa) @ np.abs(y).T
+        assert np.all(np.abs(out - want) <= 2e-5 * mag + 1e-30), (cols, out, want)
