@@ -359,13 +359,17 @@ def block_sums16(q, s, i16, f16):
     """i16[t, i] = the sum of q[t, 16 i:16 i + 16] (int32) and f16[t, i] = the same times the
     activation scale of its 32-block, s[t, i // 2] (f32, exact: an 11-bit sum times a bfloat16
     scale): the per-16 activation sums of the block types with 16-value sub-scales, level
-    offsets or mins (quant.simd_blocks takes the f32 ones, quant.simd_r4 both)."""
+    offsets or mins (quant.simd_blocks takes the f32 ones, quant.simd_r4 both; an i16 of
+    another width is not written: Q8_0 / Q4_0 keep their per-32 sums there for quant.simd and
+    take the f32 ones into quant.simd_gemm)."""
+    ints = i16.shape[1] == f16.shape[1]      # else i16 holds other sums (per 32): left alone
     for t in range(q.shape[0]):
         for i in range(f16.shape[1]):
             acc = np.int32(0)
             for j in range(16):
                 acc += np.int32(q[t, 16 * i + j])
-            i16[t, i] = acc
+            if ints:
+                i16[t, i] = acc
             f16[t, i] = np.float32(acc) * s[t, i // 2]
 
 
@@ -506,6 +510,9 @@ def _int_run(qtype, buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, bs, b
             nt = min(_blocks.TMAX, k1 - kt)
             _r4.group_dot(qtype, buf, ebase + r0 * stride, 4 * stride, (r1 - r0) // 4, q, s, bs, b16, nb * qk, kt, nt,
                           out, r0)
+        return
+    if (qtype == Q8_0_ID or qtype == Q4_0_ID) and k1 - k0 >= GEMM_MIN and \
+            _gemm_rows(qtype, False, buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16, out):
         return
     if qtype == Q8_0_R8_ID or qtype == Q4_0_R8_ID:
         for r in range(r0, r1, 8):

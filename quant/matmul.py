@@ -217,6 +217,8 @@ def many_tokens(qtype: int) -> int:
         return 1 << 62
     if qtype in K._blocks.BLOCK_DOTS:
         return _MANY_TOKENS_BLOCKS if K.GEMM_MIN > _MANY_TOKENS_BLOCKS else 1 << 62
+    if qtype in K._blocks.GEMM_ONLY and K.GEMM_MIN <= _MANY_TOKENS_BLOCKS:
+        return 1 << 62
     return min(MANY_TOKENS, _MANY_TOKENS_INT) if qtype in K.INT_DOT_TYPES else MANY_TOKENS
 
 
@@ -262,15 +264,15 @@ def _f32_matrix(v: _View) -> np.ndarray:
                                            strides=(v.stride, 4), writeable=False)
 
 
-def _quantize_act(x: np.ndarray, sums16: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _quantize_act(x: np.ndarray, sums16: bool = True, ints16: bool = True
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """x (n, cols) -> (q, s, bs, b16): int8 values, one scale per 32 (ik_llama.cpp's Q8_2 rule, see
-    kernels), and activation sums: with sums16=False (Q8_0 / Q4_0 and their _R8 forms, and the
-    Q8 rounding) bs = the int32 sum of each 32 values and b16 an (n, 0) array; with sums16 (the
-    block types' per-16 scales, level offsets and mins) bs = the int32 sum of each 16 values and
-    b16 = the same times its scale (f32)."""
+    kernels), and activation sums: bs = the int32 sum of each 32 values, or with sums16 and
+    ints16 (the block types' per-16 scales, level offsets and mins) of each 16; b16 = with
+    sums16 the sum of each 16 times its scale (f32), else an (n, 0) array."""
     q = np.empty(x.shape, dtype=np.int8)
     s = np.empty((x.shape[0], x.shape[1] // K.QK), dtype=np.float32)
-    bs = np.empty((x.shape[0], x.shape[1] // (16 if sums16 else K.QK)), dtype=np.int32)
+    bs = np.empty((x.shape[0], x.shape[1] // (16 if sums16 and ints16 else K.QK)), dtype=np.int32)
     # parallel only for big inputs: in token generation the pool has usually gone to sleep, and the
     # parallel call for an MLA per-head product (16 heads x 128 values) averaged ~27 us in the 1B
     # model (cProfile), the serial one ~3.6 us
@@ -282,8 +284,14 @@ def _quantize_act(x: np.ndarray, sums16: bool = True) -> tuple[np.ndarray, np.nd
 
 
 def _act(qt: int, x: np.ndarray) -> tuple[np.ndarray, ...]:
-    """The few-pair kernels' activations: (q, s, bs, b16) for the integer types, (x,) for the others."""
-    return _quantize_act(x, qt not in _Q8_SIMD) if qt in K.INT_DOT_TYPES else (x,)
+    """The few-pair kernels' activations: (q, s, bs, b16) for the integer types, (x,) for the
+    others.  Q8_0 / Q4_0 keep per-32 int sums (quant.simd) and get the f32 per-16 ones when
+    enough rows come for quant.simd_gemm to take some of them."""
+    if qt not in K.INT_DOT_TYPES:
+        return (x,)
+    if qt in _Q8_SIMD:
+        return _quantize_act(x, qt in K._blocks.GEMM_ONLY and x.shape[0] >= K.GEMM_MIN, False)
+    return _quantize_act(x)
 
 
 def _round_act(qt: int, x: np.ndarray, act: tuple[np.ndarray, ...] = ()) -> np.ndarray:

@@ -433,6 +433,16 @@ def _unpack_iq4_nl(b: ir.IRBuilder, p) -> Block:
     return Block(_f16(b, p, 0), [u], _ONE2, 128)
 
 
+def _unpack_q8_0(b: ir.IRBuilder, p) -> Block:
+    """Q8_0 (GEMM only: its row dots are quant.simd's): signed bytes + 128."""
+    return Block(_f16(b, p, 0), [b.xor(_ld(b, p, 2), _c(128))], _ONE2, 128)
+
+
+def _unpack_q4_0(b: ir.IRBuilder, p) -> Block:
+    """Q4_0 (GEMM only, as Q8_0): nibbles, level offset 8."""
+    return Block(_f16(b, p, 0), [_nib32(b, p, 2)], _ONE2, 8)
+
+
 def _grouped(one: BlockDot, n: int = 8) -> BlockDot:
     """n consecutive 32-value blocks as one block of the template, each with its own d (and dm):
     a block's fixed costs are paid once per 256 values instead of per 32 (measured at one
@@ -471,6 +481,13 @@ BLOCK_DOTS: dict[int, BlockDot] = {
     141: BlockDot("IQ6_K", 256, 212, 128, _unpack_iq6_k),
     144: BlockDot("IQ4_KS", 256, 136, 128, _unpack_iq4_ks, "f32"),
     145: BlockDot("IQ2_KS", 256, 70, 128, _unpack_iq2_ks, "f16"),
+}
+
+
+# Q8_0 / Q4_0 have row dots of their own (quant.simd); these records serve quant.simd_gemm
+GEMM_ONLY: dict[int, BlockDot] = {
+    8: _grouped(BlockDot("Q8_0", 32, 34, 128, _unpack_q8_0)),
+    2: _grouped(BlockDot("Q4_0", 32, 18, 8, _unpack_q4_0)),
 }
 
 

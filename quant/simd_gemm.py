@@ -29,7 +29,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .simd import HAS_VNNI, _F32, _I8, _I32, _I64, _vec, _const_i64, _pair_sum, _splat
-from .simd_blocks import BLOCK_DOTS, BlockDot, _cv, _f16, _f32, _gep, _ld, _per_half
+from .simd_blocks import BLOCK_DOTS, GEMM_ONLY, BlockDot, _cv, _f16, _f32, _gep, _ld, _per_half
 from .simd_r4 import R4_DOTS, R4Dot
 
 ROWS = 16          # weight rows per tile (one 512-bit lane each)
@@ -89,7 +89,7 @@ def tile_pack(typingctx, qtype, buf, base, stride, nrows, cols, tu, tdsc, tws):
     """tile_pack(qtype, buf, base, stride, nrows, cols, tu, tdsc, tws) -> bool: the rows at byte
     base + i stride of buf, i < nrows (<= ROWS), into tile rows i (tu: uint8, tdsc / tws: f32,
     1-D, tile_sizes(cols)); rows nrows.. are left as they are.  False (nothing written) for a
-    type without a BLOCK_DOTS record."""
+    type without a BLOCK_DOTS or GEMM_ONLY (Q8_0, Q4_0) record."""
     if not all(isinstance(x, types.Array) for x in (buf, tu, tdsc, tws)):
         return None
     sig = types.boolean(types.int64, buf, types.int64, types.int64, types.int64, types.int64, tu, tdsc, tws)
@@ -104,7 +104,7 @@ def tile_pack(typingctx, qtype, buf, base, stride, nrows, cols, tu, tdsc, tws):
         okp = cgutils.alloca_once_value(b, ir.Constant(ir.IntType(1), 0))
         end = b.append_basic_block("pack.end")
         sw = b.switch(qt, end)
-        for tid, fmt in BLOCK_DOTS.items():
+        for tid, fmt in {**BLOCK_DOTS, **GEMM_ONLY}.items():
             bb = b.append_basic_block(f"pack.{fmt.name}")
             sw.add_case(ir.Constant(_I64, tid), bb)
             b.position_at_end(bb)

@@ -47,8 +47,7 @@ def main() -> None:
         t = time.perf_counter()
         orig(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, *rest)
         dt = time.perf_counter() - t
-        block = 34 if qtype in (K.Q8_0_ID, K.Q8_0_R8_ID) else 18
-        nbytes = len(ge) * nrows * (cols // K.QK) * block * (2 if fused else 1)
+        nbytes = len(ge) * nrows * int(K.type_row_bytes(qtype, cols)) * (2 if fused else 1)
         rec[(qtype, nrows, cols, len(ge), int(gb[-1]), bool(fused))].append((dt, nbytes))
 
     K.matvec_int = timed

@@ -150,14 +150,17 @@ def _gemm(generic, qtype, buf, stride, rows, cols, q, s, b16, out, r4=False):
     return True
 
 
+GEMM_TYPES = TYPES + sorted(SB.GEMM_ONLY)
+
+
 @pytest.mark.parametrize("form", ["generic", "vnni"])
-@pytest.mark.parametrize("qtype", TYPES, ids=NAMES)
+@pytest.mark.parametrize("qtype", GEMM_TYPES, ids=NAMES + [SB.GEMM_ONLY[t].name for t in sorted(SB.GEMM_ONLY)])
 def test_tile_gemm_matches_decoder_on_random_bytes(qtype, form):
     """The GEMM's packing and products, on random rows (every level, scale, sign, extra bit and
     min): 21 rows (a full and a partial 16-row tile), 7 tokens (a pass of 4 and 3 single ones),
     one block, several, and for the grouped legacy records a row ending in single blocks."""
     _kind(form, False)
-    fmt = SB.BLOCK_DOTS[qtype]
+    fmt = {**SB.BLOCK_DOTS, **SB.GEMM_ONLY}[qtype]
     rng = np.random.default_rng(qtype + 1)
     for cols in sorted({fmt.values, 3 * fmt.values} | ({fmt.values + 96} if fmt.tail else set())):
         rb = type_info(qtype).row_bytes(cols)

@@ -156,9 +156,15 @@ def test_matmul_tile_path_with_and_without_the_pool(use_pool, monkeypatch):
     if not use_pool:
         monkeypatch.setattr(G, "_FN", (0, 0, False))
     rng = np.random.default_rng(5)
-    w = Q.quantize_tensor(rng.standard_normal((300, 128), dtype=np.float32), Q8_0)
+    # F16 (Q8_0 and the other integer types take quant.simd_gemm's integer GEMM with VNNI; the
+    # tile path is theirs without it: called directly)
+    w16 = Q.quantize_tensor(rng.standard_normal((300, 128), dtype=np.float32), 1)
     x = rng.standard_normal((40, 128), dtype=np.float32)
-    assert x.shape[0] >= Q.many_tokens(Q8_0)
-    _close(Q.matmul(w, x), Q._q8_rounded(x) @ Q.dequantize(w).T)
+    assert x.shape[0] >= Q.many_tokens(1)
+    _close(Q.matmul(w16, x), x @ Q.dequantize(w16).T)
+    w = Q.quantize_tensor(rng.standard_normal((300, 128), dtype=np.float32), Q8_0)
+    got = np.empty((40, 300), np.float32)
+    Q._tiles(Q._view(w), Q._q8_rounded(x), got)
+    _close(got, Q._q8_rounded(x) @ Q.dequantize(w).T)
     wf = Q.quantize_tensor(rng.standard_normal((70, 128), dtype=np.float32), 0)      # F32 weights
     _close(Q.matmul(wf, x), x @ Q.dequantize(wf).T)
