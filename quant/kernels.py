@@ -1,6 +1,8 @@
-"""Numba kernels for every compute type: row decoders, activation quantization, and the few-token
-matmul loops that call the integer row dots of quant.simd (Q8_0, Q4_0, _R8), quant.simd_blocks
-(the other block types) and quant.simd_r4 (the _R4 layouts).
+"""Numba kernels for every compute type: row decoders, activation quantization, and the integer
+matmul loops that call the row dots of quant.simd (Q8_0, Q4_0, _R8), quant.simd_blocks (the
+other block types) and quant.simd_r4 (the _R4 layouts) for a few tokens, and from GEMM_MIN
+tokens on quant.simd_gemm's integer GEMM on 16-row tiles (every simd_blocks / simd_r4 type,
+Q8_0, Q4_0; with AVX512-VNNI).
 
 Calling convention shared by every weight kernel (quant.matmul builds these arguments):
 

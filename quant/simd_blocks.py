@@ -749,14 +749,7 @@ def dot_intrinsic(records: dict, emit_rows: Callable, width: int, vnni: bool, la
             act = act_arrays(context, builder, sig.args[5:9], args[5:9], k0v)
             oa = context.make_array(sig.args[12])(context, builder, args[12])
             ost = builder.sdiv(builder.extract_value(oa.strides, 0), _const_i64(4))
-            okp = cgutils.alloca_once_value(builder, ir.Constant(ir.IntType(1), 0))
-            end = builder.append_basic_block(f"{label}.end")
-            sw = builder.switch(qt, end)
-            for tid, fmt in records.items():
-                bb = builder.append_basic_block(f"{label}.{fmt.name}")
-                sw.add_case(ir.Constant(_I64, tid), bb)
-                builder.position_at_end(bb)
-
+            def case(fmt):
                 def emit(ntok, fmt=fmt):
                     with cgutils.for_range(builder, nv) as rl:
                         wp = builder.gep(wbuf.data, [builder.add(basev, builder.mul(rl.index, stridev))])
@@ -770,12 +763,26 @@ def dot_intrinsic(records: dict, emit_rows: Callable, width: int, vnni: bool, la
                                 dst = builder.bitcast(dst, _vec(_F32, width).as_pointer())
                             builder.store(v, dst, align=4)
                 _one_or_many(builder, ntokv, emit)
-                builder.store(ir.Constant(ir.IntType(1), 1), okp)
-                builder.branch(end)
-            builder.position_at_end(end)
-            return builder.load(okp)
+            return type_switch(builder, qt, records, label, case)
         return sig, codegen
     return dot
+
+
+def type_switch(b: ir.IRBuilder, qtype, records: dict, label: str, case: Callable):
+    """A switch on the type id qtype over records (id -> record): case(record) emits that type's
+    code; returns an i1, true when qtype had a record."""
+    okp = cgutils.alloca_once_value(b, ir.Constant(ir.IntType(1), 0))
+    end = b.append_basic_block(f"{label}.end")
+    sw = b.switch(qtype, end)
+    for tid, fmt in records.items():
+        bb = b.append_basic_block(f"{label}.{fmt.name}")
+        sw.add_case(ir.Constant(_I64, tid), bb)
+        b.position_at_end(bb)
+        case(fmt)
+        b.store(ir.Constant(ir.IntType(1), 1), okp)
+        b.branch(end)
+    b.position_at_end(end)
+    return b.load(okp)
 
 
 def _row_dot_intrinsic(vnni: bool):

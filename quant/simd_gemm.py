@@ -23,13 +23,15 @@ Development note (as quant.simd): after editing this module delete quant/__pycac
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .simd import HAS_VNNI, _F32, _I8, _I32, _I64, _vec, _const_i64, _pair_sum, _splat
-from .simd_blocks import BLOCK_DOTS, GEMM_ONLY, BlockDot, _cv, _f16, _f32, _gep, _ld, _per_half
+from .simd import HAS_VNNI, _F32, _I8, _I32, _vec, _const_i64, _pair_sum, _splat
+from .simd_blocks import BLOCK_DOTS, GEMM_ONLY, BlockDot, _cv, _f16, _f32, _gep, _ld, _per_half, type_switch
 from .simd_r4 import R4_DOTS, R4Dot
 
 ROWS = 16          # weight rows per tile (one 512-bit lane each)
@@ -84,47 +86,52 @@ def _pack_blocks(b: ir.IRBuilder, fmt: BlockDot, rows, nrows, boff, nb, h0, tu, 
                             b.gep(tu, [b.add(b.mul(quad, _const_i64(ROWS)), i)]))
 
 
-@intrinsic
-def tile_pack(typingctx, qtype, buf, base, stride, nrows, cols, tu, tdsc, tws):
-    """tile_pack(qtype, buf, base, stride, nrows, cols, tu, tdsc, tws) -> bool: the rows at byte
-    base + i stride of buf, i < nrows (<= ROWS), into tile rows i (tu: uint8, tdsc / tws: f32,
-    1-D, tile_sizes(cols)); rows nrows.. are left as they are.  False (nothing written) for a
-    type without a BLOCK_DOTS or GEMM_ONLY (Q8_0, Q4_0) record."""
-    if not all(isinstance(x, types.Array) for x in (buf, tu, tdsc, tws)):
-        return None
-    sig = types.boolean(types.int64, buf, types.int64, types.int64, types.int64, types.int64, tu, tdsc, tws)
+def _pack_intrinsic(records: dict, label: str, case: Callable):
+    """An intrinsic f(qtype, buf, base, stride, n, cols, tu, tdsc, tws) -> bool that packs n rows
+    (or groups) of a type in records: case(builder, record, row pointer at byte base + i
+    stride of buf, n, cols, tu (i32 *), tdsc, tws) per type (quant.simd_blocks.type_switch)."""
+    @intrinsic
+    def pack(typingctx, qtype, buf, base, stride, n, cols, tu, tdsc, tws):
+        if not all(isinstance(x, types.Array) for x in (buf, tu, tdsc, tws)):
+            return None
+        sig = types.boolean(types.int64, buf, types.int64, types.int64, types.int64, types.int64, tu, tdsc, tws)
 
-    def codegen(context, builder, sig, args):
-        b = builder
-        qt, bufv, basev, stridev, nrows, cols = args[:6]
-        wbuf = context.make_array(sig.args[1])(context, b, bufv)
-        tu_p = b.bitcast(context.make_array(sig.args[6])(context, b, args[6]).data, _I32.as_pointer())
-        tdsc_p = context.make_array(sig.args[7])(context, b, args[7]).data
-        tws_p = context.make_array(sig.args[8])(context, b, args[8]).data
-        okp = cgutils.alloca_once_value(b, ir.Constant(ir.IntType(1), 0))
-        end = b.append_basic_block("pack.end")
-        sw = b.switch(qt, end)
-        for tid, fmt in {**BLOCK_DOTS, **GEMM_ONLY}.items():
-            bb = b.append_basic_block(f"pack.{fmt.name}")
-            sw.add_case(ir.Constant(_I64, tid), bb)
-            b.position_at_end(bb)
-            def rows(i, fmt=fmt):
-                row = b.gep(wbuf.data, [b.add(basev, b.mul(i, stridev))])
-                rs = {"f32": lambda: _f32(b, row, 0), "f16": lambda: _f16(b, row, 0),
-                      "": lambda: ir.Constant(_F32, 1.0)}[fmt.row_scale]()
-                return row, rs
-            nb = b.udiv(cols, _const_i64(fmt.values))
-            _pack_blocks(b, fmt, rows, nrows, fmt.meta, nb, _const_i64(0), tu_p, tdsc_p, tws_p)
-            if fmt.tail is not None:
-                t = fmt.tail
-                rest = b.udiv(b.urem(cols, _const_i64(fmt.values)), _const_i64(t.values))
-                _pack_blocks(b, t, rows, nrows, b.add(_const_i64(fmt.meta), b.mul(nb, _const_i64(fmt.nbytes))), rest,
-                             b.mul(nb, _const_i64(fmt.values // 16)), tu_p, tdsc_p, tws_p)
-            b.store(ir.Constant(ir.IntType(1), 1), okp)
-            b.branch(end)
-        b.position_at_end(end)
-        return b.load(okp)
-    return sig, codegen
+        def codegen(context, builder, sig, args):
+            b = builder
+            qt, bufv, basev, stridev, nv, cols = args[:6]
+            wbuf = context.make_array(sig.args[1])(context, b, bufv)
+            tu_p = b.bitcast(context.make_array(sig.args[6])(context, b, args[6]).data, _I32.as_pointer())
+            tdsc_p = context.make_array(sig.args[7])(context, b, args[7]).data
+            tws_p = context.make_array(sig.args[8])(context, b, args[8]).data
+
+            def at(i):
+                return b.gep(wbuf.data, [b.add(basev, b.mul(i, stridev))])
+            return type_switch(b, qt, records, label,
+                               lambda fmt: case(b, fmt, at, nv, cols, tu_p, tdsc_p, tws_p))
+        return sig, codegen
+    return pack
+
+
+def _pack_plain(b: ir.IRBuilder, fmt: BlockDot, at, nrows, cols, tu, tdsc, tws) -> None:
+    def rows(i):
+        row = at(i)
+        rs = {"f32": lambda: _f32(b, row, 0), "f16": lambda: _f16(b, row, 0),
+              "": lambda: ir.Constant(_F32, 1.0)}[fmt.row_scale]()
+        return row, rs
+    nb = b.udiv(cols, _const_i64(fmt.values))
+    _pack_blocks(b, fmt, rows, nrows, fmt.meta, nb, _const_i64(0), tu, tdsc, tws)
+    if fmt.tail is not None:
+        t = fmt.tail
+        rest = b.udiv(b.urem(cols, _const_i64(fmt.values)), _const_i64(t.values))
+        _pack_blocks(b, t, rows, nrows, b.add(_const_i64(fmt.meta), b.mul(nb, _const_i64(fmt.nbytes))), rest,
+                     b.mul(nb, _const_i64(fmt.values // 16)), tu, tdsc, tws)
+
+
+# tile_pack(qtype, buf, base, stride, nrows, cols, tu, tdsc, tws) -> bool: the rows at byte base +
+# i stride of buf, i < nrows (<= ROWS), into tile rows i (tu: uint8, tdsc / tws: f32, 1-D,
+# tile_sizes(cols)); rows nrows.. are left as they are.  False (nothing written) for a type
+# without a BLOCK_DOTS or GEMM_ONLY (Q8_0, Q4_0) record.
+tile_pack = _pack_intrinsic({**BLOCK_DOTS, **GEMM_ONLY}, "pack", _pack_plain)
 
 
 def _pack_r4_blocks(b: ir.IRBuilder, fmt: R4Dot, groups, ngroups, nb, tu, tdsc, tws) -> None:
@@ -170,41 +177,19 @@ def _pack_r4_blocks(b: ir.IRBuilder, fmt: R4Dot, groups, ngroups, nb, tu, tdsc, 
                             b.store(b.extract_element(u32, ir.Constant(_I32, 4 * m + k)), b.gep(tu, [at]))
 
 
-@intrinsic
-def tile_pack_r4(typingctx, qtype, buf, base, gstride, ngroups, cols, tu, tdsc, tws):
-    """tile_pack_r4(qtype, buf, base, gstride, ngroups, cols, tu, tdsc, tws) -> bool: tile_pack for
-    the _R4 types of quant.simd_r4 (R4_DOTS): the 4-row groups at byte base + g gstride, g <
-    ngroups (<= ROWS / 4), into tile rows 4 g .. 4 g + 3."""
-    if not all(isinstance(x, types.Array) for x in (buf, tu, tdsc, tws)):
-        return None
-    sig = types.boolean(types.int64, buf, types.int64, types.int64, types.int64, types.int64, tu, tdsc, tws)
+def _pack_r4(b: ir.IRBuilder, fmt: R4Dot, at, ngroups, cols, tu, tdsc, tws) -> None:
+    def groups(g):
+        grp = at(g)
+        if fmt.row_scale == "f32":
+            return _gep(b, grp, 16), _ld(b, grp, 0, 4, _F32)
+        return grp, ir.Constant(_vec(_F32, 4), [1.0] * 4)
+    _pack_r4_blocks(b, fmt, groups, ngroups, b.udiv(cols, _const_i64(256)), tu, tdsc, tws)
 
-    def codegen(context, builder, sig, args):
-        b = builder
-        qt, bufv, basev, gstride, ngroups, cols = args[:6]
-        wbuf = context.make_array(sig.args[1])(context, b, bufv)
-        tu_p = b.bitcast(context.make_array(sig.args[6])(context, b, args[6]).data, _I32.as_pointer())
-        tdsc_p = context.make_array(sig.args[7])(context, b, args[7]).data
-        tws_p = context.make_array(sig.args[8])(context, b, args[8]).data
-        okp = cgutils.alloca_once_value(b, ir.Constant(ir.IntType(1), 0))
-        end = b.append_basic_block("packr4.end")
-        sw = b.switch(qt, end)
-        for tid, fmt in R4_DOTS.items():
-            bb = b.append_basic_block(f"packr4.{fmt.name}")
-            sw.add_case(ir.Constant(_I64, tid), bb)
-            b.position_at_end(bb)
 
-            def groups(g, fmt=fmt):
-                grp = b.gep(wbuf.data, [b.add(basev, b.mul(g, gstride))])
-                if fmt.row_scale == "f32":
-                    return _gep(b, grp, 16), _ld(b, grp, 0, 4, _F32)
-                return grp, ir.Constant(_vec(_F32, 4), [1.0] * 4)
-            _pack_r4_blocks(b, fmt, groups, ngroups, b.udiv(cols, _const_i64(256)), tu_p, tdsc_p, tws_p)
-            b.store(ir.Constant(ir.IntType(1), 1), okp)
-            b.branch(end)
-        b.position_at_end(end)
-        return b.load(okp)
-    return sig, codegen
+# tile_pack_r4(qtype, buf, base, gstride, ngroups, cols, tu, tdsc, tws) -> bool: tile_pack for the
+# _R4 types of quant.simd_r4 (R4_DOTS): the 4-row groups at byte base + g gstride, g < ngroups
+# (<= ROWS / 4), into tile rows 4 g .. 4 g + 3.
+tile_pack_r4 = _pack_intrinsic(R4_DOTS, "packr4", _pack_r4)
 
 
 # ----------------------------------------------------------------------------------------
