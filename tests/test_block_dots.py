@@ -15,7 +15,7 @@ from quant import kernels as K
 from quant import simd_blocks as SB
 from quant import simd_gemm as SG
 from quant.iqk import decode_row_iqk_int6
-from quant.matmul import _q8_rounded, _tiles, _view, dequantize, many_tokens, matmul, matmul_id, moe_up_gate, quantize_tensor
+from quant.matmul import _q8_rounded, _tiles, _view, dequantize, matmul, matmul_id, moe_up_gate, quantize_tensor
 from quant.tensor import QTensor
 from quant.types import type_info
 
