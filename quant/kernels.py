@@ -482,14 +482,17 @@ _iopts = dict(cache=True, nogil=True)
 
 
 @njit(**_iopts)
-def _gemm_rows(qtype, r4, buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16, out):
-    """out[k, r] for rows r0:r1 (<= 16; r4: the _R4 layout, whole groups) and pairs k0:k1
-    through quant.simd_gemm (False: the type has no record there, nothing written)."""
+def _gemm_rows(qtype, weave, buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16, out):
+    """out[k, r] for rows r0:r1 (<= 16; weave 4 / 8: an _R4 / _R8 layout, whole groups; 0:
+    plain rows) and pairs k0:k1 through quant.simd_gemm (False: the type has no record there,
+    nothing written)."""
     tu = np.empty(_gemm.ROWS * cols, np.uint8)
     tdsc = np.empty(cols, np.float32)
     tws = np.empty(cols, np.float32)
-    if r4:
+    if weave == 4:
         ok = _gemm.tile_pack_r4(qtype, buf, ebase + r0 * stride, 4 * stride, (r1 - r0) // 4, cols, tu, tdsc, tws)
+    elif weave == 8:
+        ok = _gemm.tile_pack_r8(qtype, buf, ebase + r0 * stride, 8 * stride, (r1 - r0) // 8, cols, tu, tdsc, tws)
     else:
         ok = _gemm.tile_pack(qtype, buf, ebase + r0 * stride, stride, r1 - r0, cols, tu, tdsc, tws)
     if ok:
@@ -506,7 +509,7 @@ def _int_run(qtype, buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, bs, b
     cols = nb * qk
     if qtype < 400 and _R4_KERNEL[qtype]:
         if k1 - k0 >= GEMM_MIN:
-            _gemm_rows(qtype, True, buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16, out)
+            _gemm_rows(qtype, 4, buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16, out)
             return
         for kt in range(k0, k1, _blocks.TMAX):
             nt = min(_blocks.TMAX, k1 - kt)
@@ -514,9 +517,11 @@ def _int_run(qtype, buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, bs, b
                           out, r0)
         return
     if (qtype == Q8_0_ID or qtype == Q4_0_ID) and k1 - k0 >= GEMM_MIN and \
-            _gemm_rows(qtype, False, buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16, out):
+            _gemm_rows(qtype, 0, buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16, out):
         return
     if qtype == Q8_0_R8_ID or qtype == Q4_0_R8_ID:
+        if k1 - k0 >= GEMM_MIN and _gemm_rows(qtype, 8, buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16, out):
+            return
         for r in range(r0, r1, 8):
             gbase = ebase + r * stride
             for k in range(k0, k1):
@@ -534,7 +539,7 @@ def _int_run(qtype, buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, bs, b
                 else:
                     out[k, r] = _simd.row_dot_q4_0(buf, base, q[k], s[k], bs[k], nb)
         return
-    if k1 - k0 >= GEMM_MIN and _gemm_rows(qtype, False, buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16, out):
+    if k1 - k0 >= GEMM_MIN and _gemm_rows(qtype, 0, buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16, out):
         return
     for kt in range(k0, k1, _blocks.TMAX):
         nt = min(_blocks.TMAX, k1 - kt)

@@ -71,6 +71,7 @@ TILE_DEQUANT_THREADS: int | None = None
 _SUPPORTED = frozenset({F32, F16, BF16, Q8_0, Q4_0, Q6_0} | IQK_TYPES | LEGACY_TYPES | KQUANT_TYPES
                        | {int(t) for t in np.flatnonzero(K._R_TABLE[:, 0])})   # every _R4/_R8 type
 _Q8_SIMD = frozenset({Q8_0, Q4_0, K.Q8_0_R8_ID, K.Q4_0_R8_ID})   # quant.simd's types: no per-16 sums
+_GEMM_Q8 = _Q8_SIMD   # ... which quant.simd_gemm also multiplies (GEMM_ONLY records, tile_pack_r8)
 _ELEM = {F32: 4, F16: 2, BF16: 2}   # alignment the kernels' views need (1 byte for block types)
 
 
@@ -217,7 +218,7 @@ def many_tokens(qtype: int) -> int:
         return 1 << 62
     if qtype in K._blocks.BLOCK_DOTS:
         return _MANY_TOKENS_BLOCKS if K.GEMM_MIN > _MANY_TOKENS_BLOCKS else 1 << 62
-    if qtype in K._blocks.GEMM_ONLY and K.GEMM_MIN <= _MANY_TOKENS_BLOCKS:
+    if qtype in _GEMM_Q8 and K.GEMM_MIN <= _MANY_TOKENS_BLOCKS:
         return 1 << 62
     return min(MANY_TOKENS, _MANY_TOKENS_INT) if qtype in K.INT_DOT_TYPES else MANY_TOKENS
 
@@ -290,7 +291,7 @@ def _act(qt: int, x: np.ndarray) -> tuple[np.ndarray, ...]:
     if qt not in K.INT_DOT_TYPES:
         return (x,)
     if qt in _Q8_SIMD:
-        return _quantize_act(x, qt in K._blocks.GEMM_ONLY and x.shape[0] >= K.GEMM_MIN, False)
+        return _quantize_act(x, qt in _GEMM_Q8 and x.shape[0] >= K.GEMM_MIN, False)
     return _quantize_act(x)
 
 

@@ -23,6 +23,7 @@ Development note (as quant.simd): after editing this module delete quant/__pycac
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 from llvmlite import ir
@@ -31,7 +32,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .simd import HAS_VNNI, _F32, _I8, _I32, _vec, _const_i64, _pair_sum, _splat
-from .simd_blocks import BLOCK_DOTS, GEMM_ONLY, BlockDot, _cv, _f16, _f32, _gep, _ld, _per_half, type_switch
+from .simd_blocks import BLOCK_DOTS, GEMM_ONLY, BlockDot, _c, _cv, _f16, _f32, _gep, _ld, _per_half, type_switch
 from .simd_r4 import R4_DOTS, R4Dot
 
 ROWS = 16          # weight rows per tile (one 512-bit lane each)
@@ -217,6 +218,50 @@ def _pack_r4(b: ir.IRBuilder, fmt: R4Dot, at, ngroups, cols, tu, tdsc, tws) -> N
 # _R4 types of quant.simd_r4 (R4_DOTS): the 4-row groups at byte base + g gstride, g < ngroups
 # (<= ROWS / 4), into tile rows 4 g .. 4 g + 3.
 tile_pack_r4 = _pack_intrinsic(R4_DOTS, "packr4", _pack_r4)
+
+
+@dataclass(frozen=True)
+class R8Pack:
+    """Q8_0_R8 / Q4_0_R8 (quant.simd's layouts): per 32-value block of 8 rows, 8 f16 d then 256
+    bytes in which the 32 bytes at 16 + 32 m hold quad m of the 8 rows (Q8_0_R8: signed bytes,
+    m < 8; Q4_0_R8: low nibbles quad m, high nibbles quad m + 4, m < 4)."""
+    name: str
+    nbytes: int
+    nibbles: bool
+
+
+def _pack_r8(b: ir.IRBuilder, fmt: R8Pack, at, ngroups, cols, tu, tdsc, tws) -> None:
+    """Blocks of every 8-row group g < ngroups into tile rows 8 g .. 8 g + 7: the woven 32-byte
+    runs are the tile's layout already (8 rows' quad m), so each is one store."""
+    v8f, off = _vec(_F32, 8), (8 if fmt.nibbles else 128)
+    p8 = lambda p: b.bitcast(p, _vec(p.type.pointee, 8).as_pointer())   # noqa: E731
+    with cgutils.for_range(b, b.udiv(cols, _const_i64(32))) as loop:
+        ib = loop.index
+        with cgutils.for_range(b, ngroups) as gl:
+            bp = b.gep(at(gl.index), [b.mul(ib, _const_i64(fmt.nbytes))])
+            r8 = b.mul(gl.index, _const_i64(8))
+            d = b.fpext(b.bitcast(_ld(b, bp, 0, 8, ir.IntType(16)), _vec(ir.HalfType(), 8)), v8f)
+            ws = b.fmul(d, ir.Constant(v8f, [-float(off)] * 8))
+            for h in range(2):
+                at_h = b.add(b.mul(b.add(b.mul(ib, _const_i64(2)), _const_i64(h)), _const_i64(ROWS)), r8)
+                b.store(d, p8(b.gep(tdsc, [at_h])), align=4)
+                b.store(ws, p8(b.gep(tws, [at_h])), align=4)
+            runs = []
+            for m in range(4 if fmt.nibbles else 8):
+                v = _ld(b, bp, 16 + 32 * m)
+                if fmt.nibbles:
+                    runs += [(m, b.and_(v, _c(15))), (m + 4, b.and_(b.lshr(v, _c(4)), _c(15)))]
+                else:
+                    runs.append((m, b.xor(v, _c(128))))
+            for m, v in runs:
+                quad = b.add(b.mul(b.add(b.mul(ib, _const_i64(2)), _const_i64(m // 4)), _const_i64(4)), _const_i64(m % 4))
+                b.store(b.bitcast(v, _vec(_I32, 8)), p8(b.gep(tu, [b.add(b.mul(quad, _const_i64(ROWS)), r8)])), align=4)
+
+
+# tile_pack_r8(qtype, buf, base, gstride, ngroups, cols, tu, tdsc, tws) -> bool: tile_pack for
+# Q8_0_R8 / Q4_0_R8: the 8-row groups at byte base + g gstride, g < ngroups (<= ROWS / 8).
+tile_pack_r8 = _pack_intrinsic({208: R8Pack("Q8_0_R8", 8 * 34, False), 202: R8Pack("Q4_0_R8", 8 * 18, True)},
+                               "packr8", _pack_r8)
 
 
 # ----------------------------------------------------------------------------------------

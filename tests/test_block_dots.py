@@ -263,3 +263,21 @@ def test_tile_gemm_packs_r4_groups(qtype, form):
         assert _gemm(form == "generic", qtype, buf, grb // 4, 20, cols, q, s, b16, out, True)
         want, mag = xa @ y.T, np.abs(xa) @ np.abs(y).T
         assert np.all(np.abs(out - want) <= 2e-5 * mag + 1e-30), (cols, out, want)
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0"])
+def test_r8_prompts_take_the_plain_gemm(name):
+    """Q8_0_R8 / Q4_0_R8 prompts go through quant.simd_gemm's R8 packing: with VNNI the same
+    products as the plain type's (bit for bit: the same tile), and the reference's either way;
+    40 rows (a full tile, a partial one of 8), 12 / 100 tokens."""
+    rng = np.random.default_rng(11)
+    w32 = rng.standard_normal((40, 512)).astype(np.float32)
+    plain = quantize_tensor(w32, type_info(name).id)
+    r8 = quantize_tensor(w32, type_info(name + "_R8").id)
+    for n in (12, 100):
+        x = rng.standard_normal((n, 512)).astype(np.float32)
+        want = _rounded_ref(plain, x, n)
+        got = matmul(r8, x)
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+        if SB.HAS_VNNI:
+            np.testing.assert_array_equal(got, matmul(plain, x))
