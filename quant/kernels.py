@@ -82,6 +82,9 @@ INT_DOT_TYPES = frozenset({Q8_0_ID, Q4_0_ID, Q8_0_R8_ID, Q4_0_R8_ID} | set(_bloc
 _R4_KERNEL = np.zeros(400, np.bool_)           # type id -> quant.simd_r4 has its group dot
 for _t in _r4.R4_DOTS:
     _R4_KERNEL[_t] = True
+_GEMM_WEAVE = np.full(400, -1, np.int64)        # type id -> quant.simd_gemm's packing (-1: none)
+for _t, _w in _gemm.WEAVE.items():
+    _GEMM_WEAVE[_t] = _w
 QK = 32            # weights per block (Q8_0, Q4_0, activation q8)
 Q8_0_BYTES = 34    # f16 d + 32 x int8        (layouts; kernels derive them from qk)
 Q4_0_BYTES = 18    # f16 d + 16 bytes of nibbles
@@ -504,24 +507,20 @@ def _gemm_rows(qtype, weave, buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16
 def _int_run(qtype, buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, bs, b16, out):
     """out[k, r] = row r . activation k for rows r0:r1 (from byte ebase on), pairs k0:k1.
     Interleaved types go 4 or 8 rows at a time (r0, r1 are multiples of that for them).
+    From GEMM_MIN pairs every type quant.simd_gemm packs (WEAVE) goes through its GEMM; below,
     quant.simd_blocks / simd_r4 take TMAX activation rows a call (a weight block unpacked once
-    for all of them); the tile of TMAX rows stays in L1 while the run's weight rows pass."""
+    for all of them; the tile of TMAX rows stays in L1 while the run's weight rows pass)."""
     cols = nb * qk
+    if k1 - k0 >= GEMM_MIN and qtype < 400 and _GEMM_WEAVE[qtype] >= 0 and \
+            _gemm_rows(qtype, _GEMM_WEAVE[qtype], buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16, out):
+        return
     if qtype < 400 and _R4_KERNEL[qtype]:
-        if k1 - k0 >= GEMM_MIN:
-            _gemm_rows(qtype, 4, buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16, out)
-            return
         for kt in range(k0, k1, _blocks.TMAX):
             nt = min(_blocks.TMAX, k1 - kt)
-            _r4.group_dot(qtype, buf, ebase + r0 * stride, 4 * stride, (r1 - r0) // 4, q, s, bs, b16, nb * qk, kt, nt,
+            _r4.group_dot(qtype, buf, ebase + r0 * stride, 4 * stride, (r1 - r0) // 4, q, s, bs, b16, cols, kt, nt,
                           out, r0)
         return
-    if (qtype == Q8_0_ID or qtype == Q4_0_ID) and k1 - k0 >= GEMM_MIN and \
-            _gemm_rows(qtype, 0, buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16, out):
-        return
     if qtype == Q8_0_R8_ID or qtype == Q4_0_R8_ID:
-        if k1 - k0 >= GEMM_MIN and _gemm_rows(qtype, 8, buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16, out):
-            return
         for r in range(r0, r1, 8):
             gbase = ebase + r * stride
             for k in range(k0, k1):
@@ -538,8 +537,6 @@ def _int_run(qtype, buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, bs, b
                     out[k, r] = _simd.row_dot_q8_0(buf, base, q[k], s[k], bs[k], nb)
                 else:
                     out[k, r] = _simd.row_dot_q4_0(buf, base, q[k], s[k], bs[k], nb)
-        return
-    if k1 - k0 >= GEMM_MIN and _gemm_rows(qtype, 0, buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16, out):
         return
     for kt in range(k0, k1, _blocks.TMAX):
         nt = min(_blocks.TMAX, k1 - kt)

@@ -3,13 +3,14 @@
 matmul(w, x) computes x @ W.T for f32 activations x (n, cols) and weights W (rows, cols)
 stored in any supported GGML type, reading the packed weight bytes in place:
 
-* few tokens (n < many_tokens(qtype): 8 for Q8_0/Q4_0, any number for the block types of
-  quant.simd_blocks on CPUs with AVX512-VNNI (96 without) and for the _R4 types with kernels
-  of their own, 16 for F16/BF16): x is quantized once to int8 + f32 scale per 32 (with int
-  sums per 32 or 16) and the block rows are dotted with it using integer block sums
-  (quant.simd, quant.simd_blocks, quant.simd_r4; from quant.kernels.GEMM_MIN tokens on, the
-  simd_blocks types go through quant.simd_gemm's integer GEMM on 16-row tiles; F16 / BF16
-  rows are decoded row by row and dotted in f32), parallel over output rows (numba prange).
+* few tokens (n < many_tokens(qtype): any number for every integer type on CPUs with
+  AVX512-VNNI; without it 8 for Q8_0/Q4_0 and their _R8 forms, 96 for the block types of
+  quant.simd_blocks, any number for the _R4 types with kernels of their own; 16 for
+  F16/BF16): x is quantized once to int8 + f32 scale per 32 (with int sums per 32 or 16) and
+  the block rows are dotted with it using integer block sums (quant.simd, quant.simd_blocks,
+  quant.simd_r4; from quant.kernels.GEMM_MIN tokens on, quant.simd_gemm's integer GEMM on
+  16-row tiles; F16 / BF16 rows are decoded row by row and dotted in f32), parallel over
+  output rows (numba prange).
 * many tokens: a tile of rows (about TILE_BYTES of f32) is decoded into a reusable scratch
   buffer and multiplied with BLAS (numpy matmul), tile after tile; at no point is more
   than one tile of the weight matrix held in f32.  Cost grows slowly with n.
@@ -70,8 +71,9 @@ TILE_DEQUANT_THREADS: int | None = None
 # (F16, BF16, IQ4_KSS) go through the f32-decode paths (matvec_float, tiles + BLAS)
 _SUPPORTED = frozenset({F32, F16, BF16, Q8_0, Q4_0, Q6_0} | IQK_TYPES | LEGACY_TYPES | KQUANT_TYPES
                        | {int(t) for t in np.flatnonzero(K._R_TABLE[:, 0])})   # every _R4/_R8 type
-_Q8_SIMD = frozenset({Q8_0, Q4_0, K.Q8_0_R8_ID, K.Q4_0_R8_ID})   # quant.simd's types: no per-16 sums
-_GEMM_Q8 = _Q8_SIMD   # ... which quant.simd_gemm also multiplies (GEMM_ONLY records, tile_pack_r8)
+# quant.simd's types: per-32 int activation sums (their row dots), the f32 per-16 ones only for
+# quant.simd_gemm, which packs them too
+_Q8_SIMD = frozenset({Q8_0, Q4_0, K.Q8_0_R8_ID, K.Q4_0_R8_ID})
 _ELEM = {F32: 4, F16: 2, BF16: 2}   # alignment the kernels' views need (1 byte for block types)
 
 
@@ -209,16 +211,19 @@ def _as_act(x: np.ndarray, cols: int) -> np.ndarray:
 def many_tokens(qtype: int) -> int:
     """Number of activation rows from which matmul switches to the tile + BLAS path.
 
-    Measured (4096 x 4096): the _R4 kernels beat the tiles at every count (2 threads, n = 512:
-    84 vs 126 ms for Q4_K_R4, 80 vs 128 for IQ2_K_R4), so they never switch; the plain block
-    types' integer kernels break even with the tiles near 96 rows (one thread, int vs tiles:
-    Q4_K 21.3 vs 28.0 ms at 48, 46.4 vs 44.7 at 96; Q6_K 24.3 vs 31.5 and 44.5 vs 46.8; IQ4_K
-    21.6 vs 33.4 and 48.7 vs 49.5).  A MoE prompt of 512 tokens gives each of 64 experts ~48."""
+    With AVX512-VNNI every integer type never switches: from quant.kernels.GEMM_MIN rows on its
+    kernels run quant.simd_gemm's integer GEMM (one thread, 4096 x 4096, n = 512: 71-77 ms
+    against 191-197 for the tiles, README).  Without VNNI the _R4 kernels still beat the tiles
+    at every count (2 threads, n = 512: 84 vs 126 ms for Q4_K_R4, 80 vs 128 for IQ2_K_R4), and
+    the plain block types' row dots break even with the tiles near 96 rows (one thread, int vs
+    tiles: Q4_K 21.3 vs 28.0 ms at 48, 46.4 vs 44.7 at 96; Q6_K 24.3 vs 31.5 and 44.5 vs 46.8;
+    IQ4_K 21.6 vs 33.4 and 48.7 vs 49.5).  A MoE prompt of 512 tokens gives each of 64 experts
+    ~48."""
     if qtype in K._r4.R4_DOTS:
         return 1 << 62
     if qtype in K._blocks.BLOCK_DOTS:
         return _MANY_TOKENS_BLOCKS if K.GEMM_MIN > _MANY_TOKENS_BLOCKS else 1 << 62
-    if qtype in _GEMM_Q8 and K.GEMM_MIN <= _MANY_TOKENS_BLOCKS:
+    if qtype in _Q8_SIMD and K.GEMM_MIN <= _MANY_TOKENS_BLOCKS:
         return 1 << 62
     return min(MANY_TOKENS, _MANY_TOKENS_INT) if qtype in K.INT_DOT_TYPES else MANY_TOKENS
 
@@ -291,7 +296,7 @@ def _act(qt: int, x: np.ndarray) -> tuple[np.ndarray, ...]:
     if qt not in K.INT_DOT_TYPES:
         return (x,)
     if qt in _Q8_SIMD:
-        return _quantize_act(x, qt in _GEMM_Q8 and x.shape[0] >= K.GEMM_MIN, False)
+        return _quantize_act(x, x.shape[0] >= K.GEMM_MIN, False)
     return _quantize_act(x)
 
 

@@ -11,10 +11,13 @@ run of 16 weight rows is unpacked once into a woven tile:
     tdsc  f32 d * scale of each row's half (row scale included);
     tws   f32 weight of each half's activation sum (-d scale OFF + dm min), as in the row dot.
 
-and every token then costs per half 4 broadcasts, 4 vpdpbusd (512-bit), one convert and
-three f32 multiply-adds for 16 x 16 products: no horizontal sums, no per-row work.  The same
-record unpackers (BLOCK_DOTS) feed both, so every block type gets the GEMM.  Activations are
-quant.matmul's (q, s, bs, b16) with the f32 per-16 sums.
+and every token then costs per 32 values and 16 rows 8 broadcasts, 8 vpdpbusd (512-bit), two
+converts and five f32 multiplies / adds (the two halves' d * scale, the activation scale once,
+the activation-sum weights): no horizontal sums, no per-row work.  The row dots' records
+(BLOCK_DOTS, plus GEMM_ONLY for Q8_0 / Q4_0) feed the packing, so every block type gets the
+GEMM; the _R4 layouts are packed from simd_r4's records and Q8_0_R8 / Q4_0_R8 from their woven
+runs (WEAVE says which packing a type takes).  Activations are quant.matmul's (q, s, bs, b16)
+with the f32 per-16 sums.
 
 Without AVX512-VNNI the generic IR form is compiled (LLVM lowers the 512-bit vectors to what
 the CPU has); quant.kernels only uses the GEMM where VNNI is present.
@@ -40,11 +43,6 @@ TOKENS = 4         # activation rows per pass over the tile (the tile's vectors 
 _V16F = _vec(_F32, ROWS)
 _V16I = _vec(_I32, ROWS)
 _V64B = _vec(_I8, 64)
-
-
-def tile_sizes(cols: int) -> tuple[int, int]:
-    """(bytes of tu, floats of tdsc / tws) for a tile of `cols` columns."""
-    return ROWS * cols, ROWS * (cols // 16)
 
 
 # ----------------------------------------------------------------------------------------
@@ -156,10 +154,11 @@ def _pack_plain(b: ir.IRBuilder, fmt: BlockDot, at, nrows, cols, tu, tdsc, tws) 
 
 
 # tile_pack(qtype, buf, base, stride, nrows, cols, tu, tdsc, tws) -> bool: the rows at byte base +
-# i stride of buf, i < nrows (<= ROWS), into tile rows i (tu: uint8, tdsc / tws: f32, 1-D,
-# tile_sizes(cols)); rows nrows.. are left as they are.  False (nothing written) for a type
+# i stride of buf, i < nrows (<= ROWS), into tile rows i (tu: uint8, ROWS * cols bytes; tdsc /
+# tws: f32, cols // 16 * ROWS = cols floats); rows nrows.. are left as they are.  False (nothing written) for a type
 # without a BLOCK_DOTS or GEMM_ONLY (Q8_0, Q4_0) record.
-tile_pack = _pack_intrinsic({**BLOCK_DOTS, **GEMM_ONLY}, "pack", _pack_plain)
+PLAIN_PACKS = {**BLOCK_DOTS, **GEMM_ONLY}
+tile_pack = _pack_intrinsic(PLAIN_PACKS, "pack", _pack_plain)
 
 
 def _pack_r4_blocks(b: ir.IRBuilder, fmt: R4Dot, groups, ngroups, nb, tu, tdsc, tws) -> None:
@@ -260,8 +259,11 @@ def _pack_r8(b: ir.IRBuilder, fmt: R8Pack, at, ngroups, cols, tu, tdsc, tws) -> 
 
 # tile_pack_r8(qtype, buf, base, gstride, ngroups, cols, tu, tdsc, tws) -> bool: tile_pack for
 # Q8_0_R8 / Q4_0_R8: the 8-row groups at byte base + g gstride, g < ngroups (<= ROWS / 8).
-tile_pack_r8 = _pack_intrinsic({208: R8Pack("Q8_0_R8", 8 * 34, False), 202: R8Pack("Q4_0_R8", 8 * 18, True)},
-                               "packr8", _pack_r8)
+R8_PACKS = {208: R8Pack("Q8_0_R8", 8 * 34, False), 202: R8Pack("Q4_0_R8", 8 * 18, True)}
+tile_pack_r8 = _pack_intrinsic(R8_PACKS, "packr8", _pack_r8)
+
+# type id -> the packing quant.kernels calls for it: 0 tile_pack (rows), 4 tile_pack_r4, 8 tile_pack_r8
+WEAVE: dict[int, int] = {**{t: 0 for t in PLAIN_PACKS}, **{t: 4 for t in R4_DOTS}, **{t: 8 for t in R8_PACKS}}
 
 
 # ----------------------------------------------------------------------------------------

@@ -281,3 +281,4 @@ def test_r8_prompts_take_the_plain_gemm(name):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
         if SB.HAS_VNNI:
             np.testing.assert_array_equal(got, matmul(plain, x))
+
