@@ -289,14 +289,15 @@ def _quantize_act(x: np.ndarray, sums16: bool = True, ints16: bool = True
     return q, s, bs, b16
 
 
-def _act(qt: int, x: np.ndarray) -> tuple[np.ndarray, ...]:
+def _act(qt: int, x: np.ndarray, n_pairs: int | None = None) -> tuple[np.ndarray, ...]:
     """The few-pair kernels' activations: (q, s, bs, b16) for the integer types, (x,) for the
     others.  Q8_0 / Q4_0 keep per-32 int sums (quant.simd) and get the f32 per-16 ones when
-    enough rows come for quant.simd_gemm to take some of them."""
+    enough pairs (n_pairs, default: the rows of x) come for one expert to reach
+    quant.simd_gemm."""
     if qt not in K.INT_DOT_TYPES:
         return (x,)
     if qt in _Q8_SIMD:
-        return _quantize_act(x, x.shape[0] >= K.GEMM_MIN, False)
+        return _quantize_act(x, (x.shape[0] if n_pairs is None else n_pairs) >= K.GEMM_MIN, False)
     return _quantize_act(x)
 
 
@@ -423,7 +424,7 @@ def _mul_id(va: _View, vb: _View | None, x: np.ndarray, ids: np.ndarray,
     except IndexError as e:
         lim = va.n_expert if "expert" in str(e) else x.shape[0]
         raise IndexError(f"{e} 0..{lim - 1}") from None
-    act_x = () if va.qtype == F32 else _act(va.qtype, x)   # every activation row quantized once
+    act_x = () if va.qtype == F32 else _act(va.qtype, x, P)   # every activation row quantized once
     if few:
         po = order[:few]                            # the few-pair pairs, grouped by expert
         act = act_x

@@ -282,3 +282,24 @@ def test_r8_prompts_take_the_plain_gemm(name):
         if SB.HAS_VNNI:
             np.testing.assert_array_equal(got, matmul(plain, x))
 
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q8_0_R8", "Q4_K", "IQ2_K_R4", "Q6_K"])
+def test_expert_pairs_mix_gemm_and_row_dots(name):
+    """matmul_id / moe_up_gate whose experts get 20 pairs (the GEMM with VNNI) and 3 (row dots)
+    in one call, and pairs that reuse one activation row for the same expert (more pairs than
+    rows: Q8_0's per-16 sums must still come for the GEMM)."""
+    rng = np.random.default_rng(5)
+    t = type_info(name).id
+    gate = quantize_tensor(rng.standard_normal((4, 32, 512)).astype(np.float32), t)
+    up = quantize_tensor(rng.standard_normal((4, 32, 512)).astype(np.float32), t)
+    dg = dequantize(gate).astype(np.float64)
+    du = dequantize(up).astype(np.float64)
+    for n_x, ids, xr in ((23, np.array([2] * 20 + [0] * 3), np.arange(23)),
+                         (1, np.array([1] * 20), np.zeros(20, np.int64))):
+        x = rng.standard_normal((n_x, 512)).astype(np.float32)
+        xq = _q8_rounded(x).astype(np.float64)
+        g = np.stack([dg[e] @ xq[r] for e, r in zip(ids, xr)])
+        u = np.stack([du[e] @ xq[r] for e, r in zip(ids, xr)])
+        np.testing.assert_allclose(matmul_id(gate, x, ids, xr), g, rtol=2e-5, atol=2e-5 * np.abs(g).max())
+        want = g / (1 + np.exp(-g)) * u
+        np.testing.assert_allclose(moe_up_gate(gate, up, x, ids, xr), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
