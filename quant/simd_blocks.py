@@ -622,6 +622,22 @@ def _quad_sum(b: ir.IRBuilder, ps: list):
     return level(x, y, [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15])
 
 
+def sum_weights(b: ir.IRBuilder, sc, off, d, mins=None, dm=None):
+    """The f32 weight of each lane's activation sum, -d sc off + dm min, or None when both terms
+    vanish: sc, off (a vector or a plain int) and mins are i32 lane vectors, d and dm f32 lane
+    vectors of the same count.  One formula for the row dots (quant.simd_blocks) and the GEMM's
+    packings (quant.simd_gemm, plain, _R4 and _R8 lanes)."""
+    n = sc.type.count
+    w = None
+    if not (isinstance(off, int) and off == 0):
+        offv = _cv([off] * n) if isinstance(off, int) else off
+        w = b.fmul(b.sitofp(b.mul(sc, offv), _vec(_F32, n)), b.fneg(d), flags=["fast"])
+    if mins is not None:
+        m = b.fmul(b.sitofp(mins, _vec(_F32, n)), dm, flags=["fast"])
+        w = m if w is None else b.fadd(w, m, flags=["fast"])
+    return w
+
+
 def _block_prep(b: ir.IRBuilder, blk: Block, nsub: int, vnni: bool):
     """What the activation rows share of a block: per quad of sub-blocks the f32 lanes d * sc in
     _quad_sum's order, the per-half weights of the activation sums (-d sc off + dm min, f32,
@@ -635,15 +651,10 @@ def _block_prep(b: ir.IRBuilder, blk: Block, nsub: int, vnni: bool):
     for g in range((nsub + 3) // 4):
         lanes = _quad_lanes(g, min(4, nsub - 4 * g), nh)
         dsc.append(b.fmul(b.sitofp(_gather(b, scz, lanes), _vec(_F32, 8)), _gather(b, dz, lanes), flags=["fast"]))
-    wsum = None                      # f32 lanes: coefficient of each half's activation sum
+    # the generic IR takes the offsets off the levels themselves (off8), VNNI off the sums
     off = blk.off
-    if vnni and not (isinstance(off, int) and off == 0):
-        offv = _cv([off] * nh) if isinstance(off, int) else off
-        wsum = b.fmul(b.sitofp(b.mul(blk.sc, offv), _vec(_F32, nh)), _per_half(b, b.fneg(blk.d), nh),
-                      flags=["fast"])
-    if blk.mins is not None:
-        m = b.fmul(b.sitofp(blk.mins, _vec(_F32, nh)), _per_half(b, blk.dm, nh), flags=["fast"])
-        wsum = m if wsum is None else b.fadd(wsum, m, flags=["fast"])
+    wsum = sum_weights(b, blk.sc, off if vnni else 0, dh, blk.mins,
+                       None if blk.mins is None else _per_half(b, blk.dm, nh))
     off8 = None
     if not vnni and not (isinstance(off, int) and off == 0):
         if isinstance(off, int):

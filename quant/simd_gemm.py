@@ -35,7 +35,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .simd import HAS_VNNI, _F32, _I8, _I32, _vec, _const_i64, _pair_sum, _splat
-from .simd_blocks import BLOCK_DOTS, GEMM_ONLY, BlockDot, _c, _cv, _f16, _f32, _gep, _ld, _per_half, type_switch
+from .simd_blocks import (BLOCK_DOTS, GEMM_ONLY, BlockDot, _c, _cv, _f16, _f32, _gep, _ld, _per_half, sum_weights,
+                          type_switch)
 from .simd_r4 import R4_DOTS, R4Dot
 
 ROWS = 16          # weight rows per tile (one 512-bit lane each)
@@ -56,15 +57,10 @@ def _row_fields(b: ir.IRBuilder, fmt: BlockDot, rows, i, boff, ib, nh: int):
                                           b.mul(ib, _const_i64(fmt.nbytes)))]))
     dh = b.fmul(_per_half(b, blk.d, nh), _splat(b, rs, _F32, nh), flags=["fast"])
     dsc = b.fmul(b.sitofp(blk.sc, _vec(_F32, nh)), dh, flags=["fast"])
-    ws = ir.Constant(_vec(_F32, nh), [0.0] * nh)
-    off = blk.off
-    if not (isinstance(off, int) and off == 0):
-        offv = _cv([off] * nh) if isinstance(off, int) else off
-        ws = b.fmul(b.sitofp(b.mul(blk.sc, offv), _vec(_F32, nh)), b.fneg(dh), flags=["fast"])
-    if blk.mins is not None:
-        dm = b.fmul(_per_half(b, blk.dm, nh), _splat(b, rs, _F32, nh), flags=["fast"])
-        ws = b.fadd(ws, b.fmul(b.sitofp(blk.mins, _vec(_F32, nh)), dm, flags=["fast"]), flags=["fast"])
-    return dsc, ws, [b.bitcast(u, _vec(_I32, 8)) for u in blk.us]
+    dm = None if blk.mins is None else b.fmul(_per_half(b, blk.dm, nh), _splat(b, rs, _F32, nh), flags=["fast"])
+    ws = sum_weights(b, blk.sc, blk.off, dh, blk.mins, dm)
+    return dsc, ws if ws is not None else ir.Constant(_vec(_F32, nh), [0.0] * nh), \
+        [b.bitcast(u, _vec(_I32, 8)) for u in blk.us]
 
 
 def _transpose4(b: ir.IRBuilder, vs: list, n: int) -> list:
@@ -180,14 +176,10 @@ def _pack_r4_blocks(b: ir.IRBuilder, fmt: R4Dot, groups, ngroups, nb, tu, tdsc, 
             dm8 = None if blk.dm is None else b.shuffle_vector(b.fmul(blk.dm, rs4, flags=["fast"]), blk.dm, dup)
             for si, sub in enumerate(blk.subs):
                 dsc = b.fmul(b.sitofp(sub.scale, v8f), d8, flags=["fast"])
-                ws = ir.Constant(v8f, [0.0] * 8)
-                if not (isinstance(sub.off, int) and sub.off == 0):
-                    off = _cv([sub.off] * 8) if isinstance(sub.off, int) else sub.off
-                    ws = b.fmul(b.sitofp(b.mul(off, sub.scale), v8f), b.fneg(d8), flags=["fast"])
-                if dm8 is not None:
-                    mn = b.uitofp(b.zext(b.shuffle_vector(blk.mins, blk.mins, _cv([4 * si + k for k in range(4)] * 2)),
-                                         _vec(_I32, 8)), v8f)
-                    ws = b.fadd(ws, b.fmul(mn, dm8, flags=["fast"]), flags=["fast"])
+                mn = None if dm8 is None else \
+                    b.zext(b.shuffle_vector(blk.mins, blk.mins, _cv([4 * si + k for k in range(4)] * 2)), _vec(_I32, 8))
+                ws = sum_weights(b, sub.scale, sub.off, d8, mn, dm8)
+                ws = ws if ws is not None else ir.Constant(v8f, [0.0] * 8)
                 for h in range(2):
                     for k in range(4):
                         at = b.add(b.mul(b.add(hb, _const_i64(2 * si + h)), _const_i64(ROWS)),
@@ -240,7 +232,7 @@ def _pack_r8(b: ir.IRBuilder, fmt: R8Pack, at, ngroups, cols, tu, tdsc, tws) -> 
             bp = b.gep(at(gl.index), [b.mul(ib, _const_i64(fmt.nbytes))])
             r8 = b.mul(gl.index, _const_i64(8))
             d = b.fpext(b.bitcast(_ld(b, bp, 0, 8, ir.IntType(16)), _vec(ir.HalfType(), 8)), v8f)
-            ws = b.fmul(d, ir.Constant(v8f, [-float(off)] * 8))
+            ws = sum_weights(b, _cv([1] * 8), off, d)
             for h in range(2):
                 at_h = b.add(b.mul(b.add(b.mul(ib, _const_i64(2)), _const_i64(h)), _const_i64(ROWS)), r8)
                 b.store(d, p8(b.gep(tdsc, [at_h])), align=4)

@@ -188,6 +188,12 @@ def test_matmul_id_and_fused_gate_up(name):
     x = rng.standard_normal((3, 256)).astype(np.float32)
     ids = np.array([3, 0, 3, 1, 2, 3])
     xr = np.array([0, 0, 1, 1, 2, 2])
+    _check_experts(gate, up, x, ids, xr)
+
+
+def _check_experts(gate: QTensor, up: QTensor, x: np.ndarray, ids: np.ndarray, xr: np.ndarray) -> None:
+    """matmul_id and moe_up_gate against float64 products of the dequantized experts with the
+    Q8-rounded activations."""
     xq = _q8_rounded(x).astype(np.float64)
     dg = dequantize(gate).astype(np.float64)
     du = dequantize(up).astype(np.float64)
@@ -292,14 +298,6 @@ def test_expert_pairs_mix_gemm_and_row_dots(name):
     t = type_info(name).id
     gate = quantize_tensor(rng.standard_normal((4, 32, 512)).astype(np.float32), t)
     up = quantize_tensor(rng.standard_normal((4, 32, 512)).astype(np.float32), t)
-    dg = dequantize(gate).astype(np.float64)
-    du = dequantize(up).astype(np.float64)
     for n_x, ids, xr in ((23, np.array([2] * 20 + [0] * 3), np.arange(23)),
                          (1, np.array([1] * 20), np.zeros(20, np.int64))):
-        x = rng.standard_normal((n_x, 512)).astype(np.float32)
-        xq = _q8_rounded(x).astype(np.float64)
-        g = np.stack([dg[e] @ xq[r] for e, r in zip(ids, xr)])
-        u = np.stack([du[e] @ xq[r] for e, r in zip(ids, xr)])
-        np.testing.assert_allclose(matmul_id(gate, x, ids, xr), g, rtol=2e-5, atol=2e-5 * np.abs(g).max())
-        want = g / (1 + np.exp(-g)) * u
-        np.testing.assert_allclose(moe_up_gate(gate, up, x, ids, xr), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+        _check_experts(gate, up, rng.standard_normal((n_x, 512)).astype(np.float32), ids, xr)
