@@ -48,7 +48,7 @@ from quant.kernels import QK, decode_rows_at
 from quant.simd import cpu_features
 from quant.types import BF16, F16, F32
 
-from .flash_attn import _combine, _exp2, _split_cells
+from .flash_common import _combine, _exp2, _split_cells
 
 LANES = 16             # query rows per chunk = f32 lanes of one zmm
 CB = 16                # cells per block: one score accumulator per cell

@@ -7,7 +7,8 @@ from typing import Callable
 import numpy as np
 
 from quant.tensor import QTensor
-from quant.types import COMPUTE_TYPES, F32, interleaved_form, type_info
+from quant.registry import COMPUTE_TYPES
+from quant.types import interleaved_form, type_info
 
 from .gguf_file import ModelFile, ModelFileError, TensorEntry, open_model_file
 from .hparams import HParams, read_hparams
@@ -110,11 +111,6 @@ class Weights:
 
     def optional_vector(self, name: str) -> np.ndarray | None:
         return self.vector(name) if name in self.mf.tensors else None
-
-
-def f32_qtensor(a: np.ndarray) -> QTensor:
-    a = np.ascontiguousarray(a, dtype=np.float32)
-    return QTensor(a.view(np.uint8).reshape(*a.shape[:-1], a.shape[-1] * 4), F32, tuple(a.shape))
 
 
 class Model:

@@ -34,8 +34,8 @@ Q8_K_R8) only exists in memory; files hold the plain-order bytes implemented her
 Public:
     repack(raw, qtype_plain, nrows, n_per_row)   plain rows -> R rows (bytes)
     unpack(raw_R, qtype_R, nrows, n_per_row)     R rows -> plain rows (bytes of plain_type)
-    dequantize(raw_R, qtype_R, nrows, n_per_row) R rows -> f32 (nrows, n_per_row)
-    quantize(x, qtype_R, imatrix)                f32 rows -> R bytes, as ggml_quantize_chunk
+    dequantize(raw_R, qtype_R, nrows, n_per_row, dequantize_plain)   R rows -> f32 (nrows, n_per_row)
+    quantize(x, qtype_R, imatrix, quantize_plain)   f32 rows -> R bytes, as ggml_quantize_chunk
     unpack_group(buf, qtype, gbase, n_per_row, out)   Numba: one group -> plain rows
 unpack_group is one table-driven loop for all 15 types: each plain byte is the OR of a few bit
 fields of R bytes (4 plain bytes at a time where the layout moves 4 values together).  The
@@ -47,9 +47,12 @@ redo for every matvec.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 from numba import njit, prange
 
+from .numeric import fma32
 from .types import type_info
 
 # ids (quant.types)
@@ -470,12 +473,14 @@ def unpack(raw_r: np.ndarray, qtype_r: int | str, nrows: int, n_per_row: int) ->
     return np.concatenate([head, P], axis=2).reshape(nrows, meta + nb * sp)
 
 
-def dequantize(raw_r: np.ndarray, qtype_r: int | str, nrows: int, n_per_row: int) -> np.ndarray:
-    """R rows -> f32 (nrows, n_per_row), the values of ik's dequantize_row_<type>_r4/_r8."""
-    from . import reference
+def dequantize(raw_r: np.ndarray, qtype_r: int | str, nrows: int, n_per_row: int,
+               dequantize_plain: Callable[[np.ndarray, int, int], np.ndarray]) -> np.ndarray:
+    """R rows -> f32 (nrows, n_per_row), the values of ik's dequantize_row_<type>_r4/_r8.
+    dequantize_plain(raw, qtype, n): the reference decoder of plain_type(qtype_r) (quant.registry
+    passes it: this module does not know the other families)."""
     plain = unpack(raw_r, qtype_r, nrows, n_per_row)
     pt = plain_type(qtype_r)
-    return np.stack([reference.dequantize(plain[r], pt, n_per_row) for r in range(nrows)]) if nrows else \
+    return np.stack([dequantize_plain(plain[r], pt, n_per_row) for r in range(nrows)]) if nrows else \
         np.zeros((0, n_per_row), np.float32)
 
 
@@ -506,7 +511,6 @@ def quantize_q8_k(x: np.ndarray) -> np.ndarray:
 def _qhelper_groups(x: np.ndarray, imatrix: np.ndarray, block: int):
     """ik's QHelper: per row, blocks where the weights, the values or their product are all ~0
     get weights 1e-9 instead of the imatrix.  Yields (row indices, weights) batches."""
-    from .reference import fma32
     nrows, n = x.shape
     eps = np.float32(1e-9)
     thr = np.float32(block) * (eps * eps)
@@ -528,11 +532,12 @@ def _qhelper_groups(x: np.ndarray, imatrix: np.ndarray, block: int):
         yield np.array([r]), wr
 
 
-def quantize(x: np.ndarray, qtype_r: int | str, imatrix: np.ndarray | None = None) -> np.ndarray:
+def quantize(x: np.ndarray, qtype_r: int | str, imatrix: np.ndarray | None,
+             quantize_plain: Callable[[np.ndarray, int, np.ndarray | None], np.ndarray]) -> np.ndarray:
     """f32 rows (nrows, n_per_row) -> the flat bytes ik's ggml_quantize_chunk writes for the R type:
     the base type's quantizer (with QHelper's imatrix handling where ik uses it), then repack.
-    Q8_K_R8 ignores the imatrix, as ik does."""
-    from . import reference
+    Q8_K_R8 ignores the imatrix, as ik does.  quantize_plain(rows, qtype, imatrix): the base
+    type's ggml_quantize_chunk (quant.registry passes it)."""
     tr = type_info(qtype_r)
     x = np.ascontiguousarray(x, dtype=np.float32)
     x = x.reshape(-1, x.shape[-1]) if x.ndim >= 2 else x.reshape(1, -1)
@@ -543,14 +548,14 @@ def quantize(x: np.ndarray, qtype_r: int | str, imatrix: np.ndarray | None = Non
     base = type_info(tr.base).id
     rb = type_info(base).row_bytes(n)
     if imatrix is None or tr.id not in _QHELPER_BLOCK:
-        plain = reference.quantize(x, base, imatrix).reshape(nrows, rb)
+        plain = quantize_plain(x, base, imatrix).reshape(nrows, rb)
     else:
         imatrix = np.ascontiguousarray(imatrix, dtype=np.float32).reshape(-1)
         if imatrix.size != n:
             raise ValueError(f"imatrix has {imatrix.size} values but the rows have {n} columns")
         plain = np.empty((nrows, rb), dtype=np.uint8)
         for rows, w in _qhelper_groups(x, imatrix, _QHELPER_BLOCK[tr.id]):
-            plain[rows] = reference.quantize(x[rows], base, w).reshape(len(rows), rb)
+            plain[rows] = quantize_plain(x[rows], base, w).reshape(len(rows), rb)
     return repack(plain, base, nrows, n).reshape(-1)
 
 

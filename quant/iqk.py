@@ -57,7 +57,7 @@ from .types import type_info
 
 IQ2_K, IQ3_K, IQ4_K, IQ5_K, IQ6_K = 137, 138, 139, 140, 141
 IQ4_KS, IQ2_KS, IQ4_KSS = 144, 145, 146
-IQK_TYPES = frozenset({IQ2_K, IQ3_K, IQ4_K, IQ5_K, IQ6_K, IQ4_KS, IQ2_KS, IQ4_KSS})
+TYPES = IQK_TYPES = frozenset({IQ2_K, IQ3_K, IQ4_K, IQ5_K, IQ6_K, IQ4_KS, IQ2_KS, IQ4_KSS})
 QK_K = 256
 
 # ---------------------------------------------------------------------------------------

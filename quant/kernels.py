@@ -65,31 +65,34 @@ from llvmlite import ir  # noqa: E402
 from numba import njit, prange, types  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-from . import kquants as _kquants, legacy as _legacy, simd as _simd  # noqa: E402  (decode only; via the module: import cycle)
-from .iqk import decode_row_iqk, is_iqk  # noqa: E402  (ik_llama.cpp's IQK types; decode only)
-from . import interleaved as _interleaved  # noqa: E402  (the _R4/_R8 layouts)
+from . import interleaved as _interleaved, registry as _reg, simd as _simd  # noqa: E402
 from . import simd_blocks as _blocks  # noqa: E402  (integer row dots of the other block types)
 from . import simd_r4 as _r4  # noqa: E402  (integer dots of the _R4 K-quant / IQK layouts)
 from . import simd_gemm as _gemm  # noqa: E402  (integer GEMM of the simd_blocks types)
+from .iqk import decode_row_iqk  # noqa: E402
+from .kquants import decode_row_kquants  # noqa: E402
+from .legacy import decode_row_legacy  # noqa: E402
+from .numeric import F16_TO_F32, f16_at as _f16_at  # noqa: E402,F401
 from .types import BY_ID as _BY_ID  # noqa: E402
 
 F32_ID, F16_ID, Q4_0_ID, Q8_0_ID, BF16_ID, Q6_0_ID = 0, 1, 2, 8, 30, 133
 Q4_0_R8_ID, Q8_0_R8_ID = 202, 208   # ik_llama.cpp's 8-row interleaved forms (quant.simd)
-# the types matvec_int multiplies: Q8_0 / Q4_0 and their _R8 forms (quant.simd), every type with
-# a record in quant.simd_blocks.BLOCK_DOTS (K-quants, IQ4_XS, IQK, the other legacy types)
-# and the _R4 layouts with a record in quant.simd_r4.R4_DOTS
-INT_DOT_TYPES = frozenset({Q8_0_ID, Q4_0_ID, Q8_0_R8_ID, Q4_0_R8_ID} | set(_blocks.BLOCK_DOTS) | set(_r4.R4_DOTS))
-_R4_KERNEL = np.zeros(400, np.bool_)           # type id -> quant.simd_r4 has its group dot
-for _t in _r4.R4_DOTS:
-    _R4_KERNEL[_t] = True
+# the types matvec_int multiplies (quant.registry: integer dots of quant.simd, simd_blocks, simd_r4)
+INT_DOT_TYPES = _reg.INT_DOT_TYPES
+_R4_KERNEL = _reg.ids_where(lambda r: r.dot == _reg.DOT_R4)      # type id -> quant.simd_r4's group dot
 _GEMM_WEAVE = np.full(400, -1, np.int64)        # type id -> quant.simd_gemm's packing (-1: none)
-for _t, _w in _gemm.WEAVE.items():
-    _GEMM_WEAVE[_t] = _w
+for _t, _r in _reg.TRAITS.items():
+    if _t < 400:
+        _GEMM_WEAVE[_t] = _r.gemm
+# type id -> the family decoder _decode_plain_rows calls for it (after the types it decodes inline)
+_DEC_LEGACY, _DEC_KQUANTS, _DEC_IQK = 1, 2, 3
+_DECODER = np.zeros(400, np.int64)
+for _t, _r in _reg.TRAITS.items():
+    if _t < 400 and _r.decodes and not _BY_ID[_t].interleave:
+        _DECODER[_t] = {"legacy": _DEC_LEGACY, "kquants": _DEC_KQUANTS, "iqk": _DEC_IQK}.get(_r.family, 0)
 QK = 32            # weights per block (Q8_0, Q4_0, activation q8)
 Q8_0_BYTES = 34    # f16 d + 32 x int8        (layouts; kernels derive them from qk)
 Q4_0_BYTES = 18    # f16 d + 16 bytes of nibbles
-
-F16_TO_F32 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
 _opts = dict(cache=True, fastmath=True, nogil=True)
 
@@ -127,12 +130,6 @@ def _bits_to_f32(typingctx, u):
 # ----------------------------------------------------------------------------------------
 # one row of weights -> f32
 # ----------------------------------------------------------------------------------------
-@njit(**_opts)
-def _f16_at(buf, o, lut):
-    """f32 value of the little-endian f16 stored at byte offset o."""
-    return lut[np.int64(buf[o]) | (np.int64(buf[o + 1]) << 8)]
-
-
 # _R4/_R8 types: R type id -> (interleave, plain type id, plain block size, plain block bytes,
 # plain row meta); rows decode through quant.interleaved's unpack_group (a whole group at a
 # time) and the plain type's decoder
@@ -293,13 +290,13 @@ def _decode_plain_rows(buf, qtype, base, stride, n, cols, qk, lut, y):
             dst = y[i]
             for j in range(cols):
                 dst[j] = src[j]
-    elif qtype == 3 or qtype == 6 or qtype == 7 or qtype == 20:       # Q4_1, Q5_0, Q5_1, IQ4_NL
+    elif qtype < 400 and _DECODER[qtype] == _DEC_LEGACY:              # the other legacy types
         for i in range(n):
-            _legacy.decode_row_legacy(buf, qtype, base + i * stride, cols, lut, y[i])
-    elif (qtype >= 10 and qtype <= 14) or qtype == 23:                # Q2_K .. Q6_K, IQ4_XS
+            decode_row_legacy(buf, qtype, base + i * stride, cols, lut, y[i])
+    elif qtype < 400 and _DECODER[qtype] == _DEC_KQUANTS:
         for i in range(n):
-            _kquants.decode_row_kquants(buf, qtype, base + i * stride, cols, lut, y[i])
-    elif is_iqk(qtype):
+            decode_row_kquants(buf, qtype, base + i * stride, cols, lut, y[i])
+    elif qtype < 400 and _DECODER[qtype] == _DEC_IQK:
         for i in range(n):
             decode_row_iqk(buf, qtype, base + i * stride, cols, lut, y[i])
     else:

@@ -45,14 +45,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-# quant.kernels as a module, its attributes looked up when numba compiles (not at import):
-# kernels may import this module in turn, in either order
-from quant import kernels as _kernels
-from quant.reference import _blocks, f16_field as _f16, fma32 as _fma32, raw_bytes
-from quant.types import type_info
+from .kquants_fast import seq_sum_sq_f32
+from .numeric import blocks as _blocks, f16_at, f16_field as _f16, fma32 as _fma32, raw_bytes
+from .types import type_info
 
 Q2_K_ID, Q3_K_ID, Q4_K_ID, Q5_K_ID, Q6_K_ID, IQ4_XS_ID = 10, 11, 12, 13, 14, 23
-KQUANT_TYPES = frozenset({Q2_K_ID, Q3_K_ID, Q4_K_ID, Q5_K_ID, Q6_K_ID, IQ4_XS_ID})
+TYPES = frozenset({Q2_K_ID, Q3_K_ID, Q4_K_ID, Q5_K_ID, Q6_K_ID, IQ4_XS_ID})
 QK_K = 256
 
 # kvalues_iq4nl, the levels IQ4_XS shares with IQ4_NL (the same table as quant.legacy's; kept
@@ -98,8 +96,8 @@ def k4_scales_mins(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def dequantize(raw: np.ndarray, qtype: int, n: int) -> np.ndarray:
     """The first `n` values (a multiple of 256) of the flat bytes `raw` of a k-quant / IQ4_XS, as f32."""
     ti = type_info(qtype)
-    if ti.id not in KQUANT_TYPES:
-        raise ValueError(f"{ti.name} is not a k-quant type ({sorted(KQUANT_TYPES)})")
+    if ti.id not in TYPES:
+        raise ValueError(f"{ti.name} is not a k-quant type ({sorted(TYPES)})")
     b = raw_bytes(raw, qtype, n).reshape(-1, ti.type_size)
     nb = b.shape[0]
     f32 = np.float32
@@ -170,8 +168,8 @@ def decode_row_kquants(buf, qtype, base, cols, lut, y):
     if qtype == Q2_K_ID:
         for b in range(nb):
             o = base + b * 84
-            d = _kernels._f16_at(buf, o + 80, lut)
-            dmin = _kernels._f16_at(buf, o + 82, lut)
+            d = f16_at(buf, o + 80, lut)
+            dmin = f16_at(buf, o + 82, lut)
             for s in range(s16):
                 sc = np.int32(buf[o + s])
                 dl = d * np.float32(sc & 15)
@@ -185,7 +183,7 @@ def decode_row_kquants(buf, qtype, base, cols, lut, y):
     elif qtype == Q3_K_ID:
         for b in range(nb):
             o = base + b * 110
-            d = _kernels._f16_at(buf, o + 108, lut)
+            d = f16_at(buf, o + 108, lut)
             for s in range(s16):
                 lo = (np.int32(buf[o + 96 + (s & 7)]) >> (4 * (s >> 3))) & 15
                 hi = (np.int32(buf[o + 104 + (s & 3)]) >> (2 * (s >> 2))) & 3
@@ -207,8 +205,8 @@ def decode_row_kquants(buf, qtype, base, cols, lut, y):
         qs0 = 48 if five else 16
         for b in range(nb):
             o = base + b * size
-            d = _kernels._f16_at(buf, o, lut)
-            dmin = _kernels._f16_at(buf, o + 2, lut)
+            d = f16_at(buf, o, lut)
+            dmin = f16_at(buf, o + 2, lut)
             hv = buf[o + 16:o + 16 + s32]
             for s in range(8):
                 if s < 4:
@@ -234,7 +232,7 @@ def decode_row_kquants(buf, qtype, base, cols, lut, y):
         sv = buf.view(np.int8)
         for b in range(nb):
             o = base + b * 210
-            d = _kernels._f16_at(buf, o + 208, lut)
+            d = f16_at(buf, o + 208, lut)
             for s in range(s16):
                 dl = d * np.float32(sv[o + 192 + s])
                 n = s >> 3
@@ -254,7 +252,7 @@ def decode_row_kquants(buf, qtype, base, cols, lut, y):
         kv = _KV_F32
         for b in range(nb):
             o = base + b * 136
-            d = _kernels._f16_at(buf, o, lut)
+            d = f16_at(buf, o, lut)
             sh = np.int32(buf[o + 2]) | (np.int32(buf[o + 3]) << 8)
             for ib in range(8):
                 ls = ((np.int32(buf[o + 4 + (ib >> 1)]) >> (4 * (ib & 1))) & 15) | (((sh >> (2 * ib)) & 3) << 4)
@@ -873,7 +871,6 @@ def _quantize_q2_k(b: np.ndarray) -> np.ndarray:
 
 def _seq_sum_sq(v: np.ndarray) -> float:
     """sum of v^2 in element order in f32 (a Python-level loop over chunks of the running sum)."""
-    from quant.kquants_fast import seq_sum_sq_f32
     return seq_sum_sq_f32(np.ascontiguousarray(v, _F32))
 
 
@@ -1167,3 +1164,9 @@ def quantize(x: np.ndarray, qtype: int, imatrix: np.ndarray | None = None) -> np
         raise NotImplementedError(f"k-quant quantize: type {ti.name} not supported")
     assert out.shape == (b.shape[0], ti.type_size)
     return out.reshape(-1)
+
+
+def quantize_row(x: np.ndarray, qtype: int) -> np.ndarray:
+    """f32 values (any shape, C order, a multiple of 256) as one row -> ggml's
+    quantize_row_<type>_ref bytes (the same as `quantize` without an imatrix)."""
+    return quantize(np.asarray(x, np.float32).reshape(1, -1), qtype)

@@ -1,10 +1,13 @@
-"""Decoding of the legacy 32-weight block types Q4_1, Q5_0, Q5_1 and IQ4_NL.
+"""The legacy 32-weight block family: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q6_0 (ik_llama.cpp) and IQ4_NL.
 
 Layouts (ggml-common.h of ik_llama.cpp, same as mainline ggml; f16 little-endian):
 
+    Q8_0    34 bytes   f16 d, qs[32] int8              x = q*d
+    Q4_0    18 bytes   f16 d, qs[16]                   x = (q - 8)*d, q = 4-bit nibble
     Q4_1    20 bytes   f16 d, f16 m, qs[16]            x = q*d + m,   q = 4-bit nibble
     Q5_0    22 bytes   f16 d, qh[4], qs[16]            x = (q - 16)*d, q = nibble | 5th bit << 4
     Q5_1    24 bytes   f16 d, f16 m, qh[4], qs[16]     x = q*d + m,   q as Q5_0
+    Q6_0    26 bytes   f16 d, qh[8], qs[16]            x = (q - 32)*d, two high bits per value in qh
     IQ4_NL  18 bytes   f16 d, qs[16]                   x = d * KVALUES_IQ4NL[nibble]
 
 In every type weight j < 16 of a block takes the low nibble of qs[j], weight j + 16 the
@@ -15,27 +18,28 @@ the integer factor at most 7), so the only rounding is the final `+ m`.  ik_llam
 with -march=native fuses q*d + m into one FMA; with an exact product that gives the same bits
 as the separate multiply and add of NumPy (and of gguf.quants), so all three agree.
 
-`dequantize` is the NumPy reference; `decode_row_legacy` the Numba decoder with the calling
-convention of quant.kernels.decode_row (without its qk argument).
-`quantize` (Q4_1, Q5_0, Q5_1 without imatrix: the row _ref functions) and `quantize_chunk`
-(Q4_0 ... Q6_0 and IQ4_NL as ggml_quantize_chunk does them, with or without an imatrix) are the
-NumPy reference quantizers.
+Q6_0's qh[j % 8] holds the two high bits of values j and j + 16 at bit 4*(j // 8) and
+4*(j // 8) + 2.
+
+The family's codecs (quant.registry binds them per type): `dequantize` (NumPy reference),
+`quantize_row` (ggml's quantize_row_<type>_ref), `quantize` (ggml_quantize_chunk, with or without
+an imatrix), and `decode_row_legacy`, the Numba decoder of Q4_1 / Q5_0 / Q5_1 / IQ4_NL with the
+calling convention of quant.kernels.decode_row (without its qk argument; quant.kernels decodes
+Q8_0 / Q4_0 / Q6_0 inline).
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
 
-# quant.kernels as a module, its attributes looked up when numba compiles (not at import):
-# kernels may import this module in turn, in either order
-from quant import kernels as _kernels
-from quant.reference import (_blocks, _rows, f16_field as _f16, fma32 as _fma32,
-                             inv_or_zero as _inv_or_zero, raw_bytes)
-from quant.types import type_info
+from .numeric import (blocks as _blocks, f16_at, f16_field as _f16, fma32 as _fma32,
+                      inv_or_zero as _inv_or_zero, raw_bytes, round_half_away, rows as _rows)
+from . import kquants as kq     # the fits (make_qx_quants ...) the legacy imatrix quantizers share
+from .types import type_info
 
 Q4_1_ID, Q5_0_ID, Q5_1_ID, IQ4_NL_ID = 3, 6, 7, 20
-Q4_0_ID, Q6_0_ID = 2, 133
-LEGACY_TYPES = frozenset({Q4_1_ID, Q5_0_ID, Q5_1_ID, IQ4_NL_ID})
+Q4_0_ID, Q8_0_ID, Q6_0_ID = 2, 8, 133
+TYPES = frozenset({Q4_0_ID, Q4_1_ID, Q5_0_ID, Q5_1_ID, Q8_0_ID, Q6_0_ID, IQ4_NL_ID})
 
 # the 16 non-linear levels of IQ4_NL (and IQ4_XS), kvalues_iq4nl in ggml-quants.c
 KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
@@ -59,11 +63,22 @@ def _fifth_bits(qh: np.ndarray) -> np.ndarray:
 def dequantize(raw: np.ndarray, qtype: int, n: int) -> np.ndarray:
     """The first `n` values (a multiple of 32) of the flat bytes `raw` of a legacy type, as f32."""
     ti = type_info(qtype)
-    if ti.id not in LEGACY_TYPES:
-        raise ValueError(f"{ti.name} is not a legacy type ({sorted(LEGACY_TYPES)})")
+    if ti.id not in TYPES:
+        raise ValueError(f"{ti.name} is not a legacy type")
     b = raw_bytes(raw, qtype, n).reshape(-1, ti.type_size)
     d = _f16(b[:, 0:2])
-    if ti.id == Q4_1_ID:
+    if ti.id == Q8_0_ID:
+        y = b[:, 2:].view(np.int8).astype(np.float32) * d
+    elif ti.id == Q4_0_ID:
+        y = (_nibbles(b[:, 2:]).astype(np.float32) - 8) * d
+    elif ti.id == Q6_0_ID:
+        qh, qs = b[:, 2:10].astype(np.int32), b[:, 10:].astype(np.int32)
+        j = np.arange(16)
+        h = qh[:, j % 8] >> (4 * (j // 8))
+        lo = ((qs & 15) | ((h << 4) & 0x30)) - 32
+        hi = ((qs >> 4) | ((h << 2) & 0x30)) - 32
+        y = np.concatenate([lo, hi], axis=1).astype(np.float32) * d
+    elif ti.id == Q4_1_ID:
         m = _f16(b[:, 2:4])
         y = _nibbles(b[:, 4:]).astype(np.float32) * d + m
     elif ti.id == Q5_0_ID:
@@ -104,8 +119,8 @@ def decode_row_legacy(buf, qtype, base, cols, lut, y):
     if qtype == Q4_1_ID:
         for b in range(nb):
             o = base + b * (h + 4)
-            d = _kernels._f16_at(buf, o, lut)
-            m = _kernels._f16_at(buf, o + 2, lut)
+            d = f16_at(buf, o, lut)
+            m = f16_at(buf, o + 2, lut)
             wv = buf[o + 4:o + 4 + h]
             lo = y[b * qk:b * qk + h]
             hi = y[b * qk + h:b * qk + qk]
@@ -116,7 +131,7 @@ def decode_row_legacy(buf, qtype, base, cols, lut, y):
     elif qtype == Q5_0_ID:
         for b in range(nb):
             o = base + b * (h + 6)
-            d = _kernels._f16_at(buf, o, lut)
+            d = f16_at(buf, o, lut)
             qh = _u32_at(buf, o + 2)
             wv = buf[o + 6:o + 6 + h]
             lo = y[b * qk:b * qk + h]
@@ -130,8 +145,8 @@ def decode_row_legacy(buf, qtype, base, cols, lut, y):
     elif qtype == Q5_1_ID:
         for b in range(nb):
             o = base + b * (h + 8)
-            d = _kernels._f16_at(buf, o, lut)
-            m = _kernels._f16_at(buf, o + 2, lut)
+            d = f16_at(buf, o, lut)
+            m = f16_at(buf, o + 2, lut)
             qh = _u32_at(buf, o + 4)
             wv = buf[o + 8:o + 8 + h]
             lo = y[b * qk:b * qk + h]
@@ -149,7 +164,7 @@ def decode_row_legacy(buf, qtype, base, cols, lut, y):
         kv = _KV_F32
         for b in range(nb):
             o = base + b * 18
-            d = _kernels._f16_at(buf, o, lut)
+            d = f16_at(buf, o, lut)
             wv = buf[o + 2:o + 18]
             lo = y[b * 32:b * 32 + 16]
             hi = y[b * 32 + 16:b * 32 + 32]
@@ -189,21 +204,21 @@ def _pack_qx_0(L: np.ndarray, d: np.ndarray, nbits: int) -> np.ndarray:
     return np.concatenate([d16, qh, qs], axis=1)
 
 
-def quantize_chunk(x: np.ndarray, qtype: int, imatrix: np.ndarray | None = None) -> np.ndarray:
+def quantize(x: np.ndarray, qtype: int, imatrix: np.ndarray | None = None) -> np.ndarray:
     """Rows x (nrows, n_per_row) -> the flat bytes of ggml_quantize_chunk for the 32-weight types
-    Q4_0, Q4_1, Q5_0, Q5_1, Q6_0 (id 133), IQ4_NL, with the imatrix (n_per_row,) or without.
+    Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q6_0 (id 133), IQ4_NL, with the imatrix (n_per_row,) or without
+    (Q8_0 ignores it, as ik does; the others without one are their row _ref quantizers).
 
     With an imatrix every block is fitted by weighted least squares with weights
     qw * sqrt(sigma2 + x^2), sigma2 = mean x^2 of the row: make_qx_quants for the symmetric
     types (Q4_0 nmax 8, Q5_0 16, Q6_0 32), make_qkx3_quants for Q4_1 / Q5_1.  Q6_0 takes that
     path without imatrix too (weights x^2); IQ4_NL always runs quantize_row_iq4_nl_impl."""
-    from quant import kquants as kq
     ti = type_info(qtype)
     x = _rows(x)
     if ti.id == IQ4_NL_ID:
         return kq.quantize_iq4(x, imatrix, False)
-    if imatrix is None and ti.id != Q6_0_ID:
-        return quantize(x, ti.id)
+    if ti.id == Q8_0_ID or (imatrix is None and ti.id != Q6_0_ID):
+        return quantize_row(x, ti.id)
     b = _blocks(x)
     if imatrix is None:
         w = (b * b).astype(np.float32)
@@ -224,9 +239,17 @@ def quantize_chunk(x: np.ndarray, qtype: int, imatrix: np.ndarray | None = None)
     return _pack_qx_0(L, d, nbits).reshape(-1)
 
 
-def quantize(x: np.ndarray, qtype: int) -> np.ndarray:
-    """f32 values (any shape, C order, a multiple of 32) -> flat bytes of Q4_1 / Q5_0 / Q5_1
-    exactly as ik_llama.cpp's ggml_quantize_chunk writes them without an imatrix.
+def quantize_row(x: np.ndarray, qtype: int) -> np.ndarray:
+    """f32 values (any shape, C order, a multiple of 32) -> flat bytes, ggml's quantize_row_<type>_ref
+    (what a KV cache's from_float does; for every type but Q6_0 and IQ4_NL the bytes `quantize`
+    writes without an imatrix).
+
+    Q8_0: d = amax/127 stored as f16, q = roundf(x / d) (half away from 0), the division done
+    as a multiplication by the f32 reciprocal of the *unrounded* d.
+    Q4_0: m = the element of largest magnitude (first one on ties), d = m / -8 stored as f16,
+    q = min(15, trunc(x / d + 8.5)); value = (q - 8) * d.
+    Q6_0: 6-bit q = trunc(x / d + 32.5) capped at 63 with d = m / -32, then d refitted by
+    weighted least squares (weights (x/d)^2, sums in element order).
 
     Q4_1 / Q5_1: d = (max - min) / (2^bits - 1), m = min, q = trunc((x - min) * (1/d) + 0.5)
     (Q4_1 capped at 15); Q5_0: d = (the element of largest magnitude, first on ties) / -16,
@@ -235,6 +258,20 @@ def quantize(x: np.ndarray, qtype: int) -> np.ndarray:
     b = _blocks(x)
     nb = b.shape[0]
     f32 = np.float32
+    if ti.id == Q8_0_ID:
+        d = np.abs(b).max(axis=1, keepdims=True) / f32(127)
+        q = round_half_away(b * _inv_or_zero(d)).astype(np.int8)
+        return np.concatenate([d.astype(np.float16).view(np.uint8), q.view(np.uint8)], axis=1).reshape(-1)
+    if ti.id == Q4_0_ID:
+        imax = np.abs(b).argmax(axis=1)[:, None]            # first index on ties, like ggml
+        d = np.take_along_axis(b, imax, axis=1) / f32(-8)
+        q = np.trunc(b * _inv_or_zero(d) + f32(8.5)).astype(np.int32)
+        q = np.minimum(q, 15).astype(np.uint8)               # lower end is >= 0 by construction
+        return np.concatenate([d.astype(np.float16).view(np.uint8), q[:, :16] | (q[:, 16:] << 4)], axis=1).reshape(-1)
+    if ti.id == Q6_0_ID:
+        return _quantize_q6_0(b)
+    if ti.id == IQ4_NL_ID:                                   # quantize_row_iq4_nl_ref is ntry -1
+        raise NotImplementedError("quantize_row: IQ4_NL's row reference (ntry -1) is not implemented")
     if ti.id in (Q4_1_ID, Q5_1_ID):
         nmax = 15 if ti.id == Q4_1_ID else 31
         mn = b.min(axis=1, keepdims=True)
@@ -260,3 +297,22 @@ def quantize(x: np.ndarray, qtype: int) -> np.ndarray:
     out = np.concatenate(parts, axis=1).astype(np.uint8)
     assert out.shape == (nb, ti.type_size)
     return out.reshape(-1)
+
+
+def _quantize_q6_0(b: np.ndarray) -> np.ndarray:
+    imax = np.abs(b).argmax(axis=1)[:, None]
+    d = (np.take_along_axis(b, imax, axis=1)[:, 0] / np.float32(-32)).astype(np.float32)
+    inv = _inv_or_zero(d)
+    xs = b * inv[:, None]                                     # scaled values, f32
+    q = np.minimum(63, np.trunc(xs + np.float32(32.5)).astype(np.int32))
+    qf = (q - 32).astype(np.float32)
+    w = xs * xs
+    sumqx = np.zeros(len(b), dtype=np.float32)
+    sumq2 = np.zeros(len(b), dtype=np.float32)
+    for j in range(16):                                       # C's summation order
+        a, c = j, j + 16
+        sumqx = (sumqx + w[:, a] * b[:, a] * qf[:, a] + w[:, c] * b[:, c] * qf[:, c]).astype(np.float32)
+        sumq2 = (sumq2 + w[:, a] * qf[:, a] * qf[:, a] + w[:, c] * qf[:, c] * qf[:, c]).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        dd = np.where(sumq2 > 0, sumqx / np.where(sumq2 > 0, sumq2, 1), d).astype(np.float32)
+    return _pack_qx_0(q, dd, 6).reshape(-1)

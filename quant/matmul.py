@@ -54,10 +54,8 @@ from . import kernels as K
 from .blas_threads import get_blas_threads, set_blas_threads
 from . import reference
 from .tensor import QTensor
-from .iqk import IQK_TYPES
-from .kquants import KQUANT_TYPES
-from .legacy import LEGACY_TYPES
-from .types import BF16, F16, F32, Q4_0, Q6_0, Q8_0, type_info
+from . import registry
+from .types import BF16, F16, F32, type_info
 
 MANY_TOKENS = 16          # from this many activation rows on, use dequantized tiles + BLAS
 _MANY_TOKENS_INT = 8      # ... and this many for Q8_0 / Q4_0 (integer dots cost more per token)
@@ -69,11 +67,10 @@ TILE_DEQUANT_THREADS: int | None = None
 
 # every type whose rows quant.kernels.decode_row decodes; types without integer dot kernels
 # (F16, BF16, IQ4_KSS) go through the f32-decode paths (matvec_float, tiles + BLAS)
-_SUPPORTED = frozenset({F32, F16, BF16, Q8_0, Q4_0, Q6_0} | IQK_TYPES | LEGACY_TYPES | KQUANT_TYPES
-                       | {int(t) for t in np.flatnonzero(K._R_TABLE[:, 0])})   # every _R4/_R8 type
+_SUPPORTED = registry.COMPUTE_TYPES
 # quant.simd's types: per-32 int activation sums (their row dots), the f32 per-16 ones only for
 # quant.simd_gemm, which packs them too
-_Q8_SIMD = frozenset({Q8_0, Q4_0, K.Q8_0_R8_ID, K.Q4_0_R8_ID})
+_Q8_SIMD = frozenset(t for t, r in registry.TRAITS.items() if r.act == registry.ACT_Q8_32)
 _ELEM = {F32: 4, F16: 2, BF16: 2}   # alignment the kernels' views need (1 byte for block types)
 
 
@@ -95,7 +92,8 @@ def get_num_threads() -> tuple[int, int | None]:
 def has_interleaved_kernel(qtype: int) -> bool:
     """Whether an _R4/_R8 type has kernels of its own (faster than its plain type's); the others
     are computed by unpacking their rows to the plain type first."""
-    return qtype in (K.Q8_0_R8_ID, K.Q4_0_R8_ID) or qtype in K._r4.R4_DOTS
+    tr = registry.TRAITS.get(int(qtype))
+    return tr is not None and tr.info.interleave > 0 and tr.dot != registry.DOT_UNPACK
 
 
 def supported(qtype: int) -> bool:
@@ -219,9 +217,10 @@ def many_tokens(qtype: int) -> int:
     tiles: Q4_K 21.3 vs 28.0 ms at 48, 46.4 vs 44.7 at 96; Q6_K 24.3 vs 31.5 and 44.5 vs 46.8;
     IQ4_K 21.6 vs 33.4 and 48.7 vs 49.5).  A MoE prompt of 512 tokens gives each of 64 experts
     ~48."""
-    if qtype in K._r4.R4_DOTS:
+    dot = registry.TRAITS[qtype].dot
+    if dot == registry.DOT_R4:
         return 1 << 62
-    if qtype in K._blocks.BLOCK_DOTS:
+    if dot == registry.DOT_BLOCK:
         return _MANY_TOKENS_BLOCKS if K.GEMM_MIN > _MANY_TOKENS_BLOCKS else 1 << 62
     if qtype in _Q8_SIMD and K.GEMM_MIN <= _MANY_TOKENS_BLOCKS:
         return 1 << 62

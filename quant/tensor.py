@@ -45,3 +45,9 @@ class QTensor:
         rb = ti.row_bytes(shape[-1])
         flat = raw.reshape(-1).view(np.uint8)
         return cls(flat.reshape(*shape[:-1], rb), qtype, tuple(int(s) for s in shape))
+
+
+def f32_qtensor(a: np.ndarray) -> QTensor:
+    """An f32 array (rows along the last axis) as an F32 QTensor over a copy-free byte view."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    return QTensor(a.view(np.uint8).reshape(*a.shape[:-1], a.shape[-1] * 4), 0, tuple(a.shape))

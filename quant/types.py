@@ -1,4 +1,5 @@
-"""Type ids, block sizes and byte sizes of the GGML tensor types ikcli understands.
+"""Type ids, block sizes and byte sizes of the GGML tensor types ikcli understands (their layouts;
+what ikcli can do with each is quant.registry's).
 
 Ids and layouts follow ggml.h of ik_llama.cpp (a superset of mainline's numbering).
 """
@@ -78,20 +79,11 @@ _TYPES = [
     TypeInfo("Q8_K_R8", 399, 256, 258, interleave=8, base="Q8_K"),   # 8 f16 scales + 8 x 256 int8 per 8 rows
 ]
 
+ALL_TYPES: tuple[TypeInfo, ...] = tuple(_TYPES)
 BY_ID: dict[int, TypeInfo] = {t.id: t for t in _TYPES}
 BY_NAME: dict[str, TypeInfo] = {t.name.lower(): t for t in _TYPES}
 
 F32, F16, Q4_0, Q8_0, BF16, Q6_0 = 0, 1, 2, 8, 30, 133
-
-# Types the engine can compute with (matmul kernels exist). Grows with the type library.
-# legacy Q4_1/Q5_0/Q5_1/IQ4_NL, k-quants Q2_K..Q6_K/IQ4_XS and the IQK types compute through
-# their row decoders (f32 paths); Q8_0 / Q4_0 also have integer dot kernels
-COMPUTE_TYPES = frozenset({F32, F16, BF16, Q8_0, Q4_0, Q6_0, 3, 6, 7, 20, 10, 11, 12, 13, 14, 23,
-                           137, 138, 139, 140, 141, 144, 145, 146,
-                           202, 208,    # Q4_0_R8, Q8_0_R8: integer kernels of their own (quant.simd)
-                           # the other _R4/_R8 types: rows unpacked to their plain type, then decoded
-                           210, 211, 212, 213, 214, 220, 223, 337, 338, 339, 340, 344, 399})
-
 
 def interleaved_form(t: int) -> TypeInfo | None:
     """The _R4 / _R8 type that holds type t's blocks row-interleaved, if there is one."""

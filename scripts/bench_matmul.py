@@ -3,7 +3,7 @@
     python scripts/bench_matmul.py [--rows 4096] [--cols 4096] [--n-many 512] [--types q8_0,q4_0,f16|all]
                                    [--threads 1,2] [--passive]
 
---types all: every type quant.matmul computes with (quant.types.COMPUTE_TYPES), plain and _R4/_R8.
+--types all: every type quant.matmul computes with (quant.registry.COMPUTE_TYPES), plain and _R4/_R8.
 
 --passive sets OMP_WAIT_POLICY=PASSIVE before numba starts its OpenMP pool, so idle numba
 threads sleep instead of spinning while OpenBLAS works (see quant/matmul.py).
@@ -25,7 +25,8 @@ if "--passive" in sys.argv:
 import numpy as np  # noqa: E402
 
 from quant.matmul import matmul, quantize_tensor, set_num_threads  # noqa: E402
-from quant.types import COMPUTE_TYPES, type_info  # noqa: E402
+from quant.registry import COMPUTE_TYPES  # noqa: E402
+from quant.types import type_info  # noqa: E402
 
 
 def bench(fn, min_time=1.0, min_reps=3):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from quant.matmul import dequantize, quantize_tensor
-from quant.tensor import QTensor
+from quant.tensor import QTensor, f32_qtensor
 from quant.types import BF16, F16, F32, Q8_0, type_info
 
 from ..attention import causal_attention, split_heads_for_decompression, standard_attention
@@ -30,7 +30,6 @@ from ..gguf_file import ModelFileError
 from ..hparams import HParams, rope_attn_factor, yarn_kq_scale
 from ..kv_cache import KVCache, LayerCache, RowStore
 from ..linear import matmul, matmul_id
-from ..model import f32_qtensor
 from ..ops import rms_norm
 from ..rope import apply_rope
 from .common import Head, RunOptions, UBatch, rope_tables
