@@ -4,7 +4,8 @@
 
     python scripts/bench_tg_calls.py [--model /work/bench/ds-1b-q8_0.gguf] [--rtr] [--tokens 20]
 
-Key: (type id, rows, cols, experts, pairs, fused).  Compare the GB/s with scripts/bench_matmul.py
+Key: (type id, rows, cols, experts, pairs, fused).  The last line times the same tokens with the
+weight products replaced by constants: what the rest of the forward pass costs.  Compare the GB/s with scripts/bench_matmul.py
 (cache-hot, and --rows 32768 for a matrix that does not fit the caches) to see what the model's
 small, cold, back-to-back calls lose.
 """
@@ -65,6 +66,24 @@ def main() -> None:
         print(f"{str(key):32s} calls/token {n:3.0f}  {t * 1e3:6.3f} ms  {b / 1e6:6.2f} MB  "
               f"{b / t / 1e9:5.1f} GB/s  {t / n * 1e6:6.1f} us/call")
     print(f"token {per_tok * 1e3:.2f} ms (timing wrappers included), matvec_int {total * 1e3:.2f} ms")
+
+    # everything but the weight products: the same tokens with matvec_int writing constants
+    # (no wrappers); the rest of the forward pass (attention, norms, routing, Python) still runs
+    def null(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut, q, s, bs, b16, ge, gb, out, outb):
+        out[:] = 0.01
+
+    def timed_tokens() -> float:
+        t0 = time.perf_counter()
+        for _ in range(a.tokens):
+            ctx.decode(tok)
+        return (time.perf_counter() - t0) / a.tokens
+
+    plain = timed_tokens()
+    K.matvec_int = null
+    rest = timed_tokens()
+    K.matvec_int = orig
+    print(f"token {plain * 1e3:.2f} ms without wrappers; outside matvec_int {rest * 1e3:.2f} ms "
+          f"({rest / plain:.0%})")
 
 
 if __name__ == "__main__":
