@@ -28,6 +28,7 @@ class EngineConfig:
     ser_thresh: float = 0.0
     tensor_overrides: list = field(default_factory=list)  # -ot (regex, buffer); first match wins
     repack: bool = False       # -rtr: CPU weights repacked into row-interleaved types at load
+    use_mmap: bool = True      # False (--no-mmap): the files are read into memory at load
 
     def threads(self, batch: bool) -> int:
         t = self.n_threads_batch if batch and self.n_threads_batch > 0 else self.n_threads

@@ -131,6 +131,20 @@ class ModelFile:
                 except (OSError, ValueError, OverflowError):
                     continue
 
+    def read_into_memory(self) -> None:
+        """Copy the files into anonymous memory and point every tensor there (--no-mmap): the
+        weights then stay resident whatever the page cache does, at the cost of the read."""
+        for k, (p, m) in enumerate(zip(self.paths, self.maps)):
+            mem = np.fromfile(p, dtype=np.uint8)
+            if mem.size != m.size:
+                raise ModelFileError(f"{p}: file changed size while loading")
+            base = m.ctypes.data
+            for t in self.tensors.values():
+                if t.path == p:
+                    off = t.raw.ctypes.data - base
+                    t.raw = mem[off:off + t.raw.size]
+            self.maps[k] = mem
+
     @property
     def arch(self) -> str:
         return str(self.meta.get("general.architecture", ""))

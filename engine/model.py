@@ -200,9 +200,10 @@ def log_overrides(mf: ModelFile, overrides, log: Log) -> None:
 
 
 def load_model(path: str, log: Log = stderr_log, mla: int = 3, overrides: list | tuple = (),
-               repack: bool = False) -> Model:
+               repack: bool = False, use_mmap: bool = True) -> Model:
     """Open, validate and bind a GGUF model. Raises ModelFileError with a one-line message.
-    repack (-rtr): matrices with a row-interleaved form are repacked into it in memory."""
+    repack (-rtr): matrices with a row-interleaved form are repacked into it in memory;
+    use_mmap False (--no-mmap): the files are read into memory instead of mapped."""
     from .tokenizer import Tokenizer
 
     mf = open_model_file(path, log)
@@ -214,7 +215,10 @@ def load_model(path: str, log: Log = stderr_log, mla: int = 3, overrides: list |
     if hp.n_vocab == 0:
         hp.n_vocab = tok.n_vocab
     log_hparams(mf, hp, log)
-    mf.prefetch()
+    if use_mmap:
+        mf.prefetch()
+    else:
+        mf.read_into_memory()
     w = Weights(mf, repack=repack)
     if hp.arch == "llama":
         from .arch.llama import LlamaArch

@@ -32,6 +32,27 @@ app.command("imatrix", help="Importance matrix (mean squared activations per wei
     imatrix_cmd.imatrix)
 
 
+def _declared(command) -> dict[str, int]:
+    """A click command's option spellings -> number of values they take."""
+    out = {"-h": 0, "--help": 0}
+    for p in command.params:
+        if p.param_type_name != "option":
+            continue
+        n = 0 if p.is_flag or p.count else p.nargs
+        for o in list(p.opts) + list(p.secondary_opts):
+            out[o] = n
+    return out
+
+
+def _checked_argv(cmd, args: list[str], normalize) -> list[str]:
+    """args with the subcommand's flags checked and rewritten (ikcli.common.normalize_argv)."""
+    k = next((i for i, a in enumerate(args) if not a.startswith("-")), None)
+    if k is None or args[k] not in cmd.commands:
+        return normalize(args)
+    sub = args[k]
+    return args[:k + 1] + normalize(args[k + 1:], _declared(cmd.commands[sub]), sub)
+
+
 def main(argv: list[str] | None = None) -> None:
     try:  # recent Typer vendors Click
         from typer import _click as click
@@ -39,9 +60,10 @@ def main(argv: list[str] | None = None) -> None:
         import click
 
     from .common import normalize_argv
-    args = normalize_argv(sys.argv[1:] if argv is None else list(argv))
+    args = sys.argv[1:] if argv is None else list(argv)
     cmd = typer.main.get_command(app)
     try:
+        args = _checked_argv(cmd, args, normalize_argv)
         rc = cmd.main(args=args, prog_name="ikcli", standalone_mode=False)
         if isinstance(rc, int) and rc == 130:    # Typer returns 130 for Ctrl-C outside standalone mode
             print("ikcli: interrupted", file=sys.stderr)

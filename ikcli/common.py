@@ -27,6 +27,7 @@ FmoeOpt = typer.Option("1", "-fmoe", "--fused-moe", help="fused MoE gate/up/SiLU
 OtOpt = typer.Option(None, "-ot", "--override-tensor", help="REGEX=BUFFER[,...]: place tensors whose name matches (first rule wins); buffers: CPU (no GPU backend in this build)")
 RtrOpt = typer.Option(False, "-rtr", "--run-time-repack",
                       help="repack CPU weights into row-interleaved _R4/_R8 types at load (no mmap for them)")
+NoMmapOpt = typer.Option(False, "--no-mmap", help="read the model into memory instead of mapping it")
 SerOpt = typer.Option(None, "-ser", "--smart-expert-reduction", help="K,t: run at least K experts, drop the others whose score < t * top score")
 
 # Options that take a value but may be written alone (users' scripts from every era): the
@@ -40,19 +41,101 @@ SUPPORTED_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q6_0")
 IK_ONLY_CACHE_TYPES = ("q4_1", "iq4_nl", "q5_0", "q5_1", "q8_kv")
 
 
-def normalize_argv(args: list[str]) -> list[str]:
-    """Rewrite `-fa`/`-fmoe` written without a value and the `-no-…` spellings for the parser."""
+RUN_TOOLS = ("perplexity", "sweep-bench", "imatrix", "server")   # the tools on ik's common parser
+
+
+def _ik_table() -> dict[str, tuple[str, int]]:
+    """Every spelling of ik's common option set -> (its row's first spelling, number of values)."""
+    from .ik_flags import COMMON_FLAGS
+    return {name: (names[0], n) for names, n in COMMON_FLAGS for name in names}
+
+
+def _is_value_like(a: str) -> bool:
+    try:
+        float(a)
+        return True
+    except ValueError:
+        return a == "-"
+
+
+NUMA_MODES = ("distribute", "isolate", "numactl")
+
+
+def numa_nodes() -> int:
+    """NUMA nodes of this machine (1 where the kernel does not say)."""
+    import glob
+    return max(1, len(glob.glob("/sys/devices/system/node/node[0-9]*")))
+
+
+def _numa(mode: str, note) -> None:
+    from .ik_flags import REFUSED
+    if mode not in NUMA_MODES:
+        raise CliError(f"invalid value '{mode}' for --numa: use {', '.join(NUMA_MODES)}")
+    nodes = numa_nodes()
+    if nodes > 1:
+        raise CliError(f"--numa is not supported by ikcli: {REFUSED['--numa']} (this one has {nodes})")
+    note(f"--numa {mode}: this machine has one NUMA node, nothing to place")
+
+
+def normalize_argv(args: list[str], declared: dict[str, int] | None = None, tool: str | None = None,
+                   note=None) -> list[str]:
+    """The command line a tool's parser gets, checked flag by flag, never clustered.
+
+    declared: the tool's own spellings -> number of values (None: only the rewrites below).
+    Rewrites `-fa`/`-fmoe` written without a value and the `-no-…` spellings; `--long_name`
+    becomes `--long-name`, as ik does.  For a run tool (RUN_TOOLS) a spelling of ik's common set
+    that the tool does not declare is dropped with its values and one `note` line (ignored) or
+    refused with a CliError naming it (ikcli.ik_flags says which); anything else starting with
+    '-' that the tool does not declare is an unknown argument (click would read `-thp` as
+    `-t hp`)."""
+    from .ik_flags import NO_EFFECT, REFUSED, USED_BY
+    note = note or log
+    ik = _ik_table() if tool in RUN_TOOLS else {}
     out: list[str] = []
-    for i, a in enumerate(args):
-        if a in NEGATIONS:
-            out += list(NEGATIONS[a])
-        elif a in OPTIONAL_VALUE:
-            nxt = args[i + 1] if i + 1 < len(args) else None
+    i = 0
+    while i < len(args):
+        a = args[i]
+        i += 1
+        if a == "--":
+            out += args[i - 1:]
+            break
+        if not a.startswith("-") or _is_value_like(a):
             out.append(a)
-            if nxt is None or nxt.startswith("-"):     # written alone: a value follows never starts with '-'
-                out.append(OPTIONAL_VALUE[a])
+            continue
+        name, eq, val = a.partition("=") if a.startswith("--") else (a, "", "")
+        if name.startswith("--"):
+            name = name.replace("_", "-")
+        if name in NEGATIONS:
+            out += list(NEGATIONS[name])
+            continue
+        if name in OPTIONAL_VALUE and not eq:
+            out.append(name)
+            nxt = args[i] if i < len(args) else None
+            if nxt is None or (nxt.startswith("-") and not _is_value_like(nxt)):   # written alone
+                out.append(OPTIONAL_VALUE[name])
+            continue
+        if declared is None or name in declared:
+            out.append(name + eq + val)
+            n = 0 if eq or declared is None else declared[name]
+            out += args[i:i + n]
+            i += n
+            continue
+        if name not in ik:
+            raise CliError(f"unknown argument: {a}")
+        canon, n = ik[name]
+        if not eq and len(args) - i < n:
+            raise CliError(f"invalid parameter for argument: {name} (expects {n} value{'s' if n > 1 else ''})")
+        i += 0 if eq else n
+        if canon == "-h":
+            out.append("--help")
+        elif canon == "--numa":
+            _numa(val if eq else args[i - 1], note)
+        elif canon in REFUSED:
+            raise CliError(f"{name} is not supported by ikcli: {REFUSED[canon]}")
+        elif canon in USED_BY[tool]:
+            raise CliError(f"{name} is not supported by ikcli {tool} yet")
         else:
-            out.append(a)
+            note(f"{name}: ignored: {NO_EFFECT.get(canon, f'ik_llama.cpp {tool} does not use it either')}")
     return out
 
 
@@ -147,11 +230,12 @@ class EngineFlags:
     ser: Optional[str]
     ot: Optional[List[str]]
     rtr: bool = False
+    no_mmap: bool = False
 
 
 _ENGINE_OPTIONS = [("mla", int, MlaOpt), ("fa", str, FaOpt), ("amb", int, AmbOpt), ("ctk", str, CtkOpt),
                    ("ctv", str, CtvOpt), ("fmoe", str, FmoeOpt), ("ser", Optional[str], SerOpt),
-                   ("ot", Optional[List[str]], OtOpt), ("rtr", bool, RtrOpt)]
+                   ("ot", Optional[List[str]], OtOpt), ("rtr", bool, RtrOpt), ("no_mmap", bool, NoMmapOpt)]
 
 
 def with_engine_flags(fn):
@@ -191,4 +275,4 @@ def engine_config(path: str, flags: EngineFlags, *, n_ctx: int, n_batch: int, n_
                         n_threads_batch=threads_batch, seed=seed, flash_attn=flash, mla=flags.mla,
                         attn_max_batch_mib=amb, type_k=type_k, type_v=type_v,
                         fused_moe=parse_bool("-fmoe", flags.fmoe), ser_min=ser_min, ser_thresh=ser_t,
-                        tensor_overrides=parse_overrides(flags.ot), repack=flags.rtr)
+                        tensor_overrides=parse_overrides(flags.ot), repack=flags.rtr, use_mmap=not flags.no_mmap)

@@ -89,7 +89,8 @@ def imatrix(
     path = common.resolve_model(model)
     cfg = common.engine_config(path, flags, n_ctx=0, n_batch=batch_size, n_ubatch=ubatch_size, threads=threads,
                                threads_batch=threads_batch)
-    m = load_model(path, common.log, mla=flags.mla, overrides=cfg.tensor_overrides, repack=cfg.repack)
+    m = load_model(path, common.log, mla=flags.mla, overrides=cfg.tensor_overrides, repack=cfg.repack,
+                   use_mmap=cfg.use_mmap)
     c = ctx_size if ctx_size > 0 else m.hp.n_ctx_train
     cfg.n_ctx = c
     cfg.n_batch = min(batch_size, c)         # llama-imatrix: n_batch = min(n_batch, n_ctx) before padding

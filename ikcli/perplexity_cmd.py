@@ -98,7 +98,8 @@ def perplexity(
         base = open_base_logits(kl_base)
         ctx_size = base.n_ctx
     n_ctx = ctx_size if ctx_size > 0 else 0
-    m = load_model(path, common.log, mla=flags.mla, overrides=cfg.tensor_overrides, repack=cfg.repack)
+    m = load_model(path, common.log, mla=flags.mla, overrides=cfg.tensor_overrides, repack=cfg.repack,
+                   use_mmap=cfg.use_mmap)
     if n_ctx == 0:
         n_ctx = m.hp.n_ctx_train
     if n_ctx > m.hp.n_ctx_train:
@@ -172,7 +173,7 @@ def _perplexity(ctx, m, file, escape: bool, n_ctx: int, n_batch: int, n_seq: int
     if unc is None:
         sys.stdout.write("Unexpected negative standard deviation of log(prob)\n")
     else:
-        sys.stdout.write(f"Final estimate: PPL = {ppl:.4f} +/- {unc:.5f}\n")
+        sys.stdout.write(f"Final estimate: PPL over {n_chunk} chunks for n_ctx={n_ctx} = {ppl:.4f} +/- {unc:.5f}\n")
     sys.stdout.flush()
 
 

@@ -91,7 +91,8 @@ def server(
         from engine.model import load_model
         from engine.serving import ServingEngine
 
-        m = load_model(path, common.log, mla=flags.mla, overrides=cfg.tensor_overrides, repack=cfg.repack)
+        m = load_model(path, common.log, mla=flags.mla, overrides=cfg.tensor_overrides, repack=cfg.repack,
+                   use_mmap=cfg.use_mmap)
         if ctx_size == 0:
             cfg.n_ctx = m.hp.n_ctx_train
         elif ctx_size > m.hp.n_ctx_train:

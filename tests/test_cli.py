@@ -12,7 +12,7 @@ import pytest
 from conftest import cli
 
 PPL_LINE = re.compile(r"^(\[\d+\]\d+\.\d{4},)+$")
-FINAL = re.compile(r"^Final estimate: PPL = (\d+\.\d{4}) \+/- (\d+\.\d{5})$")
+FINAL = re.compile(r"^Final estimate: PPL over \d+ chunks for n_ctx=\d+ = (\d+\.\d{4}) \+/- (\d+\.\d{5})$")
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def test_short_text_is_a_clear_error(make_model, tmp_path, capsys):
 
 @pytest.mark.parametrize("args,needle", [
     (["perplexity", "-m", "/no/such/model.gguf"], "no such file"),
-    (["perplexity", "--bogus"], "No such option"),
+    (["perplexity", "--bogus"], "unknown argument: --bogus"),
     (["perplexity", "-c", "x"], "ctx-size"),
     (["perplexity", "-mla", "7"], "-mla must be"),
     (["perplexity", "-fa", "none"], "invalid value 'none' for -fa"),

@@ -10,7 +10,7 @@ import pytest
 from ikcli import quantize_cmd
 from conftest import cli
 
-FINAL = re.compile(r"Final estimate: PPL = (\d+\.\d{4})")
+FINAL = re.compile(r"Final estimate: PPL(?: over \d+ chunks for n_ctx=\d+)? = (\d+\.\d{4})")
 
 
 def types_of(path):

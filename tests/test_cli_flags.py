@@ -1,0 +1,164 @@
+"""ik_llama.cpp's common option set on ikcli's run tools: every spelling is implemented (the tool
+declares it), ignored with one log line, or refused with one line naming it; never clustered,
+misparsed or dropped; and the seed thread's real command lines parse or fail naming a flag."""
+from __future__ import annotations
+
+import re
+import shlex
+
+import pytest
+import typer
+
+from conftest import cli
+from ikcli.app import _checked_argv, _declared, app
+from ikcli.common import NEGATIONS, RUN_TOOLS, normalize_argv
+from ikcli.errors import CliError
+from ikcli.ik_flags import COMMON_FLAGS, NO_EFFECT, REFUSED, USED_BY
+
+try:  # recent Typer vendors Click
+    from typer import _click as click
+except ImportError:  # pragma: no cover
+    import click
+
+CMD = typer.main.get_command(app)
+
+
+def _run(tool: str, args: list[str]) -> tuple[list[str], list[str]]:
+    """(argv the tool's parser gets, note lines)."""
+    notes: list[str] = []
+    out = _checked_argv(CMD, [tool] + args, lambda a, d=None, t=None: normalize_argv(a, d, t, notes.append))
+    return out[1:], notes
+
+
+def _value(spelling: str) -> str:
+    return "distribute" if spelling == "--numa" else "7"
+
+
+@pytest.mark.parametrize("tool", RUN_TOOLS)
+def test_every_common_spelling_has_one_outcome(tool):
+    declared = _declared(CMD.commands[tool])
+    seen = {"implemented": 0, "ignored": 0, "refused": 0}
+    for names, n in COMMON_FLAGS:
+        canon = names[0]
+        for name in names:
+            args = [name] + [_value(name)] * n
+            try:
+                out, notes = _run(tool, args + ["-c", "64"])
+            except CliError as e:
+                assert str(e).startswith(name + " ") and "\n" not in str(e), (name, str(e))
+                assert name not in declared
+                assert canon in REFUSED or canon in USED_BY[tool], name
+                seen["refused"] += 1
+                continue
+            assert out[-2:] == ["-c", "64"], (name, out)            # nothing after it was eaten
+            if name in NEGATIONS:                                    # -no-fa: -fa off
+                assert out[:2] == list(NEGATIONS[name]) and not notes
+                seen["implemented"] += 1
+            elif name in declared:
+                assert out[0] in (name, "--help") and not notes, (name, out, notes)
+                seen["implemented"] += 1
+            elif canon == "-h":
+                assert out[0] == "--help"
+            else:
+                assert out == ["-c", "64"] and len(notes) == 1 and notes[0].startswith(name), (name, out, notes)
+                assert canon == "--numa" or (canon not in REFUSED and canon not in USED_BY[tool]), name
+                seen["ignored"] += 1
+    assert all(seen.values()), seen
+    # the tables name only spellings of the set
+    canon = {names[0] for names, _ in COMMON_FLAGS}
+    assert set(NO_EFFECT) <= canon and set(REFUSED) <= canon and USED_BY[tool] <= canon
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["-thp", "--threads", "2"], "-thp is not supported by ikcli"),        # was read as -t hp
+    (["-xyz"], "unknown argument: -xyz"),
+    (["--no-webui"], "unknown argument: --no-webui"),
+    (["-hfr", "user/model"], "-hfr is not supported by ikcli: it does not download models"),   # printed help
+    (["--lora", "a.gguf"], "--lora is not supported by ikcli"),
+    (["--rope-freq-base", "10000"], "--rope-freq-base is not supported by ikcli"),
+    (["--numa", "everywhere"], "invalid value 'everywhere' for --numa"),
+    (["--ppl-stride", "8"], "--ppl-stride is not supported by ikcli perplexity yet"),
+    (["--ppl-output-type"], "invalid parameter for argument: --ppl-output-type"),
+])
+def test_refusals_name_the_flag(args, expect):
+    with pytest.raises(CliError, match=re.escape(expect)):
+        _run("perplexity", args)
+
+
+def test_values_spellings_and_ignored_lines():
+    out, notes = _run("perplexity", ["-mg", "0", "--ctx_size", "64", "-s", "-1", "-ser", "7,1", "-cmoe",
+                                     "--temp", "0.3", "--numa", "distribute", "-fa", "-b", "512"])
+    assert out == ["--ctx-size", "64", "-s", "-1", "-ser", "7,1", "-fa", "on", "-b", "512"]
+    assert [n.split(":")[0] for n in notes] == ["-mg", "-cmoe", "--temp", "--numa distribute"]
+    assert "no GPU backend" in notes[0] and "perplexity does not use it" in notes[2]
+    out, notes = _run("server", ["--ctx-size=64", "-v"])
+    assert out == ["--ctx-size=64"] and notes and notes[0].startswith("-v: ignored")
+
+
+def test_other_tools_refuse_unknown_flags_too():
+    with pytest.raises(CliError, match="unknown argument: -xq"):
+        _checked_argv(CMD, ["quantize", "-xq", "in.gguf", "out.gguf", "q8_0"], normalize_argv)
+    args = _checked_argv(CMD, ["quantize", "--allow-requantize", "in.gguf", "out.gguf", "q8_0", "2"], normalize_argv)
+    assert args[-4:] == ["in.gguf", "out.gguf", "q8_0", "2"]
+
+
+def test_ignored_flags_end_to_end(capsys):
+    code, out, err = cli(capsys, "perplexity", "-c", "64", "--chunks", "1", "-t", "2", "-ngl", "99", "-cmoe",
+                         "--top-k", "40", "-mqkv")
+    assert code == 0, err[-2000:]
+    assert "-cmoe: ignored: no GPU backend in this ikcli" in err
+    assert "--top-k: ignored" in err and "-mqkv: ignored" in err
+    assert re.search(r"^Final estimate: PPL over 1 chunks for n_ctx=64 = \d+\.\d{4} \+/- \d+\.\d{5}$", out, re.M)
+    base = out
+    code, out, err = cli(capsys, "perplexity", "-c", "64", "--chunks", "1", "-t", "2", "--no-mmap")
+    assert code == 0, err[-2000:]
+    assert out == base                     # the same numbers from the file read into memory
+    code, out, err = cli(capsys, "perplexity", "-thp", "-t", "2")
+    assert code != 0 and err.strip() == "ikcli: error: -thp is not supported by ikcli: transparent huge pages are " \
+                                       "not implemented yet"
+
+
+_TOOLS = {"llama-server": "server", "llama-sweep-bench": "sweep-bench", "llama-perplexity": "perplexity",
+          "llama-imatrix": "imatrix"}
+
+
+def _seed_command_lines(text: str) -> list[tuple[str, list[str]]]:
+    """The tool command lines of the user-guide thread (continuation lines joined)."""
+    lines = [ln.lstrip("> ").strip() for ln in text.splitlines()]
+    found = []
+    i = 0
+    while i < len(lines):
+        m = re.match(r"^(?:\S+=\S+\s+|numactl\s+\S+\s+)*\./build/bin/(llama-(?:server|sweep-bench|perplexity|imatrix))"
+                     r"(\s.*|$)", lines[i])
+        if m:
+            body = m.group(2)
+            while body.rstrip().endswith("\\") and i + 1 < len(lines):
+                i += 1
+                body = body.rstrip()[:-1] + " " + lines[i]
+            body = re.split(r"\s(?:2>&1|\||>)\s?", body)[0]
+            try:
+                found.append((_TOOLS[m.group(1)], shlex.split(body)))
+            except ValueError:
+                pass
+        i += 1
+    return found
+
+
+def test_seed_thread_command_lines(shared_dir):
+    """Every command line of the guide either parses unchanged or fails naming one flag."""
+    lines = _seed_command_lines((shared_dir / "seeds" / "002_461f69e337bfe271.txt").read_text(errors="replace"))
+    assert len(lines) >= 40
+    ok = 0
+    for tool, args in lines:
+        if "--version" in args:
+            continue
+        try:
+            argv, _ = _run(tool, args)
+            CMD.commands[tool].make_context(tool, argv)
+            ok += 1
+        except CliError as e:
+            msg = str(e)
+            assert re.match(r"^(unknown argument: )?-{1,2}[a-z]", msg), (tool, args, msg)
+        except click.ClickException as e:      # only text glued to a line by the thread's formatting
+            assert "unexpected extra argument" in e.format_message(), (tool, args, e.format_message())
+    assert ok >= 32, ok     # 41 lines: 2 --version, 4 --no-webui (unknown to ik too), 2 server --temp, 1 glued text
