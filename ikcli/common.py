@@ -50,6 +50,12 @@ def _ik_table() -> dict[str, tuple[str, int]]:
     return {name: (names[0], n) for names, n in COMMON_FLAGS for name in names}
 
 
+def ik_aliases(canon: str) -> tuple[str, ...]:
+    """All spellings of the ik flag whose first spelling is canon."""
+    from .ik_flags import COMMON_FLAGS
+    return next((names for names, _ in COMMON_FLAGS if names[0] == canon), ())
+
+
 def _is_value_like(a: str) -> bool:
     try:
         float(a)
@@ -123,6 +129,12 @@ def normalize_argv(args: list[str], declared: dict[str, int] | None = None, tool
         if name not in ik:
             raise CliError(f"unknown argument: {a}")
         canon, n = ik[name]
+        alias = next((x for x in ik_aliases(canon) if x in declared), None)
+        if alias is not None:               # another spelling of the same ik flag, e.g. --save-all-logits
+            out.append(alias + eq + val)
+            out += [] if eq else args[i:i + n]
+            i += 0 if eq else n
+            continue
         if not eq and len(args) - i < n:
             raise CliError(f"invalid parameter for argument: {name} (expects {n} value{'s' if n > 1 else ''})")
         i += 0 if eq else n

@@ -3,8 +3,8 @@
 common/log.h's --log-* flags), with the number of values each takes, and what ikcli does with
 each spelling a tool does not declare itself.
 
-A flag that an ikcli tool declares is implemented by that tool (ikcli.common checks that its
-arity matches).  Any other spelling of this set is either
+A flag that an ikcli tool declares is implemented by that tool, under each of ik's spellings of
+it (an undeclared spelling of a declared flag is rewritten to the declared one).  Any other spelling of this set is either
   * ignored, with one log line: ik's tool parses it and does nothing with it either (a
     generation flag given to perplexity), or it only steers something ikcli does not have and
     does not change a result (GPU placement, graph scheduling, the console); or
@@ -343,6 +343,7 @@ NO_EFFECT: dict[str, str] = {
         "--log-test", "--log-disable", "--log-enable", "--log-new", "--log-append", "--log-file")},
     "-vq": "ikcli checks block scales when it loads a tensor's kernels only (no separate validation pass)",
     "--check-tensors": "ikcli checks block scales when it loads a tensor's kernels only (no separate validation pass)",
+    "-cb": "continuous batching is always on in ikcli's server",
     "-v": "ikcli's tools print the same log lines at every verbosity",
     "--verbosity": "ikcli's tools print the same log lines at every verbosity",
     "-tm": "no multimodal projector in ikcli", "-td": "no draft model in ikcli", "-tbd": "no draft model in ikcli",
@@ -403,7 +404,7 @@ USED_BY: dict[str, frozenset[str]] = {
     "sweep-bench": frozenset(_MODEL + ("-n", "-nrep", "--sweep-stride", "--sweep-memory", "-wb",
                                        "--output-format")),
     "server": frozenset(_MODEL + _SAMPLING + (
-        "-n", "-np", "-cb", "-nocb", "--keep", "-a", "-r", "--host", "--port", "--path", "--webui",
+        "-n", "-np", "-nocb", "--keep", "-a", "-r", "--host", "--port", "--path", "--webui",
         "--webui-mcp-proxy", "--api-key", "--api-key-file", "--ssl-key-file", "--ssl-cert-file", "-to",
         "--threads-http", "-spf", "--log-format", "--no-slots", "--metrics", "--slot-save-path",
         "--reasoning-tokens", "--reasoning-budget", "--sql-save-file", "--sqlite-zstd-ext-file",
