@@ -2,7 +2,7 @@
 matmul loops that call the row dots of quant.simd (Q8_0, Q4_0, _R8), quant.simd_blocks (the
 other block types) and quant.simd_r4 (the _R4 layouts) for a few tokens, and from GEMM_MIN
 tokens on quant.simd_gemm's integer GEMM on 16-row tiles (every simd_blocks / simd_r4 type,
-Q8_0, Q4_0; with AVX512-VNNI).
+Q8_0, Q4_0 and their _R8 forms; with AVX512-VNNI).
 
 Calling convention shared by every weight kernel (quant.matmul builds these arguments):
 
@@ -10,7 +10,8 @@ Calling convention shared by every weight kernel (quant.matmul builds these argu
             row r starts at byte r * stride (of expert e: e * estride + r * stride).  Rows
             may be further apart than their length (a view into a memory map), so nothing
             here assumes stride == row bytes.
-    qtype   GGML type id (ints below), branched on once per row, never per element.
+    qtype   GGML type id (ints below), branched on once per run of rows (quant.simd_blocks,
+            simd_r4, simd_gemm) or per row (quant.simd), never per element.
     lut     F16_TO_F32: 65536-entry table that turns f16 bit patterns into f32 (block
             scales of the block types decoded by the other modules; decode_row reads them with
             the _half_to_f32 conversion instead).
@@ -24,8 +25,9 @@ Q8_2 blocks ik_llama.cpp uses for the same purpose (bf16 scale, round half to ev
 
 The few-token kernels are one loop per type family: matvec_int (INT_DOT_TYPES) and
 matvec_float (F16, BF16, F32), each serving plain matmuls, expert-indexed pairs (mul_mat_id)
-and the fused SiLU gate/up product (see the section below).  The integer row dot is one
-inlined function that branches on the type once per row, outside the block loops: measured
+and the fused SiLU gate/up product (see the section below).  The integer dots branch on the
+type outside the block loops (quant.simd's per row; simd_blocks / simd_r4 once per run of
+rows, where per row cost ~13 ns); for Q8_0 / Q4_0 that was measured
 within 1-6 % of the former separate matvec_q8_0 / matvec_q4_0 (4096 x 4096, n = 1 and 4;
 the float family within 1-6 % of the former matvec_float).
 An earlier generic version (block dot inlined per block, or passed as a first-class
@@ -79,20 +81,13 @@ F32_ID, F16_ID, Q4_0_ID, Q8_0_ID, BF16_ID, Q6_0_ID = 0, 1, 2, 8, 30, 133
 Q4_0_R8_ID, Q8_0_R8_ID = 202, 208   # ik_llama.cpp's 8-row interleaved forms (quant.simd)
 # the types matvec_int multiplies (quant.registry: integer dots of quant.simd, simd_blocks, simd_r4)
 INT_DOT_TYPES = _reg.INT_DOT_TYPES
-_R4_KERNEL = _reg.ids_where(lambda r: r.dot == _reg.DOT_R4)      # type id -> quant.simd_r4's group dot
-_GEMM_WEAVE = np.full(400, -1, np.int64)        # type id -> quant.simd_gemm's packing (-1: none)
-for _t, _r in _reg.TRAITS.items():
-    if _t < 400:
-        _GEMM_WEAVE[_t] = _r.gemm
+_R4_KERNEL = _reg.id_table(lambda r: r.dot == _reg.DOT_R4, np.bool_, False)   # type id -> simd_r4 group dot
+_GEMM_WEAVE = _reg.id_table(lambda r: r.gemm, np.int64, -1)      # type id -> simd_gemm's packing (-1: none)
 # type id -> the family decoder _decode_plain_rows calls for it (after the types it decodes inline)
 _DEC_LEGACY, _DEC_KQUANTS, _DEC_IQK = 1, 2, 3
-_DECODER = np.zeros(400, np.int64)
-for _t, _r in _reg.TRAITS.items():
-    if _t < 400 and _r.decodes and not _BY_ID[_t].interleave:
-        _DECODER[_t] = {"legacy": _DEC_LEGACY, "kquants": _DEC_KQUANTS, "iqk": _DEC_IQK}.get(_r.family, 0)
+_DECODER = _reg.id_table(lambda r: {"legacy": _DEC_LEGACY, "kquants": _DEC_KQUANTS, "iqk": _DEC_IQK}.get(r.family, 0)
+                         if r.decodes and not r.info.interleave else 0, np.int64, 0)
 QK = 32            # weights per block (Q8_0, Q4_0, activation q8)
-Q8_0_BYTES = 34    # f16 d + 32 x int8        (layouts; kernels derive them from qk)
-Q4_0_BYTES = 18    # f16 d + 16 bytes of nibbles
 
 _opts = dict(cache=True, fastmath=True, nogil=True)
 
@@ -403,10 +398,12 @@ def quantize_act_q8_serial(x, qk, q, s, bs):
 # kernel costs what the two separate products cost (within 3 %, SiLU included).
 ROW_RUN = 16
 assert ROW_RUN == _gemm.ROWS
-# From this many pairs on, a run of rows of a quant.simd_blocks / simd_r4 type is packed into a
-# 16-row tile and multiplied by quant.simd_gemm (with AVX512-VNNI): one thread, 4096^2, n = 8 /
+# From this many pairs on, a run of rows of a type quant.simd_gemm packs (WEAVE: the simd_blocks
+# and simd_r4 types, Q8_0, Q4_0 and their _R8 forms) is packed into a 16-row tile and multiplied
+# by quant.simd_gemm (with AVX512-VNNI): one thread, 4096^2, n = 8 /
 # 64 / 512: Q4_K 3.7 / 11.1 / 71 ms against the row dots' 3.3 / 23 / (tiles + BLAS) 137.
-GEMM_MIN = 12 if _simd.HAS_VNNI else 1 << 62
+HAS_GEMM = _simd.HAS_VNNI          # quant.simd_gemm's tiles need 512-bit vpdpbusd to pay off
+GEMM_MIN = 12 if HAS_GEMM else 1 << 62
 
 
 @njit(cache=True, nogil=True)
@@ -508,7 +505,8 @@ def _int_run(qtype, buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, bs, b
     quant.simd_blocks / simd_r4 take TMAX activation rows a call (a weight block unpacked once
     for all of them; the tile of TMAX rows stays in L1 while the run's weight rows pass)."""
     cols = nb * qk
-    if k1 - k0 >= GEMM_MIN and qtype < 400 and _GEMM_WEAVE[qtype] >= 0 and \
+    # b16 is empty for Q8_0 / Q4_0 activations made for the row dots only (quant.matmul._act)
+    if k1 - k0 >= GEMM_MIN and qtype < 400 and _GEMM_WEAVE[qtype] >= 0 and b16.shape[1] * 16 == cols and \
             _gemm_rows(qtype, _GEMM_WEAVE[qtype], buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16, out):
         return
     if qtype < 400 and _R4_KERNEL[qtype]:

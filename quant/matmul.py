@@ -58,8 +58,8 @@ from . import registry
 from .types import BF16, F16, F32, type_info
 
 MANY_TOKENS = 16          # from this many activation rows on, use dequantized tiles + BLAS
-_MANY_TOKENS_INT = 8      # ... and this many for Q8_0 / Q4_0 (integer dots cost more per token)
-_MANY_TOKENS_BLOCKS = 96  # ... for the block types of quant.simd_blocks (see many_tokens)
+_MANY_TOKENS_INT = 8      # ... and this many for Q8_0 / Q4_0 without VNNI (see many_tokens)
+_MANY_TOKENS_BLOCKS = 96  # ... for the block types of quant.simd_blocks without VNNI
 TILE_BYTES = 4 << 20      # target size of the f32 scratch tile
 # Numba threads that decode a tile (None: all of numba's).  Decoding is ~1-2 % of the work
 # of a many-token matmul; see the module docstring on thread pools fighting.
@@ -216,15 +216,14 @@ def many_tokens(qtype: int) -> int:
     the plain block types' row dots break even with the tiles near 96 rows (one thread, int vs
     tiles: Q4_K 21.3 vs 28.0 ms at 48, 46.4 vs 44.7 at 96; Q6_K 24.3 vs 31.5 and 44.5 vs 46.8;
     IQ4_K 21.6 vs 33.4 and 48.7 vs 49.5).  A MoE prompt of 512 tokens gives each of 64 experts
-    ~48."""
-    dot = registry.TRAITS[qtype].dot
-    if dot == registry.DOT_R4:
+    ~48.  Q8_0 / Q4_0 below GEMM_MIN keep quant.simd's row dots: one thread, 4096^2, n = 8 / 11,
+    5.1 / 6.8 ms (Q4_0 4.7 / 6.2) against 13.5 / 15.7 (14.3 / 17.0) for the tiles."""
+    tr = registry.TRAITS[qtype]
+    if tr.dot == registry.DOT_R4 or (K.HAS_GEMM and tr.integer_dot):
         return 1 << 62
-    if dot == registry.DOT_BLOCK:
-        return _MANY_TOKENS_BLOCKS if K.GEMM_MIN > _MANY_TOKENS_BLOCKS else 1 << 62
-    if qtype in _Q8_SIMD and K.GEMM_MIN <= _MANY_TOKENS_BLOCKS:
-        return 1 << 62
-    return min(MANY_TOKENS, _MANY_TOKENS_INT) if qtype in K.INT_DOT_TYPES else MANY_TOKENS
+    if tr.dot == registry.DOT_BLOCK:
+        return _MANY_TOKENS_BLOCKS
+    return _MANY_TOKENS_INT if tr.dot == registry.DOT_Q8 else MANY_TOKENS
 
 
 def tile_rows(cols: int, rows: int) -> int:
@@ -291,7 +290,7 @@ def _quantize_act(x: np.ndarray, sums16: bool = True, ints16: bool = True
 def _act(qt: int, x: np.ndarray, n_pairs: int | None = None) -> tuple[np.ndarray, ...]:
     """The few-pair kernels' activations: (q, s, bs, b16) for the integer types, (x,) for the
     others.  Q8_0 / Q4_0 keep per-32 int sums (quant.simd) and get the f32 per-16 ones when
-    enough pairs (n_pairs, default: the rows of x) come for one expert to reach
+    enough pairs (n_pairs: the most that one expert gets; default: the rows of x) come to reach
     quant.simd_gemm."""
     if qt not in K.INT_DOT_TYPES:
         return (x,)
@@ -423,7 +422,9 @@ def _mul_id(va: _View, vb: _View | None, x: np.ndarray, ids: np.ndarray,
     except IndexError as e:
         lim = va.n_expert if "expert" in str(e) else x.shape[0]
         raise IndexError(f"{e} 0..{lim - 1}") from None
-    act_x = () if va.qtype == F32 else _act(va.qtype, x, P)   # every activation row quantized once
+    # every activation row quantized once; the per-16 sums of Q8_0 / Q4_0 only when one expert
+    # gets enough pairs for the GEMM
+    act_x = () if va.qtype == F32 else _act(va.qtype, x, int(counts.max()))
     if few:
         po = order[:few]                            # the few-pair pairs, grouped by expert
         act = act_x

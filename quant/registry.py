@@ -106,10 +106,10 @@ def _plain_record(ti: TypeInfo, fam: Family | None) -> TypeTraits:
         fast = (lambda x, im, t=t: kquants_fast.quantize(x, t, im))
     q = None if fam is None or fam.quantize is None else (lambda x, im, f=fam.quantize, t=t: f(x, t, im))
     qr = None if fam is None or fam.quantize_row is None else (lambda x, f=fam.quantize_row, t=t: f(x, t))
-    dq = None if fam is None or fam.dequantize is None else \
-        (lambda raw, n, npr=None, f=fam.dequantize, t=t: f(raw, t, n))
-    if fam is not None and fam.module is iqk:             # row-meta types: rows of n_per_row
-        dq = (lambda raw, n, npr=None, t=t: iqk.dequantize(raw, t, n, npr))
+    dq = None
+    if fam is not None and fam.dequantize is not None:    # types with per-row metadata read rows of npr
+        dq = (lambda raw, n, npr=None, f=fam.dequantize, t=t: f(raw, t, n, npr)) if ti.row_meta else \
+            (lambda raw, n, npr=None, f=fam.dequantize, t=t: f(raw, t, n))
     if t in GEMM_ONLY:
         dot, act = DOT_Q8, ACT_Q8_32
     elif t in BLOCK_DOTS:
@@ -118,6 +118,7 @@ def _plain_record(ti: TypeInfo, fam: Family | None) -> TypeTraits:
         dot, act = DOT_F32, ACT_F32
     else:
         dot = act = None
+    # kquants_fast has no Q4_0 imatrix fit: that one stays on the NumPy reference
     return TypeTraits(ti, fam.name if fam else None, q, fast, t != legacy.Q4_0_ID, qr, dq,
                       fam is not None, dot, act, WEAVE.get(t, -1))
 
@@ -168,10 +169,11 @@ def traits(t: int | str) -> TypeTraits:
     return TRAITS[type_info(t).id]
 
 
-def ids_where(pred: Callable[[TypeTraits], bool], size: int = 400) -> np.ndarray:
-    """A boolean table over type ids (for Numba code): True where pred holds."""
-    table = np.zeros(size, np.bool_)
+def id_table(value: Callable[[TypeTraits], int | bool], dtype, default, size: int = 400) -> np.ndarray:
+    """A table over type ids for Numba code: value(record) at each registered id below size,
+    default elsewhere."""
+    table = np.full(size, default, dtype)
     for t, r in TRAITS.items():
-        if t < size and pred(r):
-            table[t] = True
+        if t < size:
+            table[t] = value(r)
     return table

@@ -41,6 +41,8 @@ or the kernels keep the previously compiled IR.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numba
 from llvmlite import binding as llb
 from llvmlite import ir
@@ -70,6 +72,22 @@ def cpu_features() -> set[str]:
 # features too, so a cached VNNI kernel is never loaded on a CPU without them.  (No switch to
 # turn it off: the cache would not see it.  The generic forms stay importable for tests.)
 HAS_VNNI = {"+avx512vnni", "+avx512vl", "+avx512bw", "+avx512f"} <= cpu_features()
+
+
+@contextmanager
+def stack_scope(builder: ir.IRBuilder):
+    """Allocas made inside the block are freed when it ends (llvm.stacksave / stackrestore).
+    An alloca outside a function's entry block is dynamic: inside a loop it takes new stack on
+    every iteration until the function returns, and a kernel that loops over thousands of rows
+    and token passes ran out of a thread's stack (segfault)."""
+    i8p = ir.IntType(8).as_pointer()
+    sfx = ".p0" if llb.llvm_version_info[0] >= 18 else ""
+    save = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i8p, []), "llvm.stacksave" + sfx)
+    restore = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p]),
+                                             "llvm.stackrestore" + sfx)
+    sp = builder.call(save, [])
+    yield
+    builder.call(restore, [sp])
 
 
 def _vec(t: ir.Type, n: int) -> ir.VectorType:
@@ -158,16 +176,22 @@ def _vnni_block(unpack, shift: int):
         a = _load_vec(builder, act, _I8, QK)
         corr = builder.neg(builder.shl(bsum, ir.Constant(_I32, shift)))
         init = builder.insert_element(ir.Constant(_vec(_I32, 8), None), corr, ir.Constant(_I32, 0))
-        return d, _vpdpbusd(builder, init, wu, a)
+        return d, dpbusd(builder, init, wu, a)
     return block_isum
 
 
-def _vpdpbusd(builder: ir.IRBuilder, acc, u8, s8):
-    """acc (8 x i32) + per lane the sum of 4 products u8 x s8 (32-byte vectors), no saturation."""
-    v8 = _vec(_I32, 8)
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8, v8, v8]),
-                                        "llvm.x86.avx512.vpdpbusd.256")
-    return builder.call(fn, [acc, builder.bitcast(u8, v8), builder.bitcast(s8, v8)])
+def dpbusd(builder: ir.IRBuilder, acc, u8, s8, vnni: bool = True):
+    """acc (8 or 16 x i32) + per lane the sum of its 4 products u8 (unsigned bytes) x s8 (signed
+    bytes), no saturation: vpdpbusd (256 / 512-bit) with vnni, else widened products and two
+    pairwise adds (what LLVM lowers for any target)."""
+    n = acc.type.count
+    if vnni:
+        vi = _vec(_I32, n)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vi, [vi, vi, vi]),
+                                            f"llvm.x86.avx512.vpdpbusd.{32 * n}")
+        return builder.call(fn, [acc, builder.bitcast(u8, vi), builder.bitcast(s8, vi)])
+    prod = builder.mul(builder.zext(u8, _vec(_I32, 4 * n)), builder.sext(s8, _vec(_I32, 4 * n)))
+    return builder.add(acc, _pair_sum(builder, _pair_sum(builder, prod, 4 * n), 2 * n))
 
 
 def _row_dot_intrinsic(block_bytes: int, block_isum, lanes: int):
@@ -297,7 +321,7 @@ def _vnni_group(unpack, shift: int):
         corr = builder.neg(builder.shl(bsum, ir.Constant(_I32, shift)))
         isum = _splat(builder, corr, _I32, R8)
         for w, off in runs:
-            isum = _vpdpbusd(builder, isum, w, _splat(builder, _act4(builder, act, off), _I32, R8))
+            isum = dpbusd(builder, isum, w, _splat(builder, _act4(builder, act, off), _I32, R8))
         return d8, isum
     return block_rows
 

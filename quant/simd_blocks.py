@@ -46,7 +46,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import iqk as _iqk
-from .simd import HAS_VNNI, cpu_features, _F32, _I8, _I16, _I32, _I64, _vec, _const_i64, _pair_sum, _splat, _vpdpbusd
+from .simd import _unpack_q4_0 as _simd_unpack_q4_0, _unpack_q8_0 as _simd_unpack_q8_0
+from .simd import HAS_VNNI, cpu_features, stack_scope, _F32, _I8, _I16, _I32, _I64, _vec, _const_i64, _pair_sum, _splat, dpbusd
 
 HAS_AVX2 = "+avx2" in cpu_features()
 _V32 = _vec(_I8, 32)
@@ -433,14 +434,14 @@ def _unpack_iq4_nl(b: ir.IRBuilder, p) -> Block:
     return Block(_f16(b, p, 0), [u], _ONE2, 128)
 
 
-def _unpack_q8_0(b: ir.IRBuilder, p) -> Block:
-    """Q8_0 (GEMM only: its row dots are quant.simd's): signed bytes + 128."""
-    return Block(_f16(b, p, 0), [b.xor(_ld(b, p, 2), _c(128))], _ONE2, 128)
-
-
-def _unpack_q4_0(b: ir.IRBuilder, p) -> Block:
-    """Q4_0 (GEMM only, as Q8_0): nibbles, level offset 8."""
-    return Block(_f16(b, p, 0), [_nib32(b, p, 2)], _ONE2, 8)
+def _from_simd(unpack: Callable, off: int) -> Callable:
+    """A Block from one of quant.simd's Q8_0 / Q4_0 unpackers (their row dots are quant.simd's;
+    these records only feed quant.simd_gemm): unsigned bytes (u8), level offset off."""
+    def f(b: ir.IRBuilder, p) -> Block:
+        d, parts = unpack(b, p, u8=True)
+        u = parts[0][0] if len(parts) == 1 else _cat(b, parts[0][0], parts[1][0])
+        return Block(d, [u], _ONE2, off)
+    return f
 
 
 def _grouped(one: BlockDot, n: int = 8) -> BlockDot:
@@ -486,8 +487,8 @@ BLOCK_DOTS: dict[int, BlockDot] = {
 
 # Q8_0 / Q4_0 have row dots of their own (quant.simd); these records serve quant.simd_gemm
 GEMM_ONLY: dict[int, BlockDot] = {
-    8: _grouped(BlockDot("Q8_0", 32, 34, 128, _unpack_q8_0)),
-    2: _grouped(BlockDot("Q4_0", 32, 18, 8, _unpack_q4_0)),
+    8: _grouped(BlockDot("Q8_0", 32, 34, 128, _from_simd(_simd_unpack_q8_0, 128))),
+    2: _grouped(BlockDot("Q4_0", 32, 18, 8, _from_simd(_simd_unpack_q4_0, 8))),
 }
 
 
@@ -499,7 +500,7 @@ def _sub_isum(b: ir.IRBuilder, u, a, off8, vnni: bool):
     unsigned levels u (the block removes off * activation sums once, in lane vectors);
     generic: of the true levels u - off (off8: None for 0, else the 32 byte offsets)."""
     if vnni:
-        return _vpdpbusd(b, ir.Constant(_vec(_I32, 8), [0] * 8), u, a)
+        return dpbusd(b, ir.Constant(_vec(_I32, 8), [0] * 8), u, a)
     w = b.sub(u, off8) if off8 is not None else u
     prod = b.mul(b.sext(w, _vec(_I32, 32)), b.sext(a, _vec(_I32, 32)))
     return _pair_sum(b, _pair_sum(b, prod, 32), 16)
@@ -537,7 +538,8 @@ def token_accs(b: ir.IRBuilder, *elems: ir.Type) -> list:
     """For each element type, TMAX zeroed accumulators (one per activation row).  Allocated
     where they are used, inside the row loops, on purpose: hoisted to the entry block
     (cgutils.alloca_once) one token measured 10-15 % slower (one thread, 4096^2: Q4_K 0.49 ->
-    0.54-0.56 ms, Q4_K_R4 0.34 -> 0.39-0.40, IQ2_K_R4 0.39 -> 0.44-0.46, alternating runs)."""
+    0.54-0.56 ms, Q4_K_R4 0.34 -> 0.39-0.40, IQ2_K_R4 0.39 -> 0.44-0.46, alternating runs).
+    dot_intrinsic gives them back after each row (stack_scope), so long loops do not grow the stack."""
     out = []
     for t in elems:
         a = b.alloca(ir.ArrayType(t, TMAX))
@@ -765,7 +767,7 @@ def dot_intrinsic(records: dict, emit_rows: Callable, width: int, vnni: bool, la
             ost = builder.sdiv(builder.extract_value(oa.strides, 0), _const_i64(4))
             def case(fmt):
                 def emit(ntok, fmt=fmt):
-                    with cgutils.for_range(builder, nv) as rl:
+                    with cgutils.for_range(builder, nv) as rl, stack_scope(builder):   # per-row allocas
                         wp = builder.gep(wbuf.data, [builder.add(basev, builder.mul(rl.index, stridev))])
                         col = builder.add(rv, builder.mul(rl.index, _const_i64(width)))
                         obase = builder.gep(oa.data, [builder.add(builder.mul(k0v, ost), col)])

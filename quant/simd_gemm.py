@@ -11,9 +11,10 @@ run of 16 weight rows is unpacked once into a woven tile:
     tdsc  f32 d * scale of each row's half (row scale included);
     tws   f32 weight of each half's activation sum (-d scale OFF + dm min), as in the row dot.
 
-and every token then costs per 32 values and 16 rows 8 broadcasts, 8 vpdpbusd (512-bit), two
-converts and five f32 multiplies / adds (the two halves' d * scale, the activation scale once,
-the activation-sum weights): no horizontal sums, no per-row work.  The row dots' records
+and every token then costs per 32 values and 16 rows 8 broadcasts of activation quads, 8 vpdpbusd
+(512-bit), two converts, 3 broadcasts of activation scales and sums, and nine f32 multiplies /
+adds (the two halves' d * scale, the activation scale once, the two halves' activation-sum
+weights; ~6 once LLVM fuses them): no horizontal sums, no per-row work.  The row dots' records
 (BLOCK_DOTS, plus GEMM_ONLY for Q8_0 / Q4_0) feed the packing, so every block type gets the
 GEMM; the _R4 layouts are packed from simd_r4's records and Q8_0_R8 / Q4_0_R8 from their woven
 runs (WEAVE says which packing a type takes).  Activations are quant.matmul's (q, s, bs, b16)
@@ -34,10 +35,11 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .simd import HAS_VNNI, _F32, _I8, _I32, _vec, _const_i64, _pair_sum, _splat
-from .simd_blocks import (BLOCK_DOTS, GEMM_ONLY, BlockDot, _c, _cv, _f16, _f32, _gep, _ld, _per_half, sum_weights,
+from .simd import (HAS_VNNI, QK, _F32, _I8, _I32, _const_i64, _splat, _unpack_q4_0_r8, _unpack_q8_0_r8, _vec,
+                   dpbusd)
+from .simd_blocks import (BLOCK_DOTS, GEMM_ONLY, BlockDot, _cv, _f16, _f32, _gep, _ld, _per_half, sum_weights,
                           type_switch)
-from .simd_r4 import R4_DOTS, R4Dot
+from .simd_r4 import R4_DOTS, R4Dot, _dup8
 
 ROWS = 16          # weight rows per tile (one 512-bit lane each)
 TOKENS = 4         # activation rows per pass over the tile (the tile's vectors are loaded once for them)
@@ -172,9 +174,8 @@ def _pack_r4_blocks(b: ir.IRBuilder, fmt: R4Dot, groups, ngroups, nb, tu, tdsc, 
             g = gl.index
             bp, rs4 = groups(g)
             blk = fmt.unpack(b, b.gep(bp, [b.mul(ib, _const_i64(fmt.nbytes))]))
-            dup = _cv([0, 1, 2, 3, 0, 1, 2, 3])
-            d8 = b.shuffle_vector(b.fmul(blk.d, rs4, flags=["fast"]), blk.d, dup)
-            dm8 = None if blk.dm is None else b.shuffle_vector(b.fmul(blk.dm, rs4, flags=["fast"]), blk.dm, dup)
+            d8 = _dup8(b, b.fmul(blk.d, rs4, flags=["fast"]))
+            dm8 = None if blk.dm is None else _dup8(b, b.fmul(blk.dm, rs4, flags=["fast"]))
             for si, sub in enumerate(blk.subs):
                 dsc = b.fmul(b.sitofp(sub.scale, v8f), d8, flags=["fast"])
                 mn = None if dm8 is None else \
@@ -214,45 +215,39 @@ tile_pack_r4 = _pack_intrinsic(R4_DOTS, "packr4", _pack_r4)
 
 @dataclass(frozen=True)
 class R8Pack:
-    """Q8_0_R8 / Q4_0_R8 (quant.simd's layouts): per 32-value block of 8 rows, 8 f16 d then 256
-    bytes in which the 32 bytes at 16 + 32 m hold quad m of the 8 rows (Q8_0_R8: signed bytes,
-    m < 8; Q4_0_R8: low nibbles quad m, high nibbles quad m + 4, m < 4)."""
+    """Q8_0_R8 / Q4_0_R8 (quant.simd's layouts and unpackers): per 32-value block of 8 rows, 8 f16
+    d then woven runs of 32 bytes, each a quad of values of the 8 rows (quant.simd._unpack_*_r8
+    give them as unsigned bytes with their activation offsets)."""
     name: str
     nbytes: int
-    nibbles: bool
+    unpack: Callable
+    off: int                # level offset of the unsigned bytes (128: int8 + 128; 8: nibbles)
 
 
 def _pack_r8(b: ir.IRBuilder, fmt: R8Pack, at, ngroups, cols, tu, tdsc, tws) -> None:
     """Blocks of every 8-row group g < ngroups into tile rows 8 g .. 8 g + 7: the woven 32-byte
-    runs are the tile's layout already (8 rows' quad m), so each is one store."""
-    v8f, off = _vec(_F32, 8), (8 if fmt.nibbles else 128)
+    runs are the tile's layout already (8 rows' quad), so each is one store."""
     p8 = lambda p: b.bitcast(p, _vec(p.type.pointee, 8).as_pointer())   # noqa: E731
     with cgutils.for_range(b, b.udiv(cols, _const_i64(32))) as loop:
         ib = loop.index
         with cgutils.for_range(b, ngroups) as gl:
             bp = b.gep(at(gl.index), [b.mul(ib, _const_i64(fmt.nbytes))])
             r8 = b.mul(gl.index, _const_i64(8))
-            d = b.fpext(b.bitcast(_ld(b, bp, 0, 8, ir.IntType(16)), _vec(ir.HalfType(), 8)), v8f)
-            ws = sum_weights(b, _cv([1] * 8), off, d)
+            d, runs = fmt.unpack(b, bp, u8=True)
+            ws = sum_weights(b, _cv([1] * 8), fmt.off, d)
             for h in range(2):
                 at_h = b.add(b.mul(b.add(b.mul(ib, _const_i64(2)), _const_i64(h)), _const_i64(ROWS)), r8)
                 b.store(d, p8(b.gep(tdsc, [at_h])), align=4)
                 b.store(ws, p8(b.gep(tws, [at_h])), align=4)
-            runs = []
-            for m in range(4 if fmt.nibbles else 8):
-                v = _ld(b, bp, 16 + 32 * m)
-                if fmt.nibbles:
-                    runs += [(m, b.and_(v, _c(15))), (m + 4, b.and_(b.lshr(v, _c(4)), _c(15)))]
-                else:
-                    runs.append((m, b.xor(v, _c(128))))
-            for m, v in runs:
-                quad = b.add(b.mul(b.add(b.mul(ib, _const_i64(2)), _const_i64(m // 4)), _const_i64(4)), _const_i64(m % 4))
+            for v, ao in runs:               # activation offset ao: quad ao // 4 of the block's 8
+                quad = b.add(b.mul(ib, _const_i64(8)), _const_i64(ao // 4))
                 b.store(b.bitcast(v, _vec(_I32, 8)), p8(b.gep(tu, [b.add(b.mul(quad, _const_i64(ROWS)), r8)])), align=4)
 
 
 # tile_pack_r8(qtype, buf, base, gstride, ngroups, cols, tu, tdsc, tws) -> bool: tile_pack for
 # Q8_0_R8 / Q4_0_R8: the 8-row groups at byte base + g gstride, g < ngroups (<= ROWS / 8).
-R8_PACKS = {208: R8Pack("Q8_0_R8", 8 * 34, False), 202: R8Pack("Q4_0_R8", 8 * 18, True)}
+R8_PACKS = {208: R8Pack("Q8_0_R8", 16 + 8 * QK, _unpack_q8_0_r8, 128),
+            202: R8Pack("Q4_0_R8", 16 + 4 * QK, _unpack_q4_0_r8, 8)}
 tile_pack_r8 = _pack_intrinsic(R8_PACKS, "packr8", _pack_r8)
 
 # type id -> the packing quant.kernels calls for it: 0 tile_pack (rows), 4 tile_pack_r4, 8 tile_pack_r8
@@ -262,16 +257,6 @@ WEAVE: dict[int, int] = {**{t: 0 for t in PLAIN_PACKS}, **{t: 4 for t in R4_DOTS
 # ----------------------------------------------------------------------------------------
 # the GEMM: tile x activation rows
 # ----------------------------------------------------------------------------------------
-def _dpbusd16(b: ir.IRBuilder, acc, u, a, vnni: bool):
-    """acc (16 x i32) + per lane the 4 products u (unsigned bytes) x a (signed bytes)."""
-    if vnni:
-        fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(_V16I, [_V16I] * 3),
-                                            "llvm.x86.avx512.vpdpbusd.512")
-        return b.call(fn, [acc, b.bitcast(u, _V16I), b.bitcast(a, _V16I)])
-    prod = b.mul(b.zext(u, _vec(_I32, 64)), b.sext(a, _vec(_I32, 64)))
-    return b.add(acc, _pair_sum(b, _pair_sum(b, prod, 64), 32))
-
-
 def _gemm_codegen(vnni: bool):
     def codegen(context, builder, sig, args):
         b = builder
@@ -315,7 +300,7 @@ def _gemm_codegen(vnni: bool):
                         q16 = b.bitcast(b.gep(qp[t], [b.mul(h, _const_i64(16))]), _I32.as_pointer())
                         for j in range(4):
                             a = _splat(b, b.load(b.gep(q16, [_const_i64(j)]), align=1), _I32, ROWS)
-                            isum = _dpbusd16(b, isum, ws[k][j], b.bitcast(a, _V64B), vnni)
+                            isum = dpbusd(b, isum, ws[k][j], b.bitcast(a, _V64B), vnni)
                         x = b.fmul(b.sitofp(isum, _V16F), dsc[k], flags=["fast"])
                         part = x if part is None else b.fadd(part, x, flags=["fast"])
                     sv = _splat(b, b.load(b.gep(sp[t], [sl.index])), _F32, ROWS)

@@ -29,7 +29,7 @@ from typing import Callable
 from llvmlite import ir
 from numba.core import cgutils
 
-from .simd import HAS_VNNI, _F32, _I8, _I16, _I32, _vec, _const_i64, _pair_sum, _splat, _vpdpbusd
+from .simd import HAS_VNNI, _F32, _I8, _I16, _I32, _vec, _const_i64, _splat, dpbusd
 from . import simd_blocks as _blk
 from .simd_blocks import TMAX, _bit_to, _c, _cat, _cv, _gep, _ld, _lookup, dot_intrinsic, token_accs, tree_sum
 
@@ -101,14 +101,6 @@ def _dup8(b: ir.IRBuilder, v4):
 def _blend_halves(b: ir.IRBuilder, x, y):
     """Bytes 0..15 of x, 16..31 of y."""
     return b.shuffle_vector(x, y, ir.Constant(_vec(_I32, 32), list(range(16)) + list(range(48, 64))))
-
-
-def _dpbusd(b: ir.IRBuilder, acc, u, a, vnni: bool):
-    """acc + per dword lane the 4 products u (unsigned) x a (signed)."""
-    if vnni:
-        return _vpdpbusd(b, acc, u, a)
-    prod = b.mul(b.zext(u, _vec(_I32, 32)), b.sext(a, _vec(_I32, 32)))
-    return b.add(acc, _pair_sum(b, _pair_sum(b, prod, 32), 16))
 
 
 def _runs4(b: ir.IRBuilder, p, off: int, fix=None):
@@ -366,7 +358,7 @@ def _block_dot4(b: ir.IRBuilder, blk: R4Block, mins, ib, qp, sp, i16p, b16p, d8,
             off = sub.off if not isinstance(sub.off, int) else _c(sub.off, 8, _I32)
             isum = b.neg(b.mul(off, b.shuffle_vector(i16, i16, ir.Constant(_V8I, [2 * j] * 4 + [2 * j + 1] * 4))))
         for u, ao in sub.runs:
-            isum = _dpbusd(b, isum, u, _act_shuffle(b, a, ao), vnni)
+            isum = dpbusd(b, isum, u, _act_shuffle(b, a, ao), vnni)
         terms.append(b.fmul(b.sitofp(b.mul(isum, sub.scale), _V8F), sa, flags=["fast"]))
     b.store(b.fadd(b.load(accp), b.fmul(tree_sum(b, terms), d8, flags=["fast"]), flags=["fast"]), accp)
     if mins is not None:

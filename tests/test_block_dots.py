@@ -40,6 +40,39 @@ def _dot(kind, qtype, buf, q, s, bs, b16, cols, out):
     return R4.group_dot(qtype, buf, 0, 0, 1, q, s, bs, b16, cols, 0, n, out, 0)
 
 
+@njit(cache=True)
+def _many_calls(generic, qtype, buf, stride, n, q, s, bs, b16, cols, calls, out):
+    """calls row-dot calls over n rows in one compiled function (as quant.kernels' loops do)."""
+    ok = True
+    for _ in range(calls):
+        if generic:
+            ok &= SB.row_dot_generic(qtype, buf, 0, stride, n, q, s, bs, b16, cols, 0, q.shape[0], out, 0)
+        else:
+            ok &= R4.group_dot_generic(qtype, buf, 0, stride, n, q, s, bs, b16, cols, 0, q.shape[0], out, 0)
+    return ok
+
+
+def test_long_loops_keep_the_stack_flat():
+    """The row dots' per-row allocas are freed after each row: 200000 calls of 4 rows and 8 tokens
+    in one compiled loop (the stack of a 20000-token prompt's passes) run in a 1 MiB stack (they
+    took ~0.4 KiB each before and crashed a thread's stack)."""
+    import subprocess
+    import sys
+    code = ("import sys, numpy as np; sys.path.insert(0, %r)\n"
+            "from test_block_dots import _many_calls, _act\n"
+            "from quant.types import type_info\n"
+            "for name, generic in (('Q4_K', True), ('Q4_K_R4', False)):\n"
+            "    t = type_info(name).id; rb = t and type_info(name).row_bytes(256)\n"
+            "    rng = np.random.default_rng(0); q, s, bs, b16, _ = _act(rng, 256, 8)\n"
+            "    buf = np.zeros(4 * rb, np.uint8); out = np.zeros((8, 4), np.float32)\n"
+            "    n = 4 if generic else 1\n"
+            "    assert _many_calls(generic, t, buf, rb if generic else 4 * rb, n, q, s, bs, b16, 256, 200000, out)\n"
+            "print('ok')\n") % str(__import__("pathlib").Path(__file__).parent)
+    r = subprocess.run(["bash", "-c", 'ulimit -s 1024 && exec "$0" -c "$1"', sys.executable, code],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
+
+
 def _kind(form: str, r4: bool) -> int:
     if form == "vnni" and not SB.HAS_VNNI:
         pytest.skip("no AVX512-VNNI on this CPU")
@@ -105,7 +138,7 @@ def test_row_dot_refuses_types_without_record():
     assert np.all(out == 0)
 
 
-def _rounded_ref(w: QTensor, x: np.ndarray, n_tokens_hint: int) -> np.ndarray:
+def _rounded_ref(w: QTensor, x: np.ndarray) -> np.ndarray:
     deq = dequantize(w).reshape(-1, w.cols).astype(np.float64)
     return _q8_rounded(x).astype(np.float64) @ deq.T
 
@@ -121,7 +154,7 @@ def test_matmul_few_and_many_tokens_agree(name):
     w = quantize_tensor(rng.standard_normal((13, 512)).astype(np.float32), type_info(name).id)
     for n in (1, 3, 8, 19, 100):
         x = rng.standard_normal((n, 512)).astype(np.float32)
-        want = _rounded_ref(w, x, n)
+        want = _rounded_ref(w, x)
         np.testing.assert_allclose(matmul(w, x), want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
         tiles = np.empty((n, 13), np.float32)
         _tiles(_view(w), _q8_rounded(x), tiles)
@@ -129,15 +162,17 @@ def test_matmul_few_and_many_tokens_agree(name):
 
 
 @njit(cache=True)
-def _gemm(generic, qtype, buf, stride, rows, cols, q, s, b16, out, r4=False):
+def _gemm(generic, qtype, buf, stride, rows, cols, q, s, b16, out, r4=False, r8=False):
     """quant.simd_gemm over every 16-row run (tiles start as NaN: rows past `rows` stay so);
-    r4: the _R4 packing (stride: of one row, groups of 4 rows)."""
+    r4 / r8: the _R4 / _R8 packing (stride: of one row, groups of 4 / 8 rows)."""
     tu = np.full(16 * cols, 0x7F, np.uint8)
     td = np.full(cols, np.nan, np.float32)
     tw = np.full(cols, np.nan, np.float32)
     for r0 in range(0, rows, 16):
         n = min(16, rows - r0)
-        if r4:
+        if r8:
+            ok = SG.tile_pack_r8(qtype, buf, r0 * stride, 8 * stride, n // 8, cols, tu, td, tw)
+        elif r4:
             ok = SG.tile_pack_r4(qtype, buf, r0 * stride, 4 * stride, n // 4, cols, tu, td, tw)
         else:
             ok = SG.tile_pack(qtype, buf, r0 * stride, stride, n, cols, tu, td, tw)
@@ -271,6 +306,82 @@ def test_tile_gemm_packs_r4_groups(qtype, form):
         assert np.all(np.abs(out - want) <= 2e-5 * mag + 1e-30), (cols, out, want)
 
 
+@pytest.mark.parametrize("form", ["generic", "vnni"])
+@pytest.mark.parametrize("name", ["Q8_0_R8", "Q4_0_R8"])
+def test_tile_gemm_packs_r8_groups(name, form):
+    """quant.simd_gemm's _R8 packing on random groups (24 rows: a full tile and one group; one
+    and three blocks), 7 tokens, against the plain decoder of the unpacked rows."""
+    _kind(form, False)
+    qtype = type_info(name).id
+    rng = np.random.default_rng(qtype)
+    pt = IL.plain_type(qtype)
+    for cols in (32, 96):
+        grb = 8 * type_info(qtype).row_bytes(cols)
+        groups, ys = [], []
+        while len(groups) < 3:
+            raw = rng.integers(0, 256, grb, dtype=np.uint8)
+            plain = IL.unpack(raw, qtype, 8, cols)
+            y = np.stack([_decode(pt, plain[k], cols) for k in range(8)]).astype(np.float64)
+            if np.all(np.isfinite(y)) and np.abs(y).max() <= 1e6:
+                groups.append(raw)
+                ys.append(y)
+        buf, y = np.concatenate(groups), np.concatenate(ys)
+        q, s, bs, b16, xa = _act(rng, cols, 7)
+        out = np.full((7, 24), np.nan, np.float32)
+        assert _gemm(form == "generic", qtype, buf, grb // 8, 24, cols, q, s, b16, out, False, True)
+        want, mag = xa @ y.T, np.abs(xa) @ np.abs(y).T
+        assert np.all(np.abs(out - want) <= 2e-5 * mag + 1e-30), (cols, out, want)
+
+
+@pytest.mark.parametrize("form", ["generic", "vnni"])
+@pytest.mark.parametrize("name", ["Q4_K", "IQ4_XS", "Q4_K_R4"])
+def test_row_dots_over_a_run_of_rows(name, form):
+    """One call over several rows, as quant.kernels makes them: 5 rows (or groups) at a byte
+    offset, with a stride longer than a row, activation rows from k0 = 1, output columns from
+    r = 2, a full pass of TMAX tokens; against the decoder."""
+    ti = type_info(name)
+    r4 = ti.interleave == 4
+    kind = _kind(form, r4)
+    rng = np.random.default_rng(ti.id + 5)
+    cols, nrows, pad, off = 512, 5, 24, 7
+    width = 4 if r4 else 1
+    unit = width * ti.row_bytes(cols)                       # bytes of one row / group
+    buf = rng.integers(0, 256, off + nrows * (unit + pad), dtype=np.uint8)
+    ys = []
+    for i in range(nrows):
+        o = off + i * (unit + pad)
+        while True:                     # random bytes until no f16 scale is inf / nan
+            raw = rng.integers(0, 256, unit, dtype=np.uint8)
+            if r4:
+                plain = IL.unpack(raw, ti.id, 4, cols)
+                rows = np.stack([_decode(IL.plain_type(ti.id), plain[k], cols) for k in range(4)])
+            else:
+                rows = _decode(ti.id, raw, cols)[None]
+            if np.all(np.isfinite(rows)) and np.abs(rows).max() <= 1e6:
+                break
+        buf[o:o + unit] = raw
+        ys.append(rows)
+    y = np.concatenate(ys).astype(np.float64)
+    q, s, bs, b16, xa = _act(rng, cols, 1 + SB.TMAX)
+    out = np.full((1 + SB.TMAX, 2 + nrows * width), np.nan, np.float32)
+    assert _run_dot(kind, ti.id, buf, off, unit + pad, nrows, q, s, bs, b16, cols, out)
+    want, mag = xa[1:] @ y.T, np.abs(xa[1:]) @ np.abs(y).T
+    assert np.all(np.isnan(out[0])) and np.all(np.isnan(out[:, :2]))    # nothing outside its block
+    assert np.all(np.abs(out[1:, 2:] - want) <= 2e-5 * mag + 1e-30), (out, want)
+
+
+@njit(cache=True)
+def _run_dot(kind, qtype, buf, base, stride, n, q, s, bs, b16, cols, out):
+    k0, nt, r = 1, q.shape[0] - 1, 2
+    if kind == 0:
+        return SB.row_dot_generic(qtype, buf, base, stride, n, q, s, bs, b16, cols, k0, nt, out, r)
+    if kind == 1:
+        return SB.row_dot(qtype, buf, base, stride, n, q, s, bs, b16, cols, k0, nt, out, r)
+    if kind == 2:
+        return R4.group_dot_generic(qtype, buf, base, stride, n, q, s, bs, b16, cols, k0, nt, out, r)
+    return R4.group_dot(qtype, buf, base, stride, n, q, s, bs, b16, cols, k0, nt, out, r)
+
+
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_0"])
 def test_r8_prompts_take_the_plain_gemm(name):
     """Q8_0_R8 / Q4_0_R8 prompts go through quant.simd_gemm's R8 packing: with VNNI the same
@@ -282,7 +393,7 @@ def test_r8_prompts_take_the_plain_gemm(name):
     r8 = quantize_tensor(w32, type_info(name + "_R8").id)
     for n in (12, 100):
         x = rng.standard_normal((n, 512)).astype(np.float32)
-        want = _rounded_ref(plain, x, n)
+        want = _rounded_ref(plain, x)
         got = matmul(r8, x)
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
         if SB.HAS_VNNI:
