@@ -4,10 +4,11 @@ common/log.h's --log-* flags), with the number of values each takes, and what ik
 each spelling a tool does not declare itself.
 
 A flag that an ikcli tool declares is implemented by that tool, under each of ik's spellings of
-it (an undeclared spelling of a declared flag is rewritten to the declared one).  Any other spelling of this set is either
+it (an undeclared spelling of a declared flag is rewritten to the declared one).  Any other
+spelling of this set is either
   * ignored, with one log line: ik's tool parses it and does nothing with it either (a
     generation flag given to perplexity), or it only steers something ikcli does not have and
-    does not change a result (GPU placement, graph scheduling, the console); or
+    does not change a result or an output (GPU placement, ggml's graph switches); or
   * refused, with one line naming the flag and why: ik's tool uses it and ikcli does not
     implement it, or it changes what the model computes (LoRA, RoPE overrides, ...).
 `--numa` is accepted on a machine with one NUMA node (there is nothing to place) and refused
@@ -338,14 +339,8 @@ NO_EFFECT: dict[str, str] = {
                           "--prefetch-experts", "--prefetch-experts-threads")},
     **{f: "a graph-building / kernel-selection switch of ggml; ikcli has no graph"
        for f in ("-rcache", "-gr", "-no-gr", "-no-fug", "-no-mmad", "-mqkv", "-muge", "-fdn", "-dt", "-mea")},
-    **{f: "console and logging options of the C++ tools" for f in (
-        "-co", "--simple-io", "-mli", "-dkvc", "--no-display-prompt", "--verbose-prompt", "--minilog", "-ld",
-        "--log-test", "--log-disable", "--log-enable", "--log-new", "--log-append", "--log-file")},
-    "-vq": "ikcli checks block scales when it loads a tensor's kernels only (no separate validation pass)",
-    "--check-tensors": "ikcli checks block scales when it loads a tensor's kernels only (no separate validation pass)",
-    "-cb": "continuous batching is always on in ikcli's server",
-    "-v": "ikcli's tools print the same log lines at every verbosity",
-    "--verbosity": "ikcli's tools print the same log lines at every verbosity",
+    **{f: "it steers the C++ tools' log file; ikcli writes none (its log lines go to stderr)"
+       for f in ("--log-test", "--log-disable", "--log-new", "--log-append")},
     "-tm": "no multimodal projector in ikcli", "-td": "no draft model in ikcli", "-tbd": "no draft model in ikcli",
 }
 
@@ -377,6 +372,9 @@ REFUSED: dict[str, str] = {
     **{f: "embedding models are not implemented" for f in ("--pooling", "--attention", "--embedding",
                                                            "--embd-normalize", "--embd-output-format",
                                                            "--embd-separator")},
+    **{f: "ikcli writes no log file (its log lines go to stderr; redirect them)" for f in ("--log-enable",
+                                                                                           "--log-file")},
+    **{f: "validating tensor data at load is not implemented yet" for f in ("-vq", "--check-tensors")},
     "-thp": "transparent huge pages are not implemented yet",
     "--mlock": "locking the model in RAM is not implemented yet",
     "--numa": "NUMA placement is not implemented yet on machines with more than one node",
@@ -393,18 +391,19 @@ _SAMPLING = ("--samplers", "--sampling-seq", "--top-k", "--top-p", "--min-p", "-
              "--grammar", "--grammar-file", "-j", "--banned-string-file", "--banned-n", "--allowlist-unicode-rule",
              "--allowlist-pieces", "--allowlist-keyword", "--allowlist-keyword-delay", "--expiring-logit-bias-file")
 _MODEL = ("-m", "-c", "-b", "-ub", "-t", "-tb", "-ctk", "-ctv", "-fa", "-no-fa", "-mla", "-amb", "-no-fmoe", "-ser",
-          "-ot", "-rtr", "--no-warmup", "-sp")
+          "-ot", "-rtr", "--no-warmup")
 USED_BY: dict[str, frozenset[str]] = {
     "perplexity": frozenset(_MODEL + ("-f", "-p", "--chunks", "-np", "--ppl-stride", "--ppl-output-type",
                                       "--save-all-logits", "--kl-divergence", "--hellaswag", "--hellaswag-tasks",
                                       "--winogrande", "--winogrande-tasks", "--multiple-choice",
-                                      "--multiple-choice-tasks", "-bf", "--perplexity")),
+                                      "--multiple-choice-tasks", "-bf", "--perplexity", "-ld")),
     "imatrix": frozenset(_MODEL + ("-f", "-p", "--chunks", "-o", "-ofreq", "--save-frequency", "--process-output",
-                                   "--output-tensor-name", "--no-ppl", "--chunk", "--in-file", "--verbosity")),
+                                   "--output-tensor-name", "--no-ppl", "--chunk", "--in-file", "-v",
+                                   "--verbosity")),
     "sweep-bench": frozenset(_MODEL + ("-n", "-nrep", "--sweep-stride", "--sweep-memory", "-wb",
-                                       "--output-format")),
+                                       "--output-format", "--minilog")),
     "server": frozenset(_MODEL + _SAMPLING + (
-        "-n", "-np", "-nocb", "--keep", "-a", "-r", "--host", "--port", "--path", "--webui",
+        "-n", "-np", "-cb", "-nocb", "-sp", "-v", "--verbosity", "--minilog", "--keep", "-a", "-r", "--host", "--port", "--path", "--webui",
         "--webui-mcp-proxy", "--api-key", "--api-key-file", "--ssl-key-file", "--ssl-cert-file", "-to",
         "--threads-http", "-spf", "--log-format", "--no-slots", "--metrics", "--slot-save-path",
         "--reasoning-tokens", "--reasoning-budget", "--sql-save-file", "--sqlite-zstd-ext-file",

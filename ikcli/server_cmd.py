@@ -54,6 +54,7 @@ def server(
     seed: int = typer.Option(-1, "-s", "--seed", help="default sampling seed of requests that give none (-1 = random)"),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="require this key (Authorization: Bearer KEY) on all endpoints but /health and /v1/models"),
     chat_template_file: Optional[str] = typer.Option(None, "--chat-template-file", help="Jinja chat template to use instead of the GGUF's tokenizer.chat_template"),
+    cont_batching: bool = typer.Option(True, "-cb/-nocb", "--cont-batching/--no-cont-batching", help="continuous batching: the slots' tokens decode together (always on in ikcli; -nocb is refused)"),
     batch_size: int = common.BatchOpt,
     ubatch_size: int = common.UBatchOpt,
     threads: int = common.ThreadsOpt,
@@ -64,6 +65,8 @@ def server(
     common.check_common(ctx_size, batch_size, ubatch_size, threads, threads_batch, ngl, flags.mla)
     if parallel < 1:
         raise CliError(f"-np/--parallel must be >= 1 (got {parallel})")
+    if not cont_batching:
+        raise CliError("-nocb is not supported by ikcli server: its slots are always batched together")
     if not 0 <= port <= 65535:
         raise CliError(f"--port must be between 0 and 65535 (got {port})")
     if n_predict < -1:

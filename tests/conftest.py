@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -22,6 +23,9 @@ def _load_script(name: str):
 
 
 make_test_model = _load_script("make_test_model")
+
+# perplexity's last line, in ik_llama.cpp's words (groups: PPL, its uncertainty)
+FINAL_PPL = re.compile(r"^Final estimate: PPL over \d+ chunks for n_ctx=\d+ = (\d+\.\d{4}) \+/- (\d+\.\d{5})$", re.M)
 
 
 def cli(capsys, *args):

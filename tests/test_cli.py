@@ -9,10 +9,10 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import cli
+from conftest import FINAL_PPL, cli
 
 PPL_LINE = re.compile(r"^(\[\d+\]\d+\.\d{4},)+$")
-FINAL = re.compile(r"^Final estimate: PPL over \d+ chunks for n_ctx=\d+ = (\d+\.\d{4}) \+/- (\d+\.\d{5})$")
+FINAL = FINAL_PPL
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,9 @@ import gguf
 import pytest
 
 from ikcli import quantize_cmd
-from conftest import cli
+from conftest import FINAL_PPL, cli
 
-FINAL = re.compile(r"Final estimate: PPL(?: over \d+ chunks for n_ctx=\d+)? = (\d+\.\d{4})")
+FINAL = FINAL_PPL
 
 
 def types_of(path):

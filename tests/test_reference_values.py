@@ -11,6 +11,7 @@ import re
 
 import pytest
 
+from conftest import FINAL_PPL
 from ikcli.app import main
 from ikcli.defaults import demo_model, demo_text
 
@@ -36,7 +37,7 @@ def _ppl(capsys, *args) -> str:
 def test_matches_ik_llama_cpp(make_model, capsys, arch, layout, preset, qtype, seed, ref):
     path = make_model(arch=arch, layout=layout, qtype=qtype, preset=preset, seed=seed)
     out = _ppl(capsys, "-m", path, "-f", demo_text(), "-c", "128", "--chunks", "8", "-t", "2", "-mla", "0", "-fa", "off")
-    got = float(re.search(r"Final estimate: PPL over \d+ chunks for n_ctx=\d+ = (\d+\.\d+)", out).group(1))
+    got = float(FINAL_PPL.search(out).group(1))
     assert got == pytest.approx(ref, rel=0.005)
 
 
