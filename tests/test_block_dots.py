@@ -246,6 +246,40 @@ from quant import interleaved as IL  # noqa: E402
 R4_TYPES = sorted(R4.R4_DOTS)
 
 
+@pytest.mark.parametrize("form", ["generic", "vnni"])
+@pytest.mark.parametrize("qtype", R4_TYPES, ids=[R4.R4_DOTS[t].name for t in R4_TYPES])
+def test_group_dot_matches_plain_decode_on_random_bytes(qtype, form):
+    """Random R bytes (every level, scale, sign, extra and min bit), one and two block columns:
+    the 4 row results against the plain decoder of the unpacked rows."""
+    kind = _kind(form, True)
+    rng = np.random.default_rng(qtype)
+    pt = IL.plain_type(qtype)
+    checked = 0
+    for cols in (256, 512):
+        q, s, bs, b16, xa = _act(rng, cols)
+        for _ in range(300):
+            raw = rng.integers(0, 256, 4 * type_info(qtype).row_bytes(cols), dtype=np.uint8)
+            plain = IL.unpack(raw, qtype, 4, cols)
+            y = np.stack([_decode(pt, plain[k], cols) for k in range(4)]).astype(np.float64)
+            if not np.all(np.isfinite(y)) or np.abs(y).max() > 1e6:
+                continue
+            out = np.full((NT, 4), np.nan, np.float32)
+            assert _dot(kind, qtype, raw, q, s, bs, b16, cols, out)
+            want = xa @ y.T
+            mag = np.abs(xa) @ np.abs(y).T
+            assert np.all(np.abs(out - want) <= 2e-5 * mag + 1e-30), (cols, out, want)
+            checked += 1
+    assert checked >= 10
+
+
+def test_group_dot_refuses_types_without_record():
+    rng = np.random.default_rng(0)
+    q, s, bs, b16, _ = _act(rng, 256)
+    out = np.zeros((NT, 4), np.float32)
+    assert not _dot(2, 210, rng.integers(0, 256, 4 * 84, dtype=np.uint8), q, s, bs, b16, 256, out)  # Q2_K_R4
+    assert np.all(out == 0)
+
+
 def _check_interleaved_gemm(qtype, form, seed, col_list, ngroups):
     """quant.simd_gemm's packing of an _R4 / _R8 type on random groups, 7 tokens, against the
     plain decoder of the unpacked rows."""
