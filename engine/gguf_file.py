@@ -21,6 +21,69 @@ from quant.types import type_info
 from .gguf_meta import reader_metadata
 
 _MADV_POPULATE_READ = 22        # Linux >= 5.14; Python's mmap module has no name for it before 3.12
+_MAP_HUGETLB = getattr(mmap, "MAP_HUGETLB", 0x40000)    # Linux's value; older Pythons lack the name
+
+
+def _huge_page_size() -> int:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("Hugepagesize:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 2 * 1024 * 1024
+
+
+def _huge_buffer(size: int) -> np.ndarray:
+    """`size` bytes of anonymous memory in huge pages (MAP_HUGETLB); OSError where the system has
+    none reserved (the mapping is refused up front, not at first touch)."""
+    page = _huge_page_size()
+    mm = mmap.mmap(-1, -(-size // page) * page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_HUGETLB)
+    return np.frombuffer(mm, dtype=np.uint8, count=size)
+
+
+def _read_file_into(path: str, mem: np.ndarray) -> None:
+    view = memoryview(mem)
+    done = 0
+    with open(path, "rb", buffering=0) as fh:
+        while done < len(view):
+            n = fh.readinto(view[done:done + (1 << 30)])
+            if not n:
+                raise ModelFileError(f"{path}: file changed size while loading")
+            done += n
+
+
+def _libc():
+    import ctypes
+    import ctypes.util
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+_KV_TYPES = {bool: "bool", int: "int", float: "float", str: "str"}
+
+
+def parse_kv_override(text: str) -> tuple[str, str, Any]:
+    """`KEY=TYPE:VALUE` (TYPE int, float, bool, str) as ik's --override-kv reads it; ValueError
+    with the reason otherwise."""
+    key, eq, rest = text.partition("=")
+    if not eq or not key or len(key) >= 128:
+        raise ValueError(f"malformed KV override '{text}'")
+    kind, colon, value = rest.partition(":")
+    if not colon or kind not in _KV_TYPES.values():
+        raise ValueError(f"invalid type for KV override '{text}' (use int:, float:, bool: or str:)")
+    try:
+        if kind == "bool":
+            if value not in ("true", "false"):
+                raise ValueError
+            return key, kind, value == "true"
+        if kind == "str":
+            if len(value) > 127:
+                raise ValueError
+            return key, kind, value
+        return key, kind, int(value) if kind == "int" else float(value)
+    except ValueError:
+        raise ValueError(f"invalid {kind} value for KV override '{text}'") from None
 
 
 class ModelFileError(Exception):
@@ -131,19 +194,66 @@ class ModelFile:
                 except (OSError, ValueError, OverflowError):
                     continue
 
-    def read_into_memory(self) -> None:
+    def read_into_memory(self, huge: bool = False, log: Callable[[str], None] | None = None) -> bool:
         """Copy the files into anonymous memory and point every tensor there (--no-mmap): the
-        weights then stay resident whatever the page cache does, at the cost of the read."""
-        for k, (p, m) in enumerate(zip(self.paths, self.maps)):
-            mem = np.fromfile(p, dtype=np.uint8)
-            if mem.size != m.size:
+        weights then stay resident whatever the page cache does, at the cost of the read.
+        huge (-thp): into huge pages, as ik's -thp does; False (files left mapped, one log line)
+        where the system has no huge pages reserved for them."""
+        log = log or (lambda s: None)
+        bufs = []
+        for p, m in zip(self.paths, self.maps):
+            if not huge:
+                bufs.append(np.empty(m.size, dtype=np.uint8))
+                continue
+            try:
+                bufs.append(_huge_buffer(m.size))
+            except OSError as e:
+                log(f"llama_mmap: mmap with huge page size {_huge_page_size() // 2 ** 20} MiB failed "
+                    f"({e.strerror}); the model stays memory-mapped")
+                return False
+        if huge:
+            log(f"llama_mmap: using THP with page size {_huge_page_size() // 2 ** 20} MiB")
+        for k, (p, m, mem) in enumerate(zip(self.paths, self.maps, bufs)):
+            if os.path.getsize(p) != m.size:
                 raise ModelFileError(f"{p}: file changed size while loading")
+            _read_file_into(p, mem)
             base = m.ctypes.data
             for t in self.tensors.values():
                 if t.path == p:
                     off = t.raw.ctypes.data - base
                     t.raw = mem[off:off + t.raw.size]
             self.maps[k] = mem
+        return True
+
+    def lock(self, log: Callable[[str], None]) -> None:
+        """mlock every file's memory (--mlock); where the limit is too low, llama.cpp's warning
+        and the run goes on unlocked."""
+        import ctypes
+        libc = _libc()
+        done = 0
+        for m in self.maps:
+            if libc.mlock(ctypes.c_void_p(m.ctypes.data), ctypes.c_size_t(m.size)) != 0:
+                err = ctypes.get_errno()
+                log(f"warning: failed to mlock {m.size}-byte buffer (after previously locking {done} bytes): "
+                    f"{os.strerror(err)}\nTry increasing RLIMIT_MEMLOCK ('ulimit -l' as root).")
+                return
+            done += m.size
+
+    def override_kv(self, overrides: list, log: Callable[[str], None]) -> None:
+        """--override-kv (key, type, value) triples from parse_kv_override, applied to the metadata
+        before anything reads it; one that does not match the key's type is skipped with ik's warning."""
+        for key, kind, value in overrides:
+            have = self.meta.get(key)
+            have_kind = _KV_TYPES.get(type(have), "array") if have is not None else kind
+            if have_kind != kind:
+                log(f"validate_override: Warning: Bad metadata override type for key '{key}', "
+                    f"expected {have_kind} but got {kind}")
+                continue
+            shown = ("true" if value else "false") if kind == "bool" else f"{value:.6f}" if kind == "float" else value
+            log(f"validate_override: Using metadata override ({kind:>5s}) '{key}' = {shown}")
+            if key not in self.meta:
+                self.meta_order.append(key)
+            self.meta[key] = value
 
     @property
     def arch(self) -> str:

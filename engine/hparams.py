@@ -50,6 +50,8 @@ class HParams:
     expert_weights_scale: float = 1.0
     expert_weights_norm: bool = False
     expert_gating_func: int = GATING_SOFTMAX
+    yarn_ext_factor_file: float = -1.0   # the GGUF's own values (ext factor negative: absent), for --rope-scaling
+    rope_freq_scale_file: float = 1.0
 
     @property
     def n_embd_head_qk_nope(self) -> int:
@@ -124,6 +126,8 @@ def read_hparams(mf: ModelFile) -> HParams:
         rope_yarn_log_mul=float(g("rope.scaling.yarn_log_multiplier", 0.0)),
         rope_neox=False,
     )
+    hp.yarn_ext_factor_file = hp.yarn_ext_factor
+    hp.rope_freq_scale_file = 1.0 if factor == 0.0 else 1.0 / factor
     if hp.yarn_ext_factor < 0:
         hp.yarn_ext_factor = 1.0 if rope_scaling == "yarn" else 0.0
     hp.n_expert = int(g("expert_count", 0) or 0)
@@ -141,6 +145,35 @@ def read_hparams(mf: ModelFile) -> HParams:
         if hp.n_layer_dense_lead < hp.n_layer and (hp.n_expert <= 0 or hp.n_expert_used <= 0):
             raise ModelFileError(f"{path}: deepseek2 model without expert_count / expert_used_count")
     return hp
+
+
+ROPE_SCALINGS = ("none", "linear", "yarn")
+
+
+def override_rope(hp: HParams, ro: Any) -> None:
+    """Apply --rope-* / --yarn-* (engine.config.RopeOverrides) as ik's context does: a set value
+    wins over the model's, 'none' never scales, the YaRN extrapolation mix follows the scaling
+    type in force unless given, and --yarn-attn-factor multiplies the model's RoPE attention
+    factor."""
+    if ro.scaling and ro.scaling not in ROPE_SCALINGS:
+        raise ValueError(f"unknown RoPE scaling '{ro.scaling}' (use none, linear or yarn)")
+    if ro.freq_base != 0.0:
+        hp.rope_freq_base = ro.freq_base
+    if ro.scaling:
+        hp.rope_scaling = ro.scaling
+    hp.rope_freq_scale = ro.freq_scale if ro.freq_scale != 0.0 else hp.rope_freq_scale_file
+    if hp.rope_scaling == "none":
+        hp.rope_freq_scale = 1.0
+    if ro.orig_ctx != 0:
+        hp.n_ctx_orig_yarn = ro.orig_ctx
+    ext = ro.ext_factor if ro.ext_factor >= 0 else hp.yarn_ext_factor_file
+    hp.yarn_ext_factor = ext if ext >= 0 else (1.0 if hp.rope_scaling == "yarn" else 0.0)
+    if ro.attn_factor >= 0:
+        hp.yarn_attn_factor *= ro.attn_factor
+    if ro.beta_fast >= 0:
+        hp.yarn_beta_fast = ro.beta_fast
+    if ro.beta_slow >= 0:
+        hp.yarn_beta_slow = ro.beta_slow
 
 
 def yarn_kq_scale(hp: HParams) -> float:

@@ -200,13 +200,20 @@ def log_overrides(mf: ModelFile, overrides, log: Log) -> None:
 
 
 def load_model(path: str, log: Log = stderr_log, mla: int = 3, overrides: list | tuple = (),
-               repack: bool = False, use_mmap: bool = True) -> Model:
+               repack: bool = False, use_mmap: bool = True, *, use_mlock: bool = False, use_thp: bool = False,
+               kv_overrides: list | tuple = (), rope=None) -> Model:
     """Open, validate and bind a GGUF model. Raises ModelFileError with a one-line message.
     repack (-rtr): matrices with a row-interleaved form are repacked into it in memory;
-    use_mmap False (--no-mmap): the files are read into memory instead of mapped."""
+    use_mmap False (--no-mmap): the files are read into memory instead of mapped;
+    use_thp (-thp): read into huge pages where the system has them; use_mlock (--mlock): pages
+    locked in RAM; kv_overrides: (key, type, value) metadata overrides (--override-kv);
+    rope: engine.config.RopeOverrides (--rope-* / --yarn-*), applied after the model's values
+    are logged, as ik's context applies them."""
+    from .hparams import override_rope
     from .tokenizer import Tokenizer
 
     mf = open_model_file(path, log)
+    mf.override_kv(list(kv_overrides), log)
     hp = read_hparams(mf)
     try:
         tok = Tokenizer.from_metadata(mf.meta)
@@ -215,10 +222,19 @@ def load_model(path: str, log: Log = stderr_log, mla: int = 3, overrides: list |
     if hp.n_vocab == 0:
         hp.n_vocab = tok.n_vocab
     log_hparams(mf, hp, log)
-    if use_mmap:
+    if rope is not None:
+        try:
+            override_rope(hp, rope)
+        except ValueError as e:
+            raise ModelFileError(str(e)) from None
+    if use_mmap and use_thp and mf.read_into_memory(huge=True, log=log):
+        pass                    # in huge pages (ik's -thp replaces the mapping; without one it does nothing)
+    elif use_mmap:
         mf.prefetch()
     else:
         mf.read_into_memory()
+    if use_mlock:
+        mf.lock(log)
     w = Weights(mf, repack=repack)
     if hp.arch == "llama":
         from .arch.llama import LlamaArch

@@ -15,7 +15,7 @@ from .errors import CliError
 ModelOpt = typer.Option(None, "-m", "--model", help="model path (GGUF; first part of a split model). Default: embedded demo model")
 BatchOpt = typer.Option(2048, "-b", "--batch-size", help="logical maximum batch size")
 UBatchOpt = typer.Option(512, "-ub", "--ubatch-size", help="physical maximum batch size")
-ThreadsOpt = typer.Option(0, "-t", "--threads", help="number of threads to use during generation (0 = all cores)")
+ThreadsOpt = typer.Option(0, "-t", "--threads", help="number of threads to use during generation (default: the physical cores)")
 ThreadsBatchOpt = typer.Option(0, "-tb", "--threads-batch", help="threads for batch and prompt processing (default: same as --threads)")
 NglOpt = typer.Option(0, "-ngl", "--gpu-layers", "--n-gpu-layers", help="number of layers to store in VRAM")
 MlaOpt = typer.Option(3, "-mla", "--mla-use", help="DeepSeek attention: 0 decompressed heads, 1 latent + kv^T, 2 latent cache only, 3 latent cache, FlashMLA generation")
@@ -28,6 +28,22 @@ OtOpt = typer.Option(None, "-ot", "--override-tensor", help="REGEX=BUFFER[,...]:
 RtrOpt = typer.Option(False, "-rtr", "--run-time-repack",
                       help="repack CPU weights into row-interleaved _R4/_R8 types at load (no mmap for them)")
 NoMmapOpt = typer.Option(False, "--no-mmap", help="read the model into memory instead of mapping it")
+MlockOpt = typer.Option(False, "--mlock", help="force the system to keep the model in RAM rather than swapping or compressing")
+ThpOpt = typer.Option(False, "-thp", "--transparent-huge-pages",
+                      help="read the model into huge pages (needs huge pages reserved; else it stays mapped)")
+OkvOpt = typer.Option(None, "-okv", "--override-kv", help="KEY=TYPE:VALUE: override a model metadata value (types int, float, bool, str); repeatable")
+# RoPE / YaRN overrides: 0 (or negative for the yarn factors) keeps the model's value, as in ik
+_ROPE_OPTIONS = [
+    ("rope_freq_base", float, typer.Option(0.0, "--rope-freq-base", help="RoPE base frequency (default: the model's)")),
+    ("rope_freq_scale", float, typer.Option(0.0, "--rope-freq-scale", help="RoPE frequency scaling factor, expands context by 1/N")),
+    ("rope_scaling", Optional[str], typer.Option(None, "--rope-scaling", help="RoPE scaling: none, linear or yarn (default: the model's)")),
+    ("rope_scale", float, typer.Option(0.0, "--rope-scale", help="RoPE context scaling factor, expands context by N (sets --rope-freq-scale to 1/N)")),
+    ("yarn_orig_ctx", int, typer.Option(0, "--yarn-orig-ctx", help="YaRN: original context size of the model (default: the model's)")),
+    ("yarn_ext_factor", float, typer.Option(-1.0, "--yarn-ext-factor", help="YaRN: extrapolation mix factor (default: 1.0 with yarn scaling, else 0.0)")),
+    ("yarn_attn_factor", float, typer.Option(-1.0, "--yarn-attn-factor", help="YaRN: scale sqrt(t) or attention magnitude (default: 1.0)")),
+    ("yarn_beta_slow", float, typer.Option(-1.0, "--yarn-beta-slow", help="YaRN: high correction dim or alpha (default: the model's, 1.0)")),
+    ("yarn_beta_fast", float, typer.Option(-1.0, "--yarn-beta-fast", help="YaRN: low correction dim or beta (default: the model's, 32.0)")),
+]
 SerOpt = typer.Option(None, "-ser", "--smart-expert-reduction", help="K,t: run at least K experts, drop the others whose score < t * top score")
 
 # Options that take a value but may be written alone (users' scripts from every era): the
@@ -243,11 +259,25 @@ class EngineFlags:
     ot: Optional[List[str]]
     rtr: bool = False
     no_mmap: bool = False
+    mlock: bool = False
+    thp: bool = False
+    override_kv: Optional[List[str]] = None
+    rope_freq_base: float = 0.0
+    rope_freq_scale: float = 0.0
+    rope_scaling: Optional[str] = None
+    rope_scale: float = 0.0
+    yarn_orig_ctx: int = 0
+    yarn_ext_factor: float = -1.0
+    yarn_attn_factor: float = -1.0
+    yarn_beta_slow: float = -1.0
+    yarn_beta_fast: float = -1.0
 
 
 _ENGINE_OPTIONS = [("mla", int, MlaOpt), ("fa", str, FaOpt), ("amb", int, AmbOpt), ("ctk", str, CtkOpt),
                    ("ctv", str, CtvOpt), ("fmoe", str, FmoeOpt), ("ser", Optional[str], SerOpt),
-                   ("ot", Optional[List[str]], OtOpt), ("rtr", bool, RtrOpt), ("no_mmap", bool, NoMmapOpt)]
+                   ("ot", Optional[List[str]], OtOpt), ("rtr", bool, RtrOpt), ("no_mmap", bool, NoMmapOpt),
+                   ("mlock", bool, MlockOpt), ("thp", bool, ThpOpt), ("override_kv", Optional[List[str]], OkvOpt),
+                   *_ROPE_OPTIONS]
 
 
 def with_engine_flags(fn):
@@ -283,8 +313,40 @@ def engine_config(path: str, flags: EngineFlags, *, n_ctx: int, n_batch: int, n_
         log(f"XXXXXXXXXXXXXXXXXXXXXXXXXXXXXX amb = {amb} is too low. Changing to 128")
         amb = 128
     ser_min, ser_t = parse_ser(flags.ser)
-    return EngineConfig(model_path=path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads,
+    cfg = EngineConfig(model_path=path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=threads,
                         n_threads_batch=threads_batch, seed=seed, flash_attn=flash, mla=flags.mla,
                         attn_max_batch_mib=amb, type_k=type_k, type_v=type_v,
                         fused_moe=parse_bool("-fmoe", flags.fmoe), ser_min=ser_min, ser_thresh=ser_t,
-                        tensor_overrides=parse_overrides(flags.ot), repack=flags.rtr, use_mmap=not flags.no_mmap)
+                        tensor_overrides=parse_overrides(flags.ot), repack=flags.rtr, use_mmap=not flags.no_mmap,
+                        use_mlock=flags.mlock, use_thp=flags.thp, kv_overrides=parse_kv_overrides(flags.override_kv),
+                        rope=rope_overrides(flags))
+    return cfg
+
+
+def parse_kv_overrides(values: Optional[list[str]]) -> list:
+    from engine.gguf_file import parse_kv_override
+    try:
+        return [parse_kv_override(v) for v in values or []]
+    except ValueError as e:
+        raise CliError(f"error: Invalid type for KV override: {e}") from None
+
+
+def rope_overrides(flags: EngineFlags):
+    from engine.config import RopeOverrides
+    from engine.hparams import ROPE_SCALINGS
+    if flags.rope_scaling is not None and flags.rope_scaling not in ROPE_SCALINGS:
+        raise CliError(f"invalid value '{flags.rope_scaling}' for --rope-scaling: use none, linear or yarn")
+    if flags.rope_scale < 0 or flags.rope_freq_scale < 0 or flags.rope_freq_base < 0 or flags.yarn_orig_ctx < 0:
+        raise CliError("--rope-freq-base, --rope-freq-scale, --rope-scale and --yarn-orig-ctx must be >= 0")
+    scale = 1.0 / flags.rope_scale if flags.rope_scale > 0 else flags.rope_freq_scale
+    return RopeOverrides(freq_base=flags.rope_freq_base, freq_scale=scale, scaling=flags.rope_scaling or "",
+                         orig_ctx=flags.yarn_orig_ctx, ext_factor=flags.yarn_ext_factor,
+                         attn_factor=flags.yarn_attn_factor, beta_fast=flags.yarn_beta_fast,
+                         beta_slow=flags.yarn_beta_slow)
+
+
+def load_model(path: str, cfg):
+    """The model of `path` loaded with every load-time option of cfg (an engine.config.EngineConfig)."""
+    from engine.model import load_model as load
+    return load(path, log, mla=cfg.mla, overrides=cfg.tensor_overrides, repack=cfg.repack, use_mmap=cfg.use_mmap,
+                use_mlock=cfg.use_mlock, use_thp=cfg.use_thp, kv_overrides=cfg.kv_overrides, rope=cfg.rope)

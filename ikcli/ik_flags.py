@@ -333,6 +333,7 @@ COMMON_FLAGS: tuple[tuple[tuple[str, ...], int], ...] = (
 NO_GPU = "no GPU backend in this ikcli"
 # steer only what ikcli does not have; results unchanged: ignored everywhere
 NO_EFFECT: dict[str, str] = {
+    **{f: "only ik's llama-lookup example reads the lookup caches" for f in ("-lcs", "-lcd")},
     **{f: NO_GPU for f in ("-ngl", "-ngld", "-mg", "--max-gpu", "-sm", "-ts", "--rpc", "-gfm", "-cuda", "-dev", "-devd",
                           "-op", "-no-ooae", "-cmoe", "-ncmoe", "--fit", "--fit-margin", "-wgt", "-nkvo", "-smgs",
                           "-sas", "-smf16", "-smf32", "-grt", "-gap", "--no-mmproj-offload", "--defer-experts",
@@ -349,10 +350,6 @@ REFUSED: dict[str, str] = {
     **{f: "LoRA adapters are not implemented" for f in ("--lora", "--lora-scaled", "--lora-init-without-apply")},
     **{f: "control vectors are not implemented" for f in ("--control-vector", "--control-vector-scaled",
                                                           "--control-vector-layer-range")},
-    **{f: "RoPE / YaRN overrides are not implemented yet (the model's own GGUF values are used)" for f in (
-        "--rope-freq-base", "--rope-freq-scale", "--rope-scaling", "--rope-scale", "--yarn-orig-ctx",
-        "--yarn-ext-factor", "--yarn-attn-factor", "--yarn-beta-fast", "--yarn-beta-slow")},
-    "-okv": "metadata overrides are not implemented yet",
     **{f: "self-extend (group attention) is not implemented" for f in ("-gan", "-gaw")},
     "-ger": "grouped expert routing is not implemented (experts are routed over all groups)",
     **{f: "Hadamard-rotated caches are not implemented" for f in ("-khad", "-vhad")},
@@ -364,7 +361,7 @@ REFUSED: dict[str, str] = {
         "-md", "-cd", "--draft", "--draft-min", "--draft-p-min", "--spec-ckpt-mode", "--spec-autotune",
         "--spec-stage", "--spec-type", "--spec-ngram-size-n", "--spec-ngram-size-m", "--spec-ngram-min-hits",
         "--spec-replace", "--suffix-pattern-len", "--suffix-max-depth", "--suffix-corpus", "-ctkd", "-ctvd",
-        "-draft", "--output-draft", "-lcs", "-lcd")},
+        "-draft", "--output-draft")},
     **{f: "it does not download models; give -m a local GGUF path" for f in ("-mu", "-hft", "-hfr", "-hff",
                                                                                 "--mmproj-url")},
     **{f: "multimodal models are not implemented" for f in ("--mmproj", "--mtmd-kq-type", "--image",
@@ -375,8 +372,6 @@ REFUSED: dict[str, str] = {
     **{f: "ikcli writes no log file (its log lines go to stderr; redirect them)" for f in ("--log-enable",
                                                                                            "--log-file")},
     **{f: "validating tensor data at load is not implemented yet" for f in ("-vq", "--check-tensors")},
-    "-thp": "transparent huge pages are not implemented yet",
-    "--mlock": "locking the model in RAM is not implemented yet",
     "--numa": "NUMA placement is not implemented yet on machines with more than one node",
 }
 

@@ -369,8 +369,8 @@ class _AccessLogAndAuth:
 
     PUBLIC = {"/health", "/v1/health", "/models", "/v1/models"}
 
-    def __init__(self, app, api_key: Optional[str], log_requests: bool) -> None:
-        self.app, self.api_key, self.log_requests = app, api_key, log_requests
+    def __init__(self, app, api_key: Optional[str], log_requests: bool, verbose: bool = False) -> None:
+        self.app, self.api_key, self.log_requests, self.verbose = app, api_key, log_requests, verbose
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -378,10 +378,24 @@ class _AccessLogAndAuth:
             return
         path = scope.get("path", "")
         status = {"code": 500}   # unless a response starts: an exception went past the handlers
+        bodies = {"request": bytearray(), "response": bytearray(), "stream": False}
+        receive_wrapper = receive
+
+        if self.verbose:
+            async def receive_wrapper():
+                message = await receive()
+                if message.get("type") == "http.request":
+                    bodies["request"] += message.get("body", b"")
+                return message
 
         async def send_wrapper(message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+                if self.verbose:    # ik's verbose line carries no body for streamed (SSE) answers
+                    ctype = dict(message.get("headers", [])).get(b"content-type", b"")
+                    bodies["stream"] = ctype.startswith(b"text/event-stream")
+            elif self.verbose and message["type"] == "http.response.body" and not bodies["stream"]:
+                bodies["response"] += message.get("body", b"")
             await send(message)
 
         try:
@@ -392,7 +406,7 @@ class _AccessLogAndAuth:
                 if not secrets.compare_digest(given.encode(), self.api_key.encode()):
                     await error_response(401, "Invalid API Key", "authentication_error")(scope, receive, send_wrapper)
                     return
-            await self.app(scope, receive, send_wrapper)
+            await self.app(scope, receive_wrapper, send_wrapper)
         finally:
             if self.log_requests and path not in ("/v1/health", "/v1/completions"):   # as ik_llama.cpp skips them
                 client = scope.get("client") or ("", 0)
@@ -401,13 +415,17 @@ class _AccessLogAndAuth:
                 server_log("INFO", "log_server_request", "request",
                            {"remote_addr": client[0], "remote_port": client[1], "status": status["code"],
                             "method": scope.get("method", ""), "path": path, "params": params})
+                if self.verbose:
+                    server_log("VERB", "log_server_request", "request",
+                               {"request": bodies["request"].decode("utf-8", "replace"),
+                                "response": bodies["response"].decode("utf-8", "replace")})
 
 
 def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str] = None,
                params_from_request: Optional[Callable[[dict], Any]] = None,
                render_chat: Optional[Callable] = None, chat_template: Optional[str] = None,
-               api_key: Optional[str] = None, default_n_predict: int = -1, default_seed: int = -1,
-               log_requests: bool = True) -> FastAPI:
+               api_key: Optional[str] = None, default_n_predict: int = -1,
+               default_sampling: Optional[dict] = None, log_requests: bool = True, verbose: bool = False) -> FastAPI:
     """The FastAPI app serving `engine` (a started ServingEngine or anything with its interface).
 
     model: the loaded model (tokenizer, GGUF metadata); default `engine.model`.
@@ -415,7 +433,11 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
     engine.chat_template.render_chat (injectable so the HTTP layer can be tested on its own).
     chat_template: a Jinja template that replaces the GGUF's tokenizer.chat_template.
     default_n_predict: -n of the command line (also a cap on what a request may ask for, when > 0).
+    default_sampling: the command line's sampling values (--temp, --top-k, -s ...), used where a request
+    gives none, as llama-server does.
+    verbose: also log each request's body and response body (ik's `VERB ... request` lines).
     """
+    default_sampling = dict(default_sampling or {})
     if model is None:
         model = getattr(engine, "model", None)
     if params_from_request is None:
@@ -453,7 +475,7 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
 
     app = FastAPI(title="ikcli server", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = engine
-    app.add_middleware(_AccessLogAndAuth, api_key=api_key, log_requests=log_requests)
+    app.add_middleware(_AccessLogAndAuth, api_key=api_key, log_requests=log_requests, verbose=verbose)
     # browsers' web UIs on other origins may call the API, as llama.cpp's server allows (outermost:
     # CORS preflights are answered before the API key check)
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
@@ -508,8 +530,7 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
                 or data.get("top_logprobs") not in (None, 0):
             raise bad_request("token probabilities ('n_probs', 'logprobs', 'top_logprobs') are not supported by this server yet")
         check_unsupported(data)
-        if default_seed != -1 and "seed" not in data:
-            data["seed"] = default_seed
+        data = {**default_sampling, **data}
         try:
             return params_from_request(data)
         except ValueError as e:

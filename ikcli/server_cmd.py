@@ -52,6 +52,17 @@ def server(
     parallel: int = typer.Option(1, "-np", "--parallel", help="number of slots: requests served at the same time (each gets ctx-size / parallel)"),
     n_predict: int = typer.Option(-1, "-n", "--n-predict", "--predict", help="default (and maximum) tokens to predict per request (-1 = until EOS or the slot is full)"),
     seed: int = typer.Option(-1, "-s", "--seed", help="default sampling seed of requests that give none (-1 = random)"),
+    temp: float = typer.Option(0.8, "--temp", help="default temperature of requests that give none (<= 0: greedy)"),
+    top_k: int = typer.Option(40, "--top-k", help="default top-k sampling (0 = off)"),
+    top_p: float = typer.Option(0.95, "--top-p", help="default top-p sampling (1.0 = off)"),
+    min_p: float = typer.Option(0.05, "--min-p", help="default min-p sampling (0.0 = off)"),
+    repeat_last_n: int = typer.Option(64, "--repeat-last-n", help="default last n tokens the penalties look at (0 = off, -1 = the context)"),
+    repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", help="default repeat penalty (1.0 = off)"),
+    presence_penalty: float = typer.Option(0.0, "--presence-penalty", help="default presence penalty (0.0 = off)"),
+    frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help="default frequency penalty (0.0 = off)"),
+    penalize_nl: bool = typer.Option(False, "--penalize-nl", help="penalize the newline token too"),
+    verbose: bool = typer.Option(False, "-v", "--verbose", help="log every request's body and response (as --verbosity 1)"),
+    verbosity: int = typer.Option(0, "--verbosity", help="> 0: log every request's body and response (VERB lines)"),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="require this key (Authorization: Bearer KEY) on all endpoints but /health and /v1/models"),
     chat_template_file: Optional[str] = typer.Option(None, "--chat-template-file", help="Jinja chat template to use instead of the GGUF's tokenizer.chat_template"),
     cont_batching: bool = typer.Option(True, "-cb/-nocb", "--cont-batching/--no-cont-batching", help="continuous batching: the slots' tokens decode together (always on in ikcli; -nocb is refused)"),
@@ -71,6 +82,10 @@ def server(
         raise CliError(f"--port must be between 0 and 65535 (got {port})")
     if n_predict < -1:
         raise CliError(f"-n/--n-predict must be >= -1 (got {n_predict})")
+    sampling = _default_sampling(seed=seed, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+                                 repeat_last_n=repeat_last_n, repeat_penalty=repeat_penalty,
+                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                 penalize_nl=penalize_nl)
     template = None
     if chat_template_file is not None:
         try:
@@ -91,11 +106,9 @@ def server(
     sock = _bind(host, port)
     engine = None
     try:
-        from engine.model import load_model
         from engine.serving import ServingEngine
 
-        m = load_model(path, common.log, mla=flags.mla, overrides=cfg.tensor_overrides, repack=cfg.repack,
-                   use_mmap=cfg.use_mmap)
+        m = common.load_model(path, cfg)
         if ctx_size == 0:
             cfg.n_ctx = m.hp.n_ctx_train
         elif ctx_size > m.hp.n_ctx_train:
@@ -103,7 +116,8 @@ def server(
         engine = ServingEngine(m, cfg, parallel, common.log)
         engine.start()
         app = create_app(engine, m, model_path=path, alias=alias or os.path.basename(path), chat_template=template,
-                         api_key=api_key, default_n_predict=n_predict, default_seed=seed)
+                         api_key=api_key, default_n_predict=n_predict, default_sampling=sampling,
+                         verbose=verbose or verbosity > 0)
         server_log("INFO", "main", "model loaded")
         bound_host, bound_port = sock.getsockname()[:2]
         info = {"hostname": host, "port": str(bound_port), "n_threads_http": "1"}
@@ -132,6 +146,22 @@ def server(
             engine.shutdown()
         sock.close()
     sys.stdout.flush()
+
+
+_FLAG_OF = {"temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p",
+            "repeat_last_n": "--repeat-last-n", "repeat_penalty": "--repeat-penalty", "seed": "-s"}
+
+
+def _default_sampling(**given) -> dict:
+    """The command line's sampling values (a request's own values win); checked here so a bad one
+    fails at start, naming the flag, instead of on every request."""
+    from engine.sampling import SamplingParams
+    try:
+        SamplingParams(**given)
+    except ValueError as e:
+        bad = next((f for k, f in _FLAG_OF.items() if f"'{k}'" in str(e)), "a sampling flag")
+        raise CliError(f"{bad}: {e}") from None
+    return given
 
 
 def _is_main_thread() -> bool:

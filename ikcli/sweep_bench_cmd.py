@@ -123,14 +123,12 @@ def sweep_bench(
     import numpy as np
 
     from engine.context import Context
-    from engine.model import load_model
 
     path = common.resolve_model(model)
     cfg = common.engine_config(path, flags, n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size, threads=threads,
                                threads_batch=threads_batch, seed=seed)
     t0 = time.perf_counter()
-    m = load_model(path, common.log, mla=flags.mla, overrides=cfg.tensor_overrides, repack=cfg.repack,
-                   use_mmap=cfg.use_mmap)
+    m = common.load_model(path, cfg)
     t_load = time.perf_counter() - t0
     if ctx_size > m.hp.n_ctx_train:
         common.log(f"warning: model was trained on only {m.hp.n_ctx_train} context tokens ({ctx_size} specified)")

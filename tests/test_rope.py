@@ -45,3 +45,39 @@ def test_norm_and_neox_rotate_different_pairs():
     np.testing.assert_allclose(b[0, 0, [0, 4]], [v[0] * c[0] - v[4] * s[0], v[0] * s[0] + v[4] * c[0]], rtol=1e-6)
     # rotations keep each pair's norm
     assert np.isclose(np.linalg.norm(a), np.linalg.norm(x)) and np.isclose(np.linalg.norm(b), np.linalg.norm(x))
+
+
+def _hp(scaling: str, factor: float, ext_file: float = -1.0):
+    from engine.hparams import HParams
+    hp = HParams(arch="deepseek2", n_vocab=8, n_ctx_train=4096, n_embd=64, n_layer=1, n_head=4, n_head_kv=4,
+                 n_embd_head_k=16, n_embd_head_v=16, n_ff=32, rms_eps=1e-6, n_rot=8, rope_freq_base=10000.0,
+                 rope_freq_scale=1.0 if scaling == "none" else 1.0 / factor, rope_scaling=scaling,
+                 n_ctx_orig_yarn=4096, yarn_ext_factor=ext_file if ext_file >= 0 else float(scaling == "yarn"),
+                 yarn_attn_factor=0.5, yarn_beta_fast=32.0, yarn_beta_slow=1.0, rope_yarn_log_mul=0.1,
+                 rope_neox=False)
+    hp.yarn_ext_factor_file, hp.rope_freq_scale_file = ext_file, 1.0 / factor
+    return hp
+
+
+def test_rope_overrides_follow_ik_context_rules():
+    """--rope-* / --yarn-*: set values win; 'none' never scales; the YaRN mix follows the scaling in
+    force unless the file or the flag sets it; --yarn-attn-factor multiplies the model's factor."""
+    from engine.config import RopeOverrides
+    from engine.hparams import override_rope
+    hp = _hp("yarn", 40.0)
+    override_rope(hp, RopeOverrides())                                   # nothing set: nothing moves
+    assert (hp.rope_freq_scale, hp.yarn_ext_factor, hp.yarn_attn_factor) == (1 / 40, 1.0, 0.5)
+    override_rope(hp, RopeOverrides(freq_base=5e4, orig_ctx=2048, attn_factor=2.0, beta_fast=16.0, beta_slow=2.0))
+    assert (hp.rope_freq_base, hp.n_ctx_orig_yarn, hp.yarn_attn_factor, hp.yarn_beta_fast, hp.yarn_beta_slow) == \
+        (5e4, 2048, 1.0, 16.0, 2.0)
+    hp = _hp("yarn", 40.0)
+    override_rope(hp, RopeOverrides(scaling="none", freq_scale=0.5))    # none: never scaled
+    assert (hp.rope_scaling, hp.rope_freq_scale, hp.yarn_ext_factor) == ("none", 1.0, 0.0)
+    hp = _hp("none", 4.0)
+    override_rope(hp, RopeOverrides(scaling="linear"))                  # the file's factor comes back
+    assert (hp.rope_freq_scale, hp.yarn_ext_factor) == (0.25, 0.0)
+    hp = _hp("linear", 4.0, ext_file=0.25)
+    override_rope(hp, RopeOverrides(scaling="yarn"))                    # the file's own mix wins
+    assert hp.yarn_ext_factor == 0.25
+    override_rope(hp, RopeOverrides(scaling="yarn", ext_factor=0.0, freq_scale=0.125))
+    assert (hp.yarn_ext_factor, hp.rope_freq_scale) == (0.0, 0.125)

@@ -437,15 +437,16 @@ def test_request_fields_reach_the_engine(fake):
 
 def test_server_defaults_seed_and_n_predict_cap():
     eng = FakeEngine()
-    srv = ServerThread(_fake_app(eng, default_n_predict=4, default_seed=123, log_requests=False))
+    srv = ServerThread(_fake_app(eng, default_n_predict=4, log_requests=False,
+                                 default_sampling={"seed": 123, "temperature": 0.25, "top_k": 3, "penalize_nl": True}))
     try:
         d = httpx.post(srv.base + "/completion", json={"prompt": "x"}).json()
         assert d["content"] == FAKE_ANSWER[:4] and d["stop_type"] == "limit"
         _prompt, params, n_predict, _stop = eng.submitted[-1]
-        assert n_predict == 4 and params.seed == 123
-        httpx.post(srv.base + "/completion", json={"prompt": "x", "n_predict": 50, "seed": 5}).raise_for_status()
+        assert n_predict == 4 and (params.seed, params.temperature, params.top_k, params.penalize_nl) == (123, 0.25, 3, True)
+        httpx.post(srv.base + "/completion", json={"prompt": "x", "n_predict": 50, "seed": 5, "top_k": 9}).raise_for_status()
         _prompt, params, n_predict, _stop = eng.submitted[-1]
-        assert n_predict == 4 and params.seed == 5         # -n caps the request; its own seed wins
+        assert n_predict == 4 and (params.seed, params.top_k, params.temperature) == (5, 9, 0.25)   # -n caps; its own values win
         httpx.post(srv.base + "/completion", json={"prompt": "x", "n_predict": 2}).raise_for_status()
         assert eng.submitted[-1][2] == 2
     finally:
@@ -536,7 +537,9 @@ def test_cli_errors_before_loading(capsys):
         for args, msg in ((["--port", str(busy.getsockname()[1])], "couldn't bind HTTP server socket"),
                           (["-np", "0"], "--parallel must be >= 1"),
                           (["--port", "70000"], "--port must be between 0 and 65535"),
-                          (["--chat-template-file", "/no/such/file.jinja"], "cannot read chat template file")):
+                          (["--chat-template-file", "/no/such/file.jinja"], "cannot read chat template file"),
+                          (["--top-p", "1.5"], "--top-p: Sampling parameter 'top_p' must be between 0 and 1"),
+                          (["--repeat-penalty", "0"], "--repeat-penalty: Sampling parameter 'repeat_penalty' must be > 0")):
             with pytest.raises(SystemExit) as e:
                 main(["server", *args])
             assert e.value.code == 1
@@ -574,6 +577,32 @@ def test_request_log_line(capsys):
     out = capsys.readouterr().out
     assert re.search(r'^INFO \[\s+log_server_request\] request \| method="GET" params=\{"x":"1"\} path="/health" '
                      r'remote_addr="127.0.0.1" remote_port=\d+ status=200 tid="\d+" timestamp=\d+$', out, re.M), out
+
+
+def _log_fields(line: str) -> dict:
+    """The key=JSON pairs after ' | ' of a server log line."""
+    rest, fields, dec = line.split(" | ", 1)[1], {}, json.JSONDecoder()
+    while rest.strip():
+        key, rest = rest.strip().split("=", 1)
+        fields[key], end = dec.raw_decode(rest)
+        rest = rest[end:]
+    return fields
+
+
+def test_verbose_request_lines(capsys):
+    """-v: ik's VERB line with the request body and the response body (empty for a stream)."""
+    srv = ServerThread(_fake_app(FakeEngine(), verbose=True))
+    try:
+        httpx.post(srv.base + "/completion", json={"prompt": "x", "n_predict": 2}).raise_for_status()
+        with httpx.stream("POST", srv.base + "/completion", json={"prompt": "x", "n_predict": 2, "stream": True}) as r:
+            r.read()
+    finally:
+        srv.stop()
+    verb = [_log_fields(ln) for ln in capsys.readouterr().out.splitlines() if ln.startswith("VERB")]
+    assert len(verb) == 2, verb
+    assert json.loads(verb[0]["request"]) == {"prompt": "x", "n_predict": 2}
+    assert json.loads(verb[0]["response"])["content"] == "He"
+    assert json.loads(verb[1]["request"])["stream"] is True and verb[1]["response"] == ""
 
 
 # ============================================================================ the real server
