@@ -167,8 +167,33 @@ def normalize_argv(args: list[str], declared: dict[str, int] | None = None, tool
     return out
 
 
+_log_file = None      # --log-file: the log lines also go there
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+    if _log_file is not None:
+        try:
+            _log_file.write(msg + "\n")
+            _log_file.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def open_log_file(base: Optional[str], new: bool, append: bool, disable: bool) -> None:
+    """--log-file BASE (BASE.log; BASE.<pid>.log with --log-new; appended with --log-append), as ik's
+    log.h names it; --log-disable keeps it closed."""
+    global _log_file
+    if _log_file is not None:
+        _log_file.close()
+        _log_file = None
+    if base is None or disable:
+        return
+    name = f"{base or 'unnamed'}.{os.getpid()}.log" if new else f"{base or 'unnamed'}.log"
+    try:
+        _log_file = open(name, "a" if append else "w", encoding="utf-8")
+    except OSError as e:
+        raise CliError(f"cannot open log file '{name}': {e.strerror}") from None
 
 
 def resolve_model(model: Optional[str]) -> str:
@@ -280,18 +305,34 @@ _ENGINE_OPTIONS = [("mla", int, MlaOpt), ("fa", str, FaOpt), ("amb", int, AmbOpt
                    *_ROPE_OPTIONS]
 
 
+# log.h's flags, taken by every run tool and acted on before it starts
+_LOG_OPTIONS = [
+    ("log_file", Optional[str], typer.Option(None, "--log-file", help="also write the log lines to FNAME.log")),
+    ("log_new", bool, typer.Option(False, "--log-new", help="with --log-file: one file per run (FNAME.<pid>.log)")),
+    ("log_append", bool, typer.Option(False, "--log-append", help="with --log-file: append instead of overwriting")),
+    ("log_disable", bool, typer.Option(False, "--log-disable", help="write no log file")),
+    ("log_enable", bool, typer.Option(False, "--log-enable", help="write the log file of --log-file (the default)")),
+]
+
+
 def with_engine_flags(fn):
     """Give a command the shared engine options, declared once here: they are appended to its
-    own options and reach it as one EngineFlags argument named `flags`."""
+    own options and reach it as one EngineFlags argument named `flags` (the log options are
+    acted on here)."""
     sig = inspect.signature(fn, eval_str=True)
     own = [p for p in sig.parameters.values() if p.name != "flags"]
     extra = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=opt, annotation=ann)
-             for n, ann, opt in _ENGINE_OPTIONS]
+             for n, ann, opt in _ENGINE_OPTIONS + _LOG_OPTIONS]
 
     @functools.wraps(fn)
     def command(**kw):
         flags = EngineFlags(**{n: kw.pop(n) for n, _, _ in _ENGINE_OPTIONS})
-        return fn(**kw, flags=flags)
+        logs = {n: kw.pop(n) for n, _, _ in _LOG_OPTIONS}
+        open_log_file(logs["log_file"], logs["log_new"], logs["log_append"], logs["log_disable"])
+        try:
+            return fn(**kw, flags=flags)
+        finally:
+            open_log_file(None, False, False, True)
 
     command.__signature__ = sig.replace(parameters=own + extra)
     command.__annotations__ = {p.name: p.annotation for p in own + extra}

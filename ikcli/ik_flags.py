@@ -340,8 +340,7 @@ NO_EFFECT: dict[str, str] = {
                           "--prefetch-experts", "--prefetch-experts-threads")},
     **{f: "a graph-building / kernel-selection switch of ggml; ikcli has no graph"
        for f in ("-rcache", "-gr", "-no-gr", "-no-fug", "-no-mmad", "-mqkv", "-muge", "-fdn", "-dt", "-mea")},
-    **{f: "it steers the C++ tools' log file; ikcli writes none (its log lines go to stderr)"
-       for f in ("--log-test", "--log-disable", "--log-new", "--log-append")},
+    "--log-test": "it prints log.h's self-test lines; ikcli has no log.h",
     "-tm": "no multimodal projector in ikcli", "-td": "no draft model in ikcli", "-tbd": "no draft model in ikcli",
 }
 
@@ -369,8 +368,6 @@ REFUSED: dict[str, str] = {
     **{f: "embedding models are not implemented" for f in ("--pooling", "--attention", "--embedding",
                                                            "--embd-normalize", "--embd-output-format",
                                                            "--embd-separator")},
-    **{f: "ikcli writes no log file (its log lines go to stderr; redirect them)" for f in ("--log-enable",
-                                                                                           "--log-file")},
     **{f: "validating tensor data at load is not implemented yet" for f in ("-vq", "--check-tensors")},
     "--numa": "NUMA placement is not implemented yet on machines with more than one node",
 }

@@ -126,9 +126,9 @@ def test_values_spellings_and_ignored_lines(monkeypatch):
     assert _run("server", ["-v", "-thp", "--threads", "2"]) == (["-v", "-thp", "--threads", "2"], [])  # -thp was -t hp
     assert _run("perplexity", ["-v"])[1][0].startswith("-v: ignored: ik_llama.cpp perplexity does not use it")
     assert _run("server", ["-cb"]) == (["-cb"], [])                          # declared: always on
-    for flag in ("-vq", "--check-tensors", "--log-file"):                   # ik acts on these: refused
+    for flag in ("-vq", "--check-tensors"):                                 # ik acts on these: refused
         with pytest.raises(CliError, match=f"^{flag} is not supported"):
-            _run("sweep-bench", [flag] + (["x.log"] if flag == "--log-file" else []))
+            _run("sweep-bench", [flag])
     out, notes = _run("perplexity", ["--save-all-logits", "base.bin"])      # ik's alias of --kl-divergence-base
     assert out == ["--kl-divergence-base", "base.bin"] and not notes
 
@@ -156,6 +156,25 @@ def test_ignored_flags_end_to_end(capsys):
     code, out, err = cli(capsys, "perplexity", "-c", "64", "--chunks", "1", "-t", "2", "-thp", "--mlock")
     assert code == 0 and out == base, err[-2000:]
     assert "llama_mmap: using THP with page size" in err or "llama_mmap: mmap with huge page size" in err
+
+
+def test_log_file(capsys, tmp_path):
+    """--log-file BASE: the log lines also go to BASE.log (appended with --log-append; none with
+    --log-disable); the results stay on stdout only."""
+    base = str(tmp_path / "run")
+    run = ("perplexity", "-c", "64", "--chunks", "1", "-t", "2", "--log-file", base)
+    code, out, err = cli(capsys, *run)
+    assert code == 0
+    text = open(base + ".log").read()
+    assert text.strip() and text.strip().splitlines() == [ln for ln in err.strip().splitlines() if ln in text]
+    assert "Final estimate" not in text
+    code, _, _ = cli(capsys, *run, "--log-append")
+    both = open(base + ".log").read()
+    assert code == 0 and both.startswith(text) and len(both) > len(text)
+    code, _, _ = cli(capsys, *run)                                          # overwritten without it
+    assert code == 0 and len(open(base + ".log").read()) < len(both)
+    code, _, _ = cli(capsys, *run[:-1], str(tmp_path / "off"), "--log-disable")
+    assert code == 0 and not (tmp_path / "off.log").exists()
 
 
 def test_metadata_and_rope_overrides(capsys):
