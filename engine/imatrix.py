@@ -1,17 +1,24 @@
 """Importance matrices: per-column sums of squared activations of each weight, llama-imatrix style.
 
-Collection (`Collector`, an engine.linear observer) follows ik_llama.cpp's llama-imatrix:
+Collection (`Collector`, an engine.linear observer) follows ik_llama.cpp's llama-imatrix, which
+sees ggml's graph nodes; the engine's products are mapped onto the nodes ik's graph would have:
 
-* mul_mat with a weight whose name starts with "blk." and at least 16 activation rows: every
-  row adds x**2 to the entry's sums and 1 to its counts (smaller batches are ignored, as ik
-  does);  a 3-D per-head weight used through one batched product (DeepSeek's W_k_b, see
-  engine.arch.deepseek2) has one block of sums per head, under the same rules;
+* mul_mat with a weight whose name starts with "blk." (or is the output tensor, when asked
+  for: --process-output, -lsim) and at least 16 activation rows: every row adds x**2 to the
+  entry's sums and 1 to its counts (smaller batches are ignored, as ik does);  a 3-D per-head
+  weight used through one batched product (DeepSeek's W_k_b / W_v_b, see engine.arch.deepseek2)
+  is such a mul_mat in ik's graph, with one block of sums per head, under the same rules;
 * mul_mat_id (MoE experts): each (expert, row) pair adds to that expert's block of sums; all
   batch sizes, all names;
-* the fused dense up/gate product counts as the two mul_mats ik records; the fused MoE one
-  (-fmoe) only under the *up* tensor's name, as ik does (its quantizer uses ffn_up_exps' data
-  for ffn_gate_exps);
+* the fused dense up/gate product: ik's graph fuses it only for quantized up and gate of one
+  type and shape, and then records it under the *up* tensor's name alone, whatever the batch
+  size; otherwise it holds the two mul_mats (up, gate) and both are recorded as above.  The
+  fused MoE one (-fmoe) likewise: fused for experts of one type and shape (recorded under up;
+  ik's quantizer uses ffn_up_exps' data for ffn_gate_exps), else two mul_mat_ids;
 * every recorded product adds 1 to the entry's call count (ncall); `last_call` is the largest.
+
+`trace` (verbosity > 1) gets ik's line for each recorded product; `lsim` (-lsim) accumulates
+ik's layer-similarity statistics from the same products (`LayerSimilarity`).
 
 The `.dat` file ("legacy" format, little endian): int32 n_entries; per entry int32 name length,
 name bytes, int32 ncall, int32 nval, nval float32 values; then int32 last_call, int32 length and
@@ -24,13 +31,18 @@ than 5 % (rounded) of the experts lack data: those experts get value 1 (count 1)
 from __future__ import annotations
 
 import os
+import re
 import struct
 from dataclasses import dataclass, field
 from typing import BinaryIO, Callable, Optional
 
 import numpy as np
 
+from quant.types import BF16, F16, F32
+
 MIN_ROWS = 16   # llama-imatrix ignores mul_mat products of fewer activation rows
+OUTPUT_TENSOR = "output.weight"     # ik's default --output-tensor-name
+_PER_HEAD = (".attn_k_b.", ".attn_v_b.")
 
 
 class ImatrixError(ValueError):
@@ -54,27 +66,144 @@ def _new_entry(n: int, n_as: int) -> Entry:
     return Entry(np.zeros(n, np.float64), np.zeros(n, np.int64), 0, n_as)
 
 
+def _fused_in_ik(gate, up, dense: bool) -> bool:
+    """Whether ik's graph holds one fused up/gate node (else two plain products): ggml fuses
+    experts of one type and shape, dense weights only when they are also quantized."""
+    same = gate.qtype == up.qtype and tuple(gate.shape) == tuple(up.shape)
+    return same and (not dense or up.qtype not in (F32, F16, BF16))
+
+
+def _row_cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Cosine similarity of each row of a with the same row of b (0 where either is all zero)."""
+    a = a.astype(np.float64)
+    b = b.astype(np.float64)
+    ab = np.einsum("ij,ij->i", a, b)
+    aa = np.einsum("ij,ij->i", a, a)
+    bb = np.einsum("ij,ij->i", b, b)
+    ok = (aa > 0) & (bb > 0)
+    return np.where(ok, ab / np.sqrt(np.where(ok, aa * bb, 1.0)), 0.0)
+
+
+@dataclass
+class LayerSimilarity:
+    """ik's -lsim statistics: mean cosine similarity, per token, of the activations entering
+    the parts of the model, from the first recorded product of each part.
+
+    layer[i]: layer i's input (the activations of its first product) against layer i+1's (the
+    output tensor counts as the layer after the last one); attn[i]: layer i's input against the
+    input of its first FFN product; ffn[i]: that FFN input against layer i+1's input.  Each maps
+    a layer to [sum of cosines, rows]."""
+    output_name: str = OUTPUT_TENSOR
+    layer: dict = field(default_factory=dict)
+    attn: dict = field(default_factory=dict)
+    ffn: dict = field(default_factory=dict)
+    _last_layer: int = 9999             # ik's "no layer seen yet"
+    _last_ffn: int = -1
+    _last_input: Optional[np.ndarray] = None
+    _ffn_input: Optional[np.ndarray] = None
+
+    def layer_index(self, name: str) -> Optional[int]:
+        if name == self.output_name and self._last_layer < 199:
+            return self._last_layer + 1
+        m = re.match(r"blk\.(\d+)\.", name)
+        return int(m.group(1)) if m else None
+
+    def ffn_product(self, name: str, x: np.ndarray) -> None:
+        """A recorded product of an ffn_* weight: the layer's first one gives its FFN input."""
+        i = self.layer_index(name)
+        if i is None or i != self._last_layer or i == self._last_ffn:
+            return
+        if self._last_input is None or self._last_input.shape != x.shape:
+            raise ImatrixError(f"layer similarity: {name}: {x.shape} activations, {self._shape()} at the layer input")
+        self._ffn_input = np.array(x, np.float32)
+        _accumulate(self.attn, i, _row_cosines(self._ffn_input, self._last_input))
+        self._last_ffn = i
+
+    def plain_product(self, name: str, x: np.ndarray) -> None:
+        """A recorded non-expert product: the first one of a new layer closes the previous one."""
+        i = self.layer_index(name)
+        if i is None or i == self._last_layer:
+            return
+        if i > 0 and self._last_input is not None:
+            if self._last_input.shape != x.shape:
+                raise ImatrixError(f"layer similarity: {name}: {x.shape} activations, {self._shape()} at the "
+                                   f"previous layer's input")
+            _accumulate(self.layer, i - 1, _row_cosines(self._last_input, x))
+            if i == self._last_ffn + 1:
+                _accumulate(self.ffn, i - 1, _row_cosines(self._ffn_input, x))
+        self._last_layer = i
+        self._last_input = np.array(x, np.float32)
+
+    def _shape(self):
+        return None if self._last_input is None else self._last_input.shape
+
+    def report(self) -> list[str]:
+        """ik's closing lines: per statistic, the layers sorted by |mean cosine| (least similar first)."""
+        out: list[str] = []
+        for what, sims in (("layer", self.layer), ("attention", self.attn), ("ffn", self.ffn)):
+            order = sorted((np.float32(abs(s / n)), i) for i, (s, n) in sims.items() if n > 0)
+            if order:
+                out += ["", f"======================== sorted {what} importances"]
+                out += [f"{j:3d}: Layer {i:3d}, <cos_sim> = {sims[i][0] / sims[i][1]:g}"
+                        for j, (_, i) in enumerate(order)]
+        return out
+
+
+def _accumulate(sims: dict, i: int, cos: np.ndarray) -> None:
+    s = sims.setdefault(i, [0.0, 0])
+    s[0] += float(cos.sum())
+    s[1] += cos.size
+
+
 @dataclass
 class Collector:
     """Accumulates llama-imatrix's statistics from engine.linear's observer calls.
 
     on_call(last_call): called whenever a product raises the largest call count (after that
-    product is accumulated) — where llama-imatrix saves periodically."""
+    product is accumulated) — where llama-imatrix saves periodically.
+    output_name: a weight outside the blocks to record too (ik: --process-output, -lsim).
+    trace: gets ik's verbosity-2 line of each recorded product.
+    lsim: -lsim's statistics, fed from the recorded products."""
     entries: dict[str, Entry] = field(default_factory=dict)
     last_call: int = 0
     on_call: Optional[Callable[[int], None]] = None
+    output_name: Optional[str] = None
+    trace: Optional[Callable[[str], None]] = None
+    lsim: Optional[LayerSimilarity] = None
+    _n_tokens: int = 0      # tokens of the current micro-batch: rows of the latest plain product
 
     # ---- collection (engine.linear observer) ---------------------------------------------
     def __call__(self, op: str, weights: tuple, x: np.ndarray, ids, rows) -> None:
+        if op == "mul_mat_id":
+            w = weights[0]
+            if any(s in w.name for s in _PER_HEAD):
+                self._heads(w, x, ids)
+            else:
+                self._experts("MUL_MAT_ID", w, x, ids, rows)
+            return
+        self._n_tokens = x.shape[0]      # the router / shared input precedes the expert products
         if op == "mul_mat":
-            self._dense(weights[0], x)
+            self._plain(weights[0], x)
         elif op == "fused_up_gate":
-            self._dense(weights[0], x)
-            self._dense(weights[1], x)
-        elif op == "mul_mat_id":
-            self._experts(weights[0], x, ids, rows)
+            gate, up = weights
+            if _fused_in_ik(gate, up, dense=True):
+                if up.name:                 # any batch size, any name, as ik
+                    self._dense("FUSED_UP_GATE", up, x)
+            else:
+                self._plain(up, x)
+                self._plain(gate, x)
         elif op == "moe_fused_up_gate":
-            self._experts(weights[1], x, ids, rows)
+            gate, up = weights
+            if _fused_in_ik(gate, up, dense=False):
+                self._experts("MOE_FUSED_UP_GATE", up, x, ids, rows)
+            else:
+                self._experts("MUL_MAT_ID", up, x, ids, rows)
+                self._experts("MUL_MAT_ID", gate, x, ids, rows)
+
+    def _wanted(self, name: str, n_rows: int) -> bool:
+        """ik's rule for a plain mul_mat: a block's weight (or the output tensor when asked for),
+        at least MIN_ROWS activation rows."""
+        return n_rows >= MIN_ROWS and (name.startswith("blk.") or (bool(name) and name == self.output_name))
 
     def _entry(self, name: str, n: int, n_as: int) -> Entry:
         e = self.entries.get(name)
@@ -84,29 +213,65 @@ class Collector:
             raise ImatrixError(f"inconsistent size for {name} ({e.values.size} vs {n})")
         return e
 
-    def _dense(self, w, x: np.ndarray) -> None:
-        if not w.name.startswith("blk.") or x.shape[0] < MIN_ROWS:
+    def _observe(self, name: str, x: np.ndarray, plain: bool) -> None:
+        """-lsim's view of a recorded product (ik: FFN inputs from any op, layer inputs from plain ones)."""
+        if self.lsim is None:
             return
+        if ".ffn_" in name:
+            self.lsim.ffn_product(name, x)
+        if plain:
+            self.lsim.plain_product(name, x)
+
+    def _emit(self, op: str, name: str, cols: int, n: int) -> None:
+        if self.trace is not None:        # ik prints the call count as it was before this product
+            self.trace(f"collect_imatrix[{self.last_call}]: {name:>32s}, {op}, {cols:5d} x {n:5d}, 0")
+
+    def _plain(self, w, x: np.ndarray) -> None:
+        if self._wanted(w.name, x.shape[0]):
+            self._dense("MUL_MAT", w, x)
+
+    def _dense(self, op: str, w, x: np.ndarray) -> None:
         if len(w.shape) > 2:
             raise ImatrixError(f"{w.name}: a {len(w.shape)}-D weight in a plain product")
+        self._observe(w.name, x, plain=True)
         e = self._entry(w.name, x.shape[1], 1)
         e.ncall += 1
+        self._emit(op, w.name, x.shape[1], x.shape[0])
         sq = np.einsum("ij,ij->j", x, x, dtype=np.float64)
-        self._add(w.name, e, sq, x.shape[0])
+        if not np.isfinite(sq).all():
+            raise ImatrixError(f"detected NaNs in {w.name}")
+        e.values += sq
+        e.counts += x.shape[0]
+        self._bump(e)
 
-    def _experts(self, w, x: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:
+    def _heads(self, w, x: np.ndarray, ids: np.ndarray) -> None:
+        """A per-head weight (H, N, K) applied to x (T*H, K): ik's 3-D mul_mat, one block per head."""
+        n_head = w.shape[0]
+        n_tok = np.asarray(ids).size // max(n_head, 1)
+        if not self._wanted(w.name, n_tok):
+            return
+        self._observe(w.name, x, plain=True)
+        e = self._entry(w.name, x.shape[1] * n_head, n_head)
+        e.ncall += 1
+        self._emit("MUL_MAT", w.name, x.shape[1], n_tok)
+        self._add_pairs(w.name, e, x, ids, np.arange(np.asarray(ids).size))
+
+    def _experts(self, op: str, w, x: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:
         if not w.name:
             return
+        self._observe(w.name, x, plain=False)
         n_as = w.shape[0] if len(w.shape) == 3 else 1
-        cols = x.shape[1]
+        e = self._entry(w.name, x.shape[1] * n_as, n_as)
+        e.ncall += 1
+        self._emit(op, w.name, x.shape[1], self._n_tokens)
+        self._add_pairs(w.name, e, x, ids, rows)
+
+    def _add_pairs(self, name: str, e: Entry, x: np.ndarray, ids, rows) -> None:
+        """Each (block, row) pair adds x[row]**2 to that block's sums."""
         ids = np.asarray(ids, np.int64)
         rows = np.asarray(rows, np.int64)
-        per_head = ".attn_k_b." in w.name or ".attn_v_b." in w.name
-        if per_head and ids.size // max(n_as, 1) < MIN_ROWS:   # ik: a plain (batched) mul_mat
-            return
-        e = self._entry(w.name, cols * n_as, n_as)
-        e.ncall += 1
         if ids.size:
+            cols = e.cols
             order = np.argsort(ids, kind="stable")
             sid = ids[order]
             sq = x[rows[order]].astype(np.float64)
@@ -114,20 +279,11 @@ class Collector:
             starts = np.flatnonzero(np.r_[True, sid[1:] != sid[:-1]])
             sums = np.add.reduceat(sq, starts, axis=0)
             n_per = np.diff(np.r_[starts, sid.size])
-            v = e.values.reshape(n_as, cols)
-            c = e.counts.reshape(n_as, cols)
-            used = sid[starts]
             if not np.isfinite(sums).all():
-                raise ImatrixError(f"detected NaNs in {w.name}")
-            v[used] += sums
-            c[used] += n_per[:, None]
-        self._bump(e)
-
-    def _add(self, name: str, e: Entry, sq: np.ndarray, n: int) -> None:
-        if not np.isfinite(sq).all():
-            raise ImatrixError(f"detected NaNs in {name}")
-        e.values += sq
-        e.counts += n
+                raise ImatrixError(f"detected NaNs in {name}")
+            used = sid[starts]
+            e.values.reshape(e.n_as, cols)[used] += sums
+            e.counts.reshape(e.n_as, cols)[used] += n_per[:, None]
         self._bump(e)
 
     def _bump(self, e: Entry) -> None:

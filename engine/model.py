@@ -32,6 +32,7 @@ class Weights:
         self.used: set[str] = set()
         self.extra: dict[str, QTensor] = {}   # tensors computed at load (e.g. attn_kv_b)
         self.repack = repack                  # -rtr: repack matrices into _R4/_R8 types
+        self.by_type: dict[int, QTensor] = {}  # one matrix of each type the products use (warm-up)
         self.n_repacked = 0
         self.repacked_bytes = 0
         self.kept: dict[str, int] = {}        # -rtr: plain type -> tensors left as they are
@@ -65,6 +66,7 @@ class Weights:
         elif self.repack:
             q = self._repacked(name, q)
         q.name = name   # the label engine.linear's observers (imatrix) see
+        self.by_type.setdefault(q.qtype, q)
         return q
 
     # ik_llama.cpp repacks every CPU tensor except the token embedding (its rows are looked up,
@@ -122,6 +124,7 @@ class Model:
         self.tokenizer = tokenizer
         self.arch = arch
         self.log = log
+        self.matrix_types: dict = {}    # one weight matrix of each type the products use
 
     @property
     def n_vocab(self) -> int:
@@ -256,4 +259,8 @@ def load_model(path: str, log: Log = stderr_log, mla: int = 3, overrides: list |
     for tn, n in w.kept.items():
         log(f"-rtr: {n} {tn} tensors kept in their plain layout (ikcli has no faster kernel for "
             f"{interleaved_form(type_info(tn).id).name.lower()})")
-    return Model(mf, hp, tok, arch, log)
+    model = Model(mf, hp, tok, arch, log)
+    for q in w.extra.values():
+        w.by_type.setdefault(q.qtype, q)
+    model.matrix_types = dict(w.by_type)
+    return model

@@ -25,6 +25,20 @@ def n_scored(n_ctx: int) -> int:
     return n_ctx - 1 - n_ctx // 2
 
 
+def decode_batched(ctx, toks: np.ndarray, n_batch: int, logits_from: int = 0) -> np.ndarray:
+    """Append toks to the cache in batches of n_batch (as llama_decode calls); logits (float32)
+    of toks[logits_from:] only, so batches before logits_from skip the output projection."""
+    parts = []
+    for s in range(0, len(toks), n_batch):
+        e = min(len(toks), s + n_batch)
+        lg = ctx.decode(toks[s:e], logits_from=min(max(logits_from - s, 0), e - s))
+        if len(lg):
+            parts.append(lg)
+    if not parts:
+        return np.empty((0, ctx.model.n_vocab), dtype=np.float32)
+    return np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+
+
 def chunk_logits(ctx, chunk: np.ndarray, bos_id: int | None, n_batch: int, logits: bool = True) -> np.ndarray | None:
     """Logits (n_scored, n_vocab) for one chunk; the cache is cleared first.  logits=False: the
     same batches with no output rows at all (no output projection; imatrix --no-ppl), None."""
@@ -34,17 +48,18 @@ def chunk_logits(ctx, chunk: np.ndarray, bos_id: int | None, n_batch: int, logit
     if bos_id is not None:
         toks[0] = bos_id
     ctx.clear()
-    parts = []
-    for s in range(0, n_ctx, n_batch):
-        e = min(n_ctx, s + n_batch)
-        want = max(first, s) if logits else e
-        lg = ctx.decode(toks[s:e], logits_from=want - s if want < e else e - s)
-        if len(lg):
-            parts.append(lg)
-    if not logits:
-        return None
-    out = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
-    return out[: n_ctx - 1 - first]
+    out = decode_batched(ctx, toks, n_batch, first if logits else n_ctx)
+    return out[: n_ctx - 1 - first] if logits else None
+
+
+def strided_nll(ctx, window: np.ndarray, stride: int, n_batch: int) -> np.ndarray:
+    """llama-perplexity --ppl-stride: NLL of the last `stride` tokens of one window evaluated
+    from an empty cache.  ik_llama.cpp writes BOS into the window only after decoding it, so the
+    window's own first token is what the model sees; so here."""
+    n = len(window)
+    ctx.clear()
+    rows = decode_batched(ctx, window.astype(np.int32), n_batch, n - stride - 1)
+    return token_nll(rows[:stride], window[n - stride:])
 
 
 def log_softmax_rows(logits: np.ndarray) -> np.ndarray:
@@ -73,6 +88,13 @@ class PplAccumulator:
     @property
     def ppl(self) -> float:
         return math.exp(self.nll / self.count)
+
+    def mean_spread(self) -> tuple[float, float]:
+        """Mean NLL and its standard error, as --ppl-output-type 1 prints them (ik prints the raw
+        variance when it is not positive)."""
+        mean = self.nll / self.count
+        var = self.nll2 / self.count - mean * mean
+        return mean, (math.sqrt(var / (self.count - 1)) if var > 0 else var)
 
     def estimate(self) -> tuple[float, float | None]:
         """Final PPL and its uncertainty (None when the variance comes out non-positive)."""

@@ -92,13 +92,15 @@ class _Slot:
 
 
 class ServingEngine:
-    def __init__(self, model: Model, cfg: EngineConfig, n_parallel: int, log: Log) -> None:
+    def __init__(self, model: Model, cfg: EngineConfig, n_parallel: int, log: Log, ctx=None) -> None:
+        """ctx: the Context of n_parallel caches to serve from (default: a new one)."""
         from .context import Context
         if n_parallel < 1:
             raise ValueError("--parallel must be >= 1")
         self.model, self.cfg, self.log = model, cfg, log
         self.n_parallel = n_parallel
-        ctx = Context(model, cfg, log, n_seq=n_parallel)     # the slots' caches, run options, logs
+        if ctx is None:
+            ctx = Context(model, cfg, log, n_seq=n_parallel)     # the slots' caches, run options, logs
         self.n_ctx_slot = ctx.n_ctx // n_parallel
         self.opts = ctx.opts
         self.n_batch = ctx.n_batch

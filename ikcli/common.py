@@ -296,13 +296,15 @@ class EngineFlags:
     yarn_attn_factor: float = -1.0
     yarn_beta_slow: float = -1.0
     yarn_beta_fast: float = -1.0
+    no_warmup: bool = False
 
 
 _ENGINE_OPTIONS = [("mla", int, MlaOpt), ("fa", str, FaOpt), ("amb", int, AmbOpt), ("ctk", str, CtkOpt),
                    ("ctv", str, CtvOpt), ("fmoe", str, FmoeOpt), ("ser", Optional[str], SerOpt),
                    ("ot", Optional[List[str]], OtOpt), ("rtr", bool, RtrOpt), ("no_mmap", bool, NoMmapOpt),
                    ("mlock", bool, MlockOpt), ("thp", bool, ThpOpt), ("override_kv", Optional[List[str]], OkvOpt),
-                   *_ROPE_OPTIONS]
+                   *_ROPE_OPTIONS,
+                   ("no_warmup", bool, typer.Option(False, "--no-warmup", help="skip the warm-up run (then the first pass compiles any kernel not yet in the cache)"))]
 
 
 # log.h's flags, taken by every run tool and acted on before it starts
@@ -386,8 +388,21 @@ def rope_overrides(flags: EngineFlags):
                          beta_slow=flags.yarn_beta_slow)
 
 
+def new_context(m, cfg, flags: EngineFlags, n_seq: int = 1):
+    """The Context of the run, warmed up (ik's warm-up decode, and every kernel the run takes
+    compiled, with a line saying so) unless --no-warmup."""
+    from engine.context import Context
+    from engine.warmup import warm_up
+    ctx = Context(m, cfg, log, n_seq=n_seq)
+    if not flags.no_warmup:
+        warm_up(ctx, log)
+    return ctx
+
+
 def load_model(path: str, cfg):
     """The model of `path` loaded with every load-time option of cfg (an engine.config.EngineConfig)."""
     from engine.model import load_model as load
+    from engine.warmup import first_run_notice
+    first_run_notice(log)
     return load(path, log, mla=cfg.mla, overrides=cfg.tensor_overrides, repack=cfg.repack, use_mmap=cfg.use_mmap,
                 use_mlock=cfg.use_mlock, use_thp=cfg.use_thp, kv_overrides=cfg.kv_overrides, rope=cfg.rope)

@@ -1,13 +1,17 @@
 """`ikcli imatrix`: llama-imatrix's flags, output and `.dat` files (engine.imatrix does the work).
 
     ikcli imatrix -m MODEL -f TEXT [-o imatrix.dat] [-c 512] [--chunks N] [--in-file F ...]
+                  [--process-output] [-lsim] [--verbosity N | -v]
 
 The text is cut into chunks of n_ctx tokens as llama-imatrix does (n_ctx padded like its
 context: to 256 with flash attention, 32 without; batches of min(-b, -c) tokens), the
 perplexity of each chunk's second half is printed as it goes (`[1]x.xxxx,[2]…`, unless
 --no-ppl) and every weight product's activations are accumulated.  --in-file loads existing
 files first (combined call-weighted, as ik does); without -f the loaded files are just
-combined and written.
+combined and written.  --process-output also records the output tensor (--output-tensor-name);
+-lsim records it too and prints ik's sorted layer / attention / ffn cosine similarities at the
+end; --verbosity 2 prints one line per recorded product (-v sets verbosity 1, as in ik; the
+later of the two wins).  The run ends with llama_print_timings' lines.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import typer
 
 from . import common
 from .errors import CliError
+from .sweep_bench_cmd import _Timings      # llama_print_timings' lines
 
 
 def _save(col, path: str, dataset: str, verbose: bool = True) -> None:
@@ -33,6 +38,17 @@ def _save(col, path: str, dataset: str, verbose: bool = True) -> None:
         common.log(f"\nsave_imatrix: stored collected data after {col.last_call} chunks in {path}")
 
 
+_VERBOSITY = "ikcli.imatrix.verbosity"
+
+
+def _later_wins(ctx: typer.Context, param: typer.CallbackParam, value):
+    """-v/--verbose sets verbosity 1 and --verbosity N sets N; in ik the later one on the command
+    line wins.  Click runs the callbacks in command-line order, so the last one given is kept."""
+    if ctx.get_parameter_source(param.name).name == "COMMANDLINE":
+        ctx.meta[_VERBOSITY] = 1 if param.name == "verbose" else value
+    return value
+
+
 @common.with_engine_flags
 def imatrix(
     model: Optional[str] = common.ModelOpt,
@@ -45,7 +61,15 @@ def imatrix(
     save_freq: int = typer.Option(0, "--save-frequency", help="also save a copy OUT.at_N every N calls (0 = never)"),
     in_files: List[str] = typer.Option([], "--in-file", help="existing imatrix .dat to load and combine (repeatable)"),
     no_ppl: bool = typer.Option(False, "--no-ppl", help="do not compute perplexity"),
-    verbosity: int = typer.Option(1, "--verbosity", help="0: quiet saves; 1: log each save"),
+    process_output: bool = typer.Option(False, "--process-output", help="collect data for the output tensor too"),
+    # ik's default name, engine.imatrix.OUTPUT_TENSOR (not imported here: NumPy stays out of start-up)
+    output_tensor_name: str = typer.Option("output.weight", "--output-tensor-name",
+                                           help="the output tensor's name (for --process-output and -lsim)"),
+    lsim: bool = typer.Option(False, "-lsim", "--layer-similarity", help="collect layer similarity data"),
+    verbosity: int = typer.Option(1, "--verbosity", callback=_later_wins,
+                                  help="0: quiet saves; 1: log each save; 2: also a line per recorded product"),
+    verbose: bool = typer.Option(False, "-v", "--verbose", callback=_later_wins, help="verbosity 1 (as ik's -v)"),
+    ctx_: typer.Context = None,
     batch_size: int = common.BatchOpt,
     ubatch_size: int = common.UBatchOpt,
     threads: int = common.ThreadsOpt,
@@ -55,8 +79,9 @@ def imatrix(
     ngl: int = common.NglOpt,
     flags: "common.EngineFlags" = None,
 ) -> None:
-    from engine.imatrix import Collector, ImatrixError
+    from engine.imatrix import Collector, ImatrixError, LayerSimilarity
 
+    verbosity = ctx_.meta.get(_VERBOSITY, 1) if ctx_ is not None else verbosity
     if out_freq < 1:
         raise CliError("--output-frequency must be >= 1")
     if save_freq < 0:
@@ -83,18 +108,15 @@ def imatrix(
     if chunks == 0:
         raise CliError("--chunks must be positive (or -1 for all)")
     text = _read_text(file, escape)
-    from engine.context import Context
-    from engine.model import load_model
-
     path = common.resolve_model(model)
     cfg = common.engine_config(path, flags, n_ctx=0, n_batch=batch_size, n_ubatch=ubatch_size, threads=threads,
                                threads_batch=threads_batch)
-    m = load_model(path, common.log, mla=flags.mla, overrides=cfg.tensor_overrides, repack=cfg.repack,
-                   use_mmap=cfg.use_mmap)
+    timings = _Timings(0.0)        # counts from the start of the load, as ik's context does
+    m = common.load_model(path, cfg)
     c = ctx_size if ctx_size > 0 else m.hp.n_ctx_train
     cfg.n_ctx = c
     cfg.n_batch = min(batch_size, c)         # llama-imatrix: n_batch = min(n_batch, n_ctx) before padding
-    ctx = Context(m, cfg, common.log)
+    ctx = common.new_context(m, cfg, flags)
     if c > m.hp.n_ctx_train:
         common.log(f"main: warning: model was trained on only {m.hp.n_ctx_train} context tokens ({c} specified)")
 
@@ -105,9 +127,44 @@ def imatrix(
             _save(col, f"{out_file}.at_{n}", dataset, verbosity > 0)
 
     col.on_call = periodic
-    _compute(ctx, m, col, text, chunks, from_chunk, not no_ppl)
-    col.on_call = None
+    if process_output or lsim:          # ik records the output tensor for both
+        col.output_name = output_tensor_name
+    if lsim:
+        col.lsim = LayerSimilarity(output_tensor_name)
+    if verbosity > 1:
+        col.trace = lambda line: sys.stdout.write(line + "\n")
+    decoder = _Decoder(ctx, timings, all_rows=col.output_name is not None)
+    _compute(decoder, m, col, text, chunks, from_chunk, not no_ppl)
+    col.on_call = col.trace = None
     _save(col, out_file, dataset, verbosity > 0)
+    if col.lsim is not None:
+        sys.stdout.write("".join(line + "\n" for line in col.lsim.report()))
+        sys.stdout.flush()
+    timings.print()
+
+
+class _Decoder:
+    """The context as engine.perplexity's chunk decoding uses it, with llama_print_timings'
+    counters for each decode (the first one ends ik's "load time").  all_rows: logits for every
+    token, as llama-imatrix computes them (logits_all), so the output tensor sees every row; the
+    caller still gets only the rows it asked for."""
+
+    def __init__(self, ctx, timings: _Timings, all_rows: bool) -> None:
+        self._ctx, self._timings, self._all_rows = ctx, timings, all_rows
+        self._first = True
+
+    def __getattr__(self, name: str):       # everything else: the context's
+        return getattr(self._ctx, name)
+
+    def decode(self, tokens, logits_from: int = 0):
+        t0 = time.perf_counter()
+        lg = self._ctx.decode(tokens, logits_from=0 if self._all_rows else logits_from)
+        t1 = time.perf_counter()
+        self._timings.add(len(tokens), t1 - t0)
+        if self._first:
+            self._timings.t_load = t1 - self._timings.t_start
+            self._first = False
+        return lg[logits_from:] if self._all_rows else lg
 
 
 def _read_text(path: str, escape: bool) -> str:

@@ -379,14 +379,12 @@ class _AccessLogAndAuth:
         path = scope.get("path", "")
         status = {"code": 500}   # unless a response starts: an exception went past the handlers
         bodies = {"request": bytearray(), "response": bytearray(), "stream": False}
-        receive_wrapper = receive
 
-        if self.verbose:
-            async def receive_wrapper():
-                message = await receive()
-                if message.get("type") == "http.request":
-                    bodies["request"] += message.get("body", b"")
-                return message
+        async def receive_wrapper():
+            message = await receive()
+            if self.verbose and message.get("type") == "http.request":
+                bodies["request"] += message.get("body", b"")
+            return message
 
         async def send_wrapper(message) -> None:
             if message["type"] == "http.response.start":

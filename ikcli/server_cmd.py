@@ -113,7 +113,7 @@ def server(
             cfg.n_ctx = m.hp.n_ctx_train
         elif ctx_size > m.hp.n_ctx_train:
             common.log(f"warning: model was trained on only {m.hp.n_ctx_train} context tokens ({ctx_size} specified)")
-        engine = ServingEngine(m, cfg, parallel, common.log)
+        engine = ServingEngine(m, cfg, parallel, common.log, common.new_context(m, cfg, flags, n_seq=parallel))
         engine.start()
         app = create_app(engine, m, model_path=path, alias=alias or os.path.basename(path), chat_template=template,
                          api_key=api_key, default_n_predict=n_predict, default_sampling=sampling,

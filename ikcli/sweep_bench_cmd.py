@@ -99,7 +99,6 @@ def sweep_bench(
     sweep_stride: int = typer.Option(1, "--sweep-stride", help="measure every Nth sweep row (the others still fill the KV cache)"),
     sweep_memory: bool = typer.Option(False, "--sweep-memory", help="report RSS high-water (MiB) and VRAM delta (always n/a: no GPU) columns"),
     warmup_batch: bool = typer.Option(False, "-wb", "--warmup-batch", help="run a warmup batch of ubatch tokens before measurement"),
-    no_warmup: bool = typer.Option(False, "--no-warmup", help="skip warming up the model with a one-token (BOS) run"),
     output_format: str = typer.Option("md", "--output-format", help="md (= table, default) or jsonl"),
     plot: Optional[str] = typer.Option(None, "--plot", help="after the run, write a PNG of S_PP and S_TG against N_KV to this file (needs matplotlib)"),
     seed: int = typer.Option(DEFAULT_SEED, "-s", "--seed", help=f"seed of the random prompt/generation tokens (default: {DEFAULT_SEED}, fixed so runs are reproducible; -1 = a random seed)"),
@@ -122,8 +121,6 @@ def sweep_bench(
 
     import numpy as np
 
-    from engine.context import Context
-
     path = common.resolve_model(model)
     cfg = common.engine_config(path, flags, n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size, threads=threads,
                                threads_batch=threads_batch, seed=seed)
@@ -132,7 +129,7 @@ def sweep_bench(
     t_load = time.perf_counter() - t0
     if ctx_size > m.hp.n_ctx_train:
         common.log(f"warning: model was trained on only {m.hp.n_ctx_train} context tokens ({ctx_size} specified)")
-    ctx = Context(m, cfg, common.log)
+    ctx = common.new_context(m, cfg, flags)
 
     n_kv_max = ctx.n_ctx
     pp = ubatch_size
@@ -171,10 +168,6 @@ def sweep_bench(
             sep += "-%10s-|-%10s-|" % ("-" * 10, "-" * 10)
         _err(head + "\n" + sep + "\n")
 
-    # warm up
-    if not no_warmup:
-        bos = m.tokenizer.bos_id if getattr(m.tokenizer, "bos_id", None) is not None else 0
-        decode(np.array([bos], dtype=np.int32))
     if warmup_batch:
         ctx.clear()
         decode(rand_tokens(ubatch_size))

@@ -491,3 +491,21 @@ def quantize_tensor(x: np.ndarray, qtype: int) -> QTensor:
         raise ValueError("cannot quantize a scalar")
     raw = reference.quantize(x, qtype)
     return QTensor.from_raw(raw, qtype, x.shape)
+
+
+def compile_kernels(w: QTensor) -> None:
+    """Run w's type once through every product path a model takes (one token; a few; a GEMM's or a
+    tile's worth; plain, per-expert and fused up/gate) on its first rows, so that Numba compiles
+    its kernels (or loads them from its cache) now rather than inside the first timed pass."""
+    e = w[0] if len(w.shape) == 3 else w
+    rows = min(e.rows, 16)
+    small = QTensor(e.data[:rows], e.qtype, (rows, e.cols))
+    many = many_tokens(e.qtype)
+    counts = {1, 2, min(K.GEMM_MIN, 64)} | ({many} if many < 1 << 20 else set())
+    counts.add(min(G.SMALL_WORK // (rows * e.cols) + 1, 4096))     # float weights: the threaded BLAS call
+    x = np.random.default_rng(0).standard_normal((max(counts), e.cols)).astype(np.float32)
+    for n in sorted(counts):
+        matmul(small, x[:n])
+        one = np.zeros(n, dtype=np.int64)
+        matmul_id(small, x[:n], one, np.arange(n, dtype=np.int64))
+        moe_up_gate(small, small, x[:n], one, np.arange(n, dtype=np.int64))

@@ -273,3 +273,231 @@ def test_no_ppl_and_save_frequency(runs, ds_model, text_file, tmp_path):
     _, dat2 = _entries(tmp_path / "n.dat.at_2")
     assert dat2.last_call == 2
     assert f"save_imatrix: stored collected data after 2 chunks in {path}" in err
+
+
+# ---- ik's entry set, --process-output, -lsim, --verbosity 2, timings (a quantized model) ----------
+
+@pytest.fixture(scope="module")
+def q8_model(make_model):
+    """Q8_0 weights (ik's graph fuses each dense up/gate pair) in the old mainline layout (no
+    W_k_b / W_v_b in the file: derived at load, as ik does)."""
+    return make_model("deepseek2", "mainline-old", "q8_0", "tiny")
+
+
+@pytest.fixture(scope="module")
+def q8_runs(tmp_path_factory, q8_model, text_file):
+    """One chunk each: plain; -lsim at verbosity 2 (after -v: the later wins); --process-output
+    with -v after --verbosity 2 (verbosity 1)."""
+    d = tmp_path_factory.mktemp("imatrix_q8")
+    out = {}
+    for key, extra in (("plain", []), ("lsim", ["-v", "--verbosity", "2", "-lsim"]),
+                       ("output", ["--verbosity", "2", "-v", "--process-output"])):
+        path = d / f"{key}.dat"
+        code, stdout, err = _run(None, "imatrix", "-m", q8_model, "-f", str(text_file), "-o", str(path),
+                                 "-c", str(N_CTX), "-t", "1", "--chunks", "1", *extra)
+        assert code == 0, err
+        out[key] = (path, stdout, err)
+    return out
+
+
+def _gguf_kv(reader, key):
+    f = reader.fields[key]
+    return int(f.parts[f.data[0]][0])
+
+
+def _expected_entries(model_path) -> dict[str, tuple[int, int]]:
+    """name -> (values, blocks) of ik's entries for a quantized DeepSeek model decoded in batches
+    under 128 tokens (-mla 3 -fa: latent attention): every block matrix the graph multiplies, but
+    attn_kv_b (prompt decompression only) and the gates fused with their up projection (recorded
+    under up), plus W_k_b and W_v_b, one block per head."""
+    from gguf import GGUFReader
+    r = GGUFReader(model_path)
+    n_head = _gguf_kv(r, "deepseek2.attention.head_count")
+    lora = _gguf_kv(r, "deepseek2.attention.kv_lora_rank")
+    nope = _gguf_kv(r, "deepseek2.attention.key_length") - _gguf_kv(r, "deepseek2.rope.dimension_count")
+    out = {}
+    for t in r.tensors:
+        kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+        if not kind or len(t.shape) < 2 or kind in ("attn_kv_b", "ffn_gate", "ffn_gate_shexp", "ffn_gate_exps"):
+            continue
+        blocks = int(t.shape[2]) if len(t.shape) == 3 else 1
+        out[t.name] = (int(t.shape[0]) * blocks, blocks)
+    for i in range(_gguf_kv(r, "deepseek2.block_count")):
+        out[f"blk.{i}.attn_k_b.weight"] = (n_head * nope, n_head)
+        out[f"blk.{i}.attn_v_b.weight"] = (n_head * lora, n_head)
+    return out
+
+
+def test_entry_set_as_ik(q8_runs, q8_model):
+    ent, dat = _entries(q8_runs["plain"][0])
+    want = _expected_entries(q8_model)
+    assert {n: v.size for n, (_, v) in ent.items()} == {n: size for n, (size, _) in want.items()}
+    assert dat.last_call == 4 and all(c == 4 for c, _ in ent.values())      # 256 tokens in batches of 64
+    assert "llama_print_timings" not in q8_runs["plain"][1]
+
+
+def test_process_output_adds_the_output_tensor(q8_runs):
+    plain, _ = _entries(q8_runs["plain"][0])
+    path, stdout, err = q8_runs["output"]
+    ent, _ = _entries(path)
+    assert set(ent) - set(plain) == {"output.weight"} and set(plain) <= set(ent)
+    ncall, vals = ent["output.weight"]
+    assert ncall == 4 and vals.size == 64          # every row of every batch, as ik's logits_all
+    for name, (c, v) in plain.items():             # the other products are unchanged
+        assert ent[name][0] == c and np.array_equal(ent[name][1], v), name
+    assert "collect_imatrix[" not in stdout        # -v after --verbosity 2: verbosity 1
+    assert f"save_imatrix: stored collected data after 4 chunks in {path}" in err
+    assert "sorted layer importances" not in stdout
+
+
+_TRACE = r"^collect_imatrix\[(\d+)\]: +(\S+), (MUL_MAT|MUL_MAT_ID|FUSED_UP_GATE|MOE_FUSED_UP_GATE), +(\d+) x +(\d+), 0$"
+
+
+def test_verbosity_2_lines(q8_runs, q8_model):
+    """One ik line per recorded product: the entry's name, ggml's op, columns x tokens, the call
+    count before it."""
+    import re
+    from collections import Counter
+    path, stdout, _ = q8_runs["lsim"]
+    ent, _ = _entries(path)
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("collect_imatrix")]
+    parsed = [re.match(_TRACE, ln) for ln in lines]
+    assert all(parsed), [ln for ln, p in zip(lines, parsed) if not p]
+    assert Counter(p.group(2) for p in parsed) == {n: c for n, (c, _) in ent.items()}
+    blocks = {n: b for n, (_, b) in _expected_entries(q8_model).items()}
+    for p in parsed:
+        name, op, cols, n_tok = p.group(2), p.group(3), int(p.group(4)), int(p.group(5))
+        assert n_tok == N_CTX and cols * blocks.get(name, 1) == ent[name][1].size, p.group(0)
+        want_op = {"ffn_up": "FUSED_UP_GATE", "ffn_up_shexp": "FUSED_UP_GATE", "ffn_up_exps": "MOE_FUSED_UP_GATE",
+                   "ffn_down_exps": "MUL_MAT_ID"}.get(name.split(".")[-2], "MUL_MAT")
+        assert op == want_op, p.group(0)
+    firsts = [int(p.group(1)) for p in parsed if p.group(2) == "blk.0.attn_q_a.weight"]
+    assert firsts == [0, 1, 2, 3]                  # each batch starts at the previous call count
+    assert stdout.index("collect_imatrix") < stdout.index("[1]")    # printed while collecting
+
+
+def _lsim_reference(model_path, text_file) -> dict[str, dict[int, float]]:
+    """-lsim's statistics recomputed from the activations: per batch, the input of each layer's
+    first plain product, of its first ffn product and of the output tensor; mean row cosines."""
+    from engine.config import EngineConfig
+    from engine.context import Context
+    from engine.linear import observing
+    from engine.model import load_model, quiet_log
+    from ikcli.textio import prompt_from_file
+
+    m = load_model(model_path, quiet_log)
+    ctx = Context(m, EngineConfig(model_path=model_path, n_ctx=N_CTX, n_batch=N_CTX, n_threads=1), quiet_log)
+    toks = np.asarray(m.tokenizer.encode(prompt_from_file(text_file.read_text(encoding="utf-8"), True),
+                                         add_special=True), dtype=np.int32)[:ctx.n_ctx].copy()
+    toks[0] = m.tokenizer.bos_id
+    n_layer = len(m.arch.layers)
+    batch: list = []
+
+    def record(op, weights, x, ids, rows):
+        name = weights[-1].name
+        wanted = name.startswith("blk.") or name == "output.weight"
+        if op in ("mul_mat", "fused_up_gate") and x.shape[0] >= 16 and wanted:
+            layer = n_layer if name == "output.weight" else int(name.split(".")[1])
+            batch.append((layer, ".ffn_" in name, x.astype(np.float64)))
+
+    def cos(a, b):
+        return (a * b).sum(1) / np.sqrt((a * a).sum(1) * (b * b).sum(1))
+
+    sums = {k: {i: [] for i in range(n_layer)} for k in ("layer", "attention", "ffn")}
+    ctx.clear()
+    with observing(record):
+        for s in range(0, ctx.n_ctx, ctx.n_batch):
+            batch.clear()
+            ctx.decode(toks[s:s + ctx.n_batch], logits_from=0)
+            first_in = {i: next(x for j, _, x in batch if j == i) for i in range(n_layer + 1)}
+            first_ffn = {i: next(x for j, f, x in batch if j == i and f) for i in range(n_layer)}
+            for i in range(n_layer):
+                sums["layer"][i].append(cos(first_in[i], first_in[i + 1]))
+                sums["attention"][i].append(cos(first_ffn[i], first_in[i]))
+                sums["ffn"][i].append(cos(first_ffn[i], first_in[i + 1]))
+    return {k: {i: float(np.concatenate(v).mean()) for i, v in d.items()} for k, d in sums.items()}
+
+
+def test_layer_similarity(q8_runs, q8_model, text_file):
+    import re
+    path, stdout, _ = q8_runs["lsim"]
+    ent, _ = _entries(path)
+    assert "output.weight" in ent                 # -lsim records the output tensor too, as ik
+    want = _lsim_reference(q8_model, text_file)
+    tail = stdout[stdout.index("Final estimate"):].splitlines()[1:]
+    got: dict[str, list[tuple[int, float]]] = {}
+    for ln in tail:
+        if m := re.match(r"^======================== sorted (\w+) importances$", ln):
+            cur = got.setdefault(m.group(1), [])
+        elif m := re.match(r"^ *(\d+): Layer +(\d+), <cos_sim> = (\S+)$", ln):
+            assert int(m.group(1)) == len(cur)
+            cur.append((int(m.group(2)), float(m.group(3))))
+        else:
+            assert ln == "", ln
+    assert list(got) == ["layer", "attention", "ffn"]
+    for what, rows in got.items():
+        assert sorted(i for i, _ in rows) == sorted(want[what])
+        for i, v in rows:
+            assert v == pytest.approx(want[what][i], rel=2e-5, abs=1e-6), (what, i)
+        vals = [abs(v) for _, v in rows]
+        assert vals == sorted(vals)                # least similar first
+
+
+def test_timing_lines(q8_runs):
+    """llama_print_timings' closing lines: 256 tokens of prompt evaluation in one chunk."""
+    import re
+    err = q8_runs["plain"][2]
+    num = r" *\d+\.\d\d"
+    p = "^llama_print_timings:"
+    pats = [rf"{p}        load time = {num} ms$",
+            rf"{p}      sample time = {num} ms / +1 runs   \( *0\.00 ms per token, +inf tokens per second\)$",
+            rf"{p} prompt eval time = {num} ms / +256 tokens \({num} ms per token, {num} tokens per second\)$",
+            rf"{p}        eval time = {num} ms / +1 runs   \(",
+            rf"{p}       total time = {num} ms / +257 tokens$"]
+    lines = err.splitlines()
+    k = next(i for i, ln in enumerate(lines) if ln.startswith("llama_print_timings"))
+    assert lines[k - 1] == "" and len(lines) == k + 5
+    for ln, p in zip(lines[k:], pats):
+        assert re.match(p, ln), (ln, p)
+    t = {m.group(1): float(m.group(2)) for ln in lines[k:]
+         if (m := re.match(r"^llama_print_timings: +([\w ]+?) time = +(\S+) ms", ln))}
+    assert 0 < t["prompt eval"] <= t["total"] and 0 < t["load"] <= t["total"]
+
+
+def test_fusion_rules():
+    """The products ik's graph holds: a fused dense up/gate only for quantized weights of one type
+    (recorded under up, any batch size), else two mul_mats (16 rows or more); MoE experts fused
+    for one type and shape, else two mul_mat_ids; the output tensor only when asked for."""
+    from types import SimpleNamespace as W
+
+    from engine.imatrix import Collector
+    from quant.types import F16, Q4_0, Q8_0
+    rng = np.random.default_rng(0)
+    few, many = rng.standard_normal((3, 32)).astype(np.float32), rng.standard_normal((20, 32)).astype(np.float32)
+
+    def dense(qg, qu, x):
+        col = Collector()
+        col("fused_up_gate", (W(name="blk.0.ffn_gate.weight", qtype=qg, shape=(64, 32)),
+                              W(name="blk.0.ffn_up.weight", qtype=qu, shape=(64, 32))), x, None, None)
+        return sorted(col.entries)
+    assert dense(Q8_0, Q8_0, few) == ["blk.0.ffn_up.weight"]
+    assert dense(F16, F16, few) == [] and dense(Q8_0, Q4_0, few) == []
+    assert dense(F16, F16, many) == dense(Q8_0, Q4_0, many) == ["blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"]
+
+    def moe(qg, qu):
+        col = Collector()
+        ids = np.array([0, 1, 1, 0, 2, 3]), np.array([0, 0, 1, 1, 2, 2])
+        col("moe_fused_up_gate", (W(name="blk.1.ffn_gate_exps.weight", qtype=qg, shape=(4, 64, 32)),
+                                  W(name="blk.1.ffn_up_exps.weight", qtype=qu, shape=(4, 64, 32))), few, *ids)
+        return sorted(col.entries)
+    assert moe(F16, F16) == moe(Q8_0, Q8_0) == ["blk.1.ffn_up_exps.weight"]
+    assert moe(Q8_0, Q4_0) == ["blk.1.ffn_gate_exps.weight", "blk.1.ffn_up_exps.weight"]
+
+    out = W(name="output.weight", qtype=Q8_0, shape=(100, 32))
+    col = Collector()
+    col("mul_mat", (out,), many, None, None)
+    assert not col.entries
+    col.output_name = "output.weight"
+    col("mul_mat", (out,), few, None, None)
+    col("mul_mat", (out,), many, None, None)
+    assert list(col.entries) == ["output.weight"] and col.entries["output.weight"].ncall == 1

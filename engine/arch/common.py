@@ -5,10 +5,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from quant.matmul import get_rows, matmul
+from quant.matmul import get_rows
 from quant.tensor import QTensor
 
 from ..hparams import HParams
+from ..linear import matmul      # observed: imatrix --process-output / -lsim record the output tensor
 from ..ops import rms_norm
 from ..rope import rope_cos_sin
 

@@ -138,9 +138,10 @@ class DeepSeek2Arch:
                 if nope % type_info(t).block_size:
                     t = F32
                 L["wk_b"] = quantize_tensor(np.ascontiguousarray(full[:, :nope, :].transpose(0, 2, 1)), t)
+                L["wk_b"].name = p + "attn_k_b.weight"     # ik's name for the derived 3-D tensors (imatrix records them)
                 rb = kvb.data.shape[-1]
                 L["wv_b"] = QTensor(np.ascontiguousarray(kvb.data.reshape(H, nope + dv, rb)[:, nope:, :]),
-                                    kvb.qtype, (H, dv, lora))
+                                    kvb.qtype, (H, dv, lora), p + "attn_v_b.weight")
                 for name, tw in (("attn_k_b", L["wk_b"]), ("attn_v_b", L["wv_b"])):
                     self.log(f"Computed {p}{name}.weight as {tw.shape[2]} x {tw.shape[1]} x {tw.shape[0]} of type "
                              f"{type_info(tw.qtype).name.lower()} and stored in buffer CPU")
