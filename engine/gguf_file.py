@@ -239,6 +239,22 @@ class ModelFile:
                 return
             done += m.size
 
+    def check_tensors(self) -> None:
+        """-vq / --check-tensors: every tensor's values finite, the check ik's loader makes (NaN or
+        infinity in float data or in a block's scales); ModelFileError naming the first bad one."""
+        from quant.matmul import dequantize
+        step = 1 << 12                      # rows per slice: a multiple of every interleave
+        for name, t in self.tensors.items():
+            q = t.qtensor()
+            rows = q.data.reshape(-1, q.data.shape[-1])
+            for r0 in range(0, len(rows), step):
+                part = rows[r0:r0 + step]
+                v = dequantize(QTensor(part, q.qtype, (len(part), q.cols)))
+                if not np.isfinite(v).all():
+                    nans, infs = int(np.isnan(v).sum()), int(np.isinf(v).sum())
+                    raise ModelFileError(f"{self.path}: tensor '{name}' has invalid data "
+                                         f"({nans} NaN and {infs} infinite values in rows {r0}..{r0 + len(part) - 1})")
+
     def override_kv(self, overrides: list, log: Callable[[str], None]) -> None:
         """--override-kv (key, type, value) triples from parse_kv_override, applied to the metadata
         before anything reads it; one that does not match the key's type is skipped with ik's warning."""

@@ -204,14 +204,14 @@ def log_overrides(mf: ModelFile, overrides, log: Log) -> None:
 
 def load_model(path: str, log: Log = stderr_log, mla: int = 3, overrides: list | tuple = (),
                repack: bool = False, use_mmap: bool = True, *, use_mlock: bool = False, use_thp: bool = False,
-               kv_overrides: list | tuple = (), rope=None) -> Model:
+               kv_overrides: list | tuple = (), rope=None, check_tensors: bool = False) -> Model:
     """Open, validate and bind a GGUF model. Raises ModelFileError with a one-line message.
     repack (-rtr): matrices with a row-interleaved form are repacked into it in memory;
     use_mmap False (--no-mmap): the files are read into memory instead of mapped;
     use_thp (-thp): read into huge pages where the system has them; use_mlock (--mlock): pages
     locked in RAM; kv_overrides: (key, type, value) metadata overrides (--override-kv);
     rope: engine.config.RopeOverrides (--rope-* / --yarn-*), applied after the model's values
-    are logged, as ik's context applies them."""
+    are logged, as ik's context applies them; check_tensors (-vq): every value checked finite."""
     from .hparams import override_rope
     from .tokenizer import Tokenizer
 
@@ -238,6 +238,8 @@ def load_model(path: str, log: Log = stderr_log, mla: int = 3, overrides: list |
         mf.read_into_memory()
     if use_mlock:
         mf.lock(log)
+    if check_tensors:
+        mf.check_tensors()
     w = Weights(mf, repack=repack)
     if hp.arch == "llama":
         from .arch.llama import LlamaArch

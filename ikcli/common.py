@@ -297,6 +297,7 @@ class EngineFlags:
     yarn_beta_slow: float = -1.0
     yarn_beta_fast: float = -1.0
     no_warmup: bool = False
+    check_tensors: bool = False
 
 
 _ENGINE_OPTIONS = [("mla", int, MlaOpt), ("fa", str, FaOpt), ("amb", int, AmbOpt), ("ctk", str, CtkOpt),
@@ -304,6 +305,7 @@ _ENGINE_OPTIONS = [("mla", int, MlaOpt), ("fa", str, FaOpt), ("amb", int, AmbOpt
                    ("ot", Optional[List[str]], OtOpt), ("rtr", bool, RtrOpt), ("no_mmap", bool, NoMmapOpt),
                    ("mlock", bool, MlockOpt), ("thp", bool, ThpOpt), ("override_kv", Optional[List[str]], OkvOpt),
                    *_ROPE_OPTIONS,
+                   ("check_tensors", bool, typer.Option(False, "-vq", "--check-tensors", help="check every tensor's data for NaN / infinite values at load")),
                    ("no_warmup", bool, typer.Option(False, "--no-warmup", help="skip the warm-up run (then the first pass compiles any kernel not yet in the cache)"))]
 
 
@@ -361,7 +363,8 @@ def engine_config(path: str, flags: EngineFlags, *, n_ctx: int, n_batch: int, n_
                         attn_max_batch_mib=amb, type_k=type_k, type_v=type_v,
                         fused_moe=parse_bool("-fmoe", flags.fmoe), ser_min=ser_min, ser_thresh=ser_t,
                         tensor_overrides=parse_overrides(flags.ot), repack=flags.rtr, use_mmap=not flags.no_mmap,
-                        use_mlock=flags.mlock, use_thp=flags.thp, kv_overrides=parse_kv_overrides(flags.override_kv),
+                        use_mlock=flags.mlock, use_thp=flags.thp, check_tensors=flags.check_tensors,
+                        kv_overrides=parse_kv_overrides(flags.override_kv),
                         rope=rope_overrides(flags))
     return cfg
 
@@ -405,4 +408,5 @@ def load_model(path: str, cfg):
     from engine.warmup import first_run_notice
     first_run_notice(log)
     return load(path, log, mla=cfg.mla, overrides=cfg.tensor_overrides, repack=cfg.repack, use_mmap=cfg.use_mmap,
-                use_mlock=cfg.use_mlock, use_thp=cfg.use_thp, kv_overrides=cfg.kv_overrides, rope=cfg.rope)
+                use_mlock=cfg.use_mlock, use_thp=cfg.use_thp, kv_overrides=cfg.kv_overrides, rope=cfg.rope,
+                check_tensors=cfg.check_tensors)

@@ -368,7 +368,6 @@ REFUSED: dict[str, str] = {
     **{f: "embedding models are not implemented" for f in ("--pooling", "--attention", "--embedding",
                                                            "--embd-normalize", "--embd-output-format",
                                                            "--embd-separator")},
-    **{f: "validating tensor data at load is not implemented yet" for f in ("-vq", "--check-tensors")},
     "--numa": "NUMA placement is not implemented yet on machines with more than one node",
 }
 

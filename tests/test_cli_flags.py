@@ -126,9 +126,6 @@ def test_values_spellings_and_ignored_lines(monkeypatch):
     assert _run("server", ["-v", "-thp", "--threads", "2"]) == (["-v", "-thp", "--threads", "2"], [])  # -thp was -t hp
     assert _run("perplexity", ["-v"])[1][0].startswith("-v: ignored: ik_llama.cpp perplexity does not use it")
     assert _run("server", ["-cb"]) == (["-cb"], [])                          # declared: always on
-    for flag in ("-vq", "--check-tensors"):                                 # ik acts on these: refused
-        with pytest.raises(CliError, match=f"^{flag} is not supported"):
-            _run("sweep-bench", [flag])
     out, notes = _run("perplexity", ["--save-all-logits", "base.bin"])      # ik's alias of --kl-divergence-base
     assert out == ["--kl-divergence-base", "base.bin"] and not notes
 
@@ -175,6 +172,30 @@ def test_log_file(capsys, tmp_path):
     assert code == 0 and len(open(base + ".log").read()) < len(both)
     code, _, _ = cli(capsys, *run[:-1], str(tmp_path / "off"), "--log-disable")
     assert code == 0 and not (tmp_path / "off.log").exists()
+
+
+@pytest.mark.parametrize("qtype,tensor,bad", [("f16", "output_norm.weight", b"\x00\x00\xc0\x7f"),   # f32 NaN
+                                              ("q8_0", "blk.0.attn_output.weight", b"\x00\x7c")])  # a block's d = inf
+def test_check_tensors(capsys, tmp_path, make_model, qtype, tensor, bad):
+    """-vq: a NaN value or an infinite block scale is a one-line error naming the tensor; a clean
+    file passes; without -vq the file loads as ik's does."""
+    import shutil
+
+    from gguf import GGUFReader
+    src = make_model("deepseek2", "ik", qtype, "tiny")
+    code, _, err = cli(capsys, "perplexity", "-m", str(src), "-c", "64", "--chunks", "1", "-t", "2", "-vq")
+    assert code == 0, err[-2000:]
+    path = tmp_path / "bad.gguf"
+    shutil.copy(src, path)
+    t = next(t for t in GGUFReader(str(path)).tensors if t.name == tensor)
+    with open(path, "r+b") as fh:
+        fh.seek(int(t.data_offset) + (34 if qtype == "q8_0" else 0))   # q8_0: the second block's d
+        fh.write(bad)
+    code, _, err = cli(capsys, "perplexity", "-m", str(path), "-c", "64", "--chunks", "1", "-t", "2", "--check-tensors")
+    assert code != 0 and f"tensor '{tensor}' has invalid data (" in err and len(err.strip().splitlines()[-1]) < 300
+    assert "Traceback" not in err
+    code, _, err = cli(capsys, "perplexity", "-m", str(path), "-c", "64", "--chunks", "1", "-t", "2", "--no-warmup")
+    assert "has invalid data" not in err
 
 
 def test_metadata_and_rope_overrides(capsys):

@@ -17,7 +17,7 @@ def test_notice_until_warmed_then_silent(record_dir):
     from engine import warmup
     lines: list[str] = []
     warmup.first_run_notice(lines.append)
-    assert len(lines) == 1 and "first run of these kernels here" in lines[0] and "~120 s" in lines[0]
+    assert len(lines) == 1 and "first run of these kernels here" in lines[0] and "~80 s" in lines[0]
     warmup._announced.clear()
     key = warmup._sources_key()
     warmup._save_record({"key": key, "warm": [warmup._MODEL_KEY, "Q4_K"], "seconds": {warmup._MODEL_KEY: 30.0}})
