@@ -170,7 +170,12 @@ def normalize_argv(args: list[str], declared: dict[str, int] | None = None, tool
 _log_file = None      # --log-file: the log lines also go there
 
 
+_log_skip: tuple[str, ...] = ()     # --minilog: the loader's long listings are not printed
+
+
 def log(msg: str) -> None:
+    if _log_skip and _skipped(msg):
+        return
     print(msg, file=sys.stderr, flush=True)
     if _log_file is not None:
         try:
@@ -178,6 +183,23 @@ def log(msg: str) -> None:
             _log_file.flush()
         except (OSError, ValueError):
             pass
+
+
+# what --minilog leaves out (ik's sweep-bench --minilog drops the same kinds of lines): the
+# metadata and tensor-type listings, the model's printout, buffer sizes and per-layer notes
+MINILOG_SKIP = ("llama_model_loader: - kv ", "llama_model_loader: - type ", "llama_model_loader: Dumping metadata",
+                "llama_model_loader: loaded meta data", "validate_override:", "llm_load_print_meta:", "print_info:",
+                "llm_load_tensors:", "Layer ", "==========", "load: ")
+
+
+def _skipped(msg: str) -> bool:
+    body = msg.lstrip(" \t")
+    return msg.startswith(_log_skip) or body[:1] in (",", "(", ")") or body[:1].isdigit()
+
+
+def minilog(on: bool) -> None:
+    global _log_skip
+    _log_skip = MINILOG_SKIP if on else ()
 
 
 def open_log_file(base: Optional[str], new: bool, append: bool, disable: bool) -> None:
@@ -337,6 +359,7 @@ def with_engine_flags(fn):
             return fn(**kw, flags=flags)
         finally:
             open_log_file(None, False, False, True)
+            minilog(False)
 
     command.__signature__ = sig.replace(parameters=own + extra)
     command.__annotations__ = {p.name: p.annotation for p in own + extra}

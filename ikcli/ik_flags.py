@@ -333,6 +333,8 @@ COMMON_FLAGS: tuple[tuple[tuple[str, ...], int], ...] = (
 NO_GPU = "no GPU backend in this ikcli"
 # steer only what ikcli does not have; results unchanged: ignored everywhere
 NO_EFFECT: dict[str, str] = {
+    "--perplexity": "perplexity and imatrix always compute the logits they score",
+    "-np": "only the server runs parallel sequences (perplexity sets its own count from -b / -c)",
     **{f: "only ik's llama-lookup example reads the lookup caches" for f in ("-lcs", "-lcd")},
     **{f: NO_GPU for f in ("-ngl", "-ngld", "-mg", "--max-gpu", "-sm", "-ts", "--rpc", "-gfm", "-cuda", "-dev", "-devd",
                           "-op", "-no-ooae", "-cmoe", "-ncmoe", "--fit", "--fit-margin", "-wgt", "-nkvo", "-smgs",
@@ -384,10 +386,10 @@ _SAMPLING = ("--samplers", "--sampling-seq", "--top-k", "--top-p", "--min-p", "-
 _MODEL = ("-m", "-c", "-b", "-ub", "-t", "-tb", "-ctk", "-ctv", "-fa", "-no-fa", "-mla", "-amb", "-no-fmoe", "-ser",
           "-ot", "-rtr", "--no-warmup")
 USED_BY: dict[str, frozenset[str]] = {
-    "perplexity": frozenset(_MODEL + ("-f", "-p", "--chunks", "-np", "--ppl-stride", "--ppl-output-type",
+    "perplexity": frozenset(_MODEL + ("-f", "-p", "--chunks", "--ppl-stride", "--ppl-output-type",
                                       "--save-all-logits", "--kl-divergence", "--hellaswag", "--hellaswag-tasks",
                                       "--winogrande", "--winogrande-tasks", "--multiple-choice",
-                                      "--multiple-choice-tasks", "-bf", "--perplexity", "-ld")),
+                                      "--multiple-choice-tasks", "-bf", "-ld")),
     "imatrix": frozenset(_MODEL + ("-f", "-p", "--chunks", "-o", "-ofreq", "--save-frequency", "--process-output",
                                    "--output-tensor-name", "--no-ppl", "--chunk", "--in-file", "-v",
                                    "--verbosity")),

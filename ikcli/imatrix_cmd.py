@@ -53,6 +53,7 @@ def _later_wins(ctx: typer.Context, param: typer.CallbackParam, value):
 def imatrix(
     model: Optional[str] = common.ModelOpt,
     file: Optional[str] = typer.Option(None, "-f", "--file", help="text file to compute the importance matrix on"),
+    prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="the text, given on the command line instead of -f"),
     out_file: str = typer.Option("imatrix.dat", "-o", "--output", "--output-file", help="output .dat file"),
     ctx_size: int = typer.Option(512, "-c", "--ctx-size", help="chunk size in tokens (0 = the model's training context)"),
     chunks: int = typer.Option(-1, "--chunks", help="max number of chunks to process (-1 = all)"),
@@ -88,7 +89,10 @@ def imatrix(
         raise CliError("--save-frequency must be >= 0")
     if from_chunk < 0:
         raise CliError("--chunk must be >= 0")
-    if file is None and not in_files:
+    if file is not None and prompt is not None:
+        raise CliError("-f and -p both name the text: give one of them")
+    has_text = file is not None or prompt is not None
+    if not has_text and not in_files:
         raise CliError("imatrix: nothing to do: give a text with -f (and a model with -m), or --in-file FILE to combine")
     col = Collector()
     for f in in_files:
@@ -98,16 +102,17 @@ def imatrix(
         except ImatrixError as e:
             raise CliError(f"failed to load {f}: {e}") from None
     dataset = file or ""
-    if file is None or len(in_files) > 1:
+    if not has_text or len(in_files) > 1:
         print(f"main : saving combined imatrix to '{out_file}'", flush=True)
         _save(col, out_file, dataset, verbosity > 0)
-    if file is None:
+    if not has_text:
         return
 
     common.check_common(ctx_size, batch_size, ubatch_size, threads, threads_batch, ngl, flags.mla)
     if chunks == 0:
         raise CliError("--chunks must be positive (or -1 for all)")
-    text = _read_text(file, escape)
+    from .perplexity_cmd import _input_text      # the same reading ('-' = stdin, -p escapes, one-line errors)
+    text = _input_text(file, None, escape, prompt)[0]
     path = common.resolve_model(model)
     cfg = common.engine_config(path, flags, n_ctx=0, n_batch=batch_size, n_ubatch=ubatch_size, threads=threads,
                                threads_batch=threads_batch)
@@ -165,11 +170,6 @@ class _Decoder:
             self._timings.t_load = t1 - self._timings.t_start
             self._first = False
         return lg[logits_from:] if self._all_rows else lg
-
-
-def _read_text(path: str, escape: bool) -> str:
-    from .perplexity_cmd import _read_text as read     # the same reading ('-' = stdin, one-line errors)
-    return read(path, escape)[0]
 
 
 def _compute(ctx, m, col, text: str, chunks: int, from_chunk: int, compute_ppl: bool) -> None:

@@ -63,6 +63,7 @@ def _eta(t_pass: float, n_pass: int, who: str = "perplexity") -> None:
 def perplexity(
     model: Optional[str] = common.ModelOpt,
     file: Optional[str] = typer.Option(None, "-f", "--file", help="text file to evaluate ('-' for stdin). Default: bundled Shakespeare slice"),
+    prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="the text to evaluate, given on the command line instead of -f"),
     ctx_size: Optional[int] = typer.Option(None, "-c", "--ctx-size", help="chunk size in tokens (default 512 as in llama-perplexity; the embedded demo model uses its training context)"),
     batch_size: int = common.BatchOpt,
     ubatch_size: int = common.UBatchOpt,
@@ -93,13 +94,13 @@ def perplexity(
         raise CliError("--kl-divergence needs --kl-divergence-base FILE (the base model's log-probabilities)")
     if ctx_size == 1:
         raise CliError("-c/--ctx-size must be at least 2 for perplexity")
-    if file is not None and binary_file is not None:
-        raise CliError("-f and -bf both name the input: give one of them")
+    if sum(x is not None for x in (file, binary_file, prompt)) > 1:
+        raise CliError("-f, -bf and -p each name the input: give one of them")
     if ppl_output_type not in (0, 1):
         raise CliError(f"--ppl-output-type must be 0 or 1, not {ppl_output_type}")
     # the first of these modes wins, as in llama-perplexity
     task = "hellaswag" if hellaswag else "winogrande" if winogrande else "multiple-choice" if multiple_choice else None
-    task_input = _task_input(task, file, binary_file, escape) if task else None
+    task_input = _task_input(task, file, binary_file, escape, prompt) if task else None
 
     path = common.resolve_model(model)
     cfg = common.engine_config(path, flags, n_ctx=0, n_batch=batch_size, n_ubatch=ubatch_size, threads=threads,
@@ -140,14 +141,19 @@ def perplexity(
     elif ppl_stride > 0:
         if kl_base:
             common.log("perplexity: --kl-divergence-base is not used with --ppl-stride (no logits are saved)")
-        _strided(ctx, m, _input_text(file, binary_file, escape), ppl_stride, n_batch, chunks, ppl_output_type)
+        _strided(ctx, m, _input_text(file, binary_file, escape, prompt), ppl_stride, n_batch, chunks, ppl_output_type)
     else:
-        _perplexity(ctx, m, _input_text(file, binary_file, escape), n_ctx, n_batch, n_seq, chunks, kl_base,
+        _perplexity(ctx, m, _input_text(file, binary_file, escape, prompt), n_ctx, n_batch, n_seq, chunks, kl_base,
                     ppl_output_type)
 
 
-def _input_text(file: Optional[str], binary_file: Optional[str], escape: bool) -> tuple[str, str]:
-    """The text and its name: -bf as is, -f as llama.cpp reads it (see _read_text)."""
+def _input_text(file: Optional[str], binary_file: Optional[str], escape: bool,
+                prompt: Optional[str] = None) -> tuple[str, str]:
+    """The text and its name: -p with its escapes processed, -bf as is, -f as llama.cpp reads it
+    (see _read_text)."""
+    if prompt is not None:
+        from .textio import process_escapes
+        return (process_escapes(prompt) if escape else prompt), "the -p text"
     if binary_file is None:
         return _read_text(file, escape)
     return _read_bytes(binary_file).decode("utf-8", errors="replace"), binary_file
@@ -165,14 +171,16 @@ def _read_bytes(path: str) -> bytes:
     return data
 
 
-def _task_input(task: str, file: Optional[str], binary_file: Optional[str], escape: bool) -> str | bytes:
+def _task_input(task: str, file: Optional[str], binary_file: Optional[str], escape: bool,
+                prompt: Optional[str] = None) -> str | bytes:
     """Read before the model loads, so that a missing file fails at once.  Multiple-choice files
     are binary: read as is from -f too (ik's -f would process escapes in them)."""
-    if file is None and binary_file is None:
+    if file is None and binary_file is None and prompt is None:
         raise CliError(f"--{task} needs a task file: -f FILE")
-    if task == "multiple-choice":
+    if task == "multiple-choice" and prompt is None:
         return _read_bytes(binary_file if binary_file is not None else file)
-    return _input_text(file, binary_file, escape)[0]
+    text = _input_text(file, binary_file, escape, prompt)[0]
+    return text.encode("utf-8") if task == "multiple-choice" else text
 
 
 def _c_float(v: float, spec: str) -> str:

@@ -98,6 +98,7 @@ def sweep_bench(
     nrep: int = typer.Option(1, "-nrep", "--n-repetitions", help="number of repetitions for each context size (applied to the first row, as in llama-sweep-bench)"),
     sweep_stride: int = typer.Option(1, "--sweep-stride", help="measure every Nth sweep row (the others still fill the KV cache)"),
     sweep_memory: bool = typer.Option(False, "--sweep-memory", help="report RSS high-water (MiB) and VRAM delta (always n/a: no GPU) columns"),
+    mini: bool = typer.Option(False, "--minilog", help="leave the loader's long listings (metadata, model printout, buffers) out of the log"),
     warmup_batch: bool = typer.Option(False, "-wb", "--warmup-batch", help="run a warmup batch of ubatch tokens before measurement"),
     output_format: str = typer.Option("md", "--output-format", help="md (= table, default) or jsonl"),
     plot: Optional[str] = typer.Option(None, "--plot", help="after the run, write a PNG of S_PP and S_TG against N_KV to this file (needs matplotlib)"),
@@ -121,6 +122,7 @@ def sweep_bench(
 
     import numpy as np
 
+    common.minilog(mini)
     path = common.resolve_model(model)
     cfg = common.engine_config(path, flags, n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size, threads=threads,
                                threads_batch=threads_batch, seed=seed)

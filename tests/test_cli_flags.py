@@ -292,3 +292,33 @@ def test_seed_thread_command_lines(shared_dir):
     assert ok >= 52, ok     # 65 lines: 2 --version, 4 --no-webui and 1 --numactl (unknown to ik too),
     #                         4 with prose or output glued on by the thread's formatting
     assert sorted(set(failed)) == [("server", "--no-webui"), ("server", "--numactl")], failed
+
+
+def test_prompt_text_and_minilog(capsys, tmp_path, corpus_text):
+    """-p gives perplexity and imatrix their text on the command line (the same numbers as the
+    same text in a -f file); sweep-bench --minilog leaves the loader's listings out."""
+    text = corpus_text[:3000].replace("\\", "/").rstrip("\n")
+    f = tmp_path / "t.txt"
+    f.write_text(text, encoding="utf-8")
+    run = ("perplexity", "-c", "64", "--chunks", "2", "-t", "2")
+    code, by_file, err = cli(capsys, *run, "-f", str(f))
+    assert code == 0, err[-2000:]
+    code, by_prompt, err = cli(capsys, *run, "-p", text)
+    assert code == 0 and by_prompt == by_file, err[-2000:]
+    code, _, err = cli(capsys, *run, "-p", text, "-f", str(f))
+    assert code != 0 and "give one of them" in err
+    code, _, err = cli(capsys, *run, "--perplexity", "-np", "4", "-p", text)
+    assert code == 0 and "--perplexity: ignored" in err and "-np: ignored" in err
+    from engine.imatrix import read_dat
+    dats = []
+    for src in (["-f", str(f)], ["-p", text]):
+        out = tmp_path / f"im{len(dats)}.dat"
+        code, _, err = cli(capsys, "imatrix", *src, "-c", "64", "--chunks", "1", "-t", "2", "-o", str(out))
+        assert code == 0, err[-2000:]
+        dats.append({n: (c, v.tolist()) for n, c, v in read_dat(str(out)).entries})
+    assert dats[0] == dats[1]
+    code, _, full = cli(capsys, "sweep-bench", "-c", "256", "-ub", "128", "-n", "4")
+    code2, _, mini = cli(capsys, "sweep-bench", "-c", "256", "-ub", "128", "-n", "4", "--minilog")
+    assert code == code2 == 0
+    assert "llama_model_loader: - kv " in full and "llm_load_print_meta:" in full
+    assert "llama_model_loader: - kv " not in mini and "llm_load_print_meta:" not in mini and "|    PP |" in mini
