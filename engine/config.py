@@ -60,6 +60,7 @@ class EngineConfig:
     repack: bool = False       # -rtr: CPU weights repacked into row-interleaved types at load
     use_mmap: bool = True      # False (--no-mmap): the files are read into memory at load
     use_mlock: bool = False    # --mlock: lock the model's pages in RAM
+    numa: str = ""             # --numa strategy on a multi-node machine ("" = none)
     check_tensors: bool = False   # -vq: every tensor's values checked finite at load
     use_thp: bool = False      # -thp: read the model into huge pages (MAP_HUGETLB) where the system has them
     kv_overrides: list = field(default_factory=list)   # --override-kv (key, type, value)

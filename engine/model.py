@@ -204,14 +204,15 @@ def log_overrides(mf: ModelFile, overrides, log: Log) -> None:
 
 def load_model(path: str, log: Log = stderr_log, mla: int = 3, overrides: list | tuple = (),
                repack: bool = False, use_mmap: bool = True, *, use_mlock: bool = False, use_thp: bool = False,
-               kv_overrides: list | tuple = (), rope=None, check_tensors: bool = False) -> Model:
+               kv_overrides: list | tuple = (), rope=None, check_tensors: bool = False, numa: bool = False) -> Model:
     """Open, validate and bind a GGUF model. Raises ModelFileError with a one-line message.
     repack (-rtr): matrices with a row-interleaved form are repacked into it in memory;
     use_mmap False (--no-mmap): the files are read into memory instead of mapped;
     use_thp (-thp): read into huge pages where the system has them; use_mlock (--mlock): pages
     locked in RAM; kv_overrides: (key, type, value) metadata overrides (--override-kv);
     rope: engine.config.RopeOverrides (--rope-* / --yarn-*), applied after the model's values
-    are logged, as ik's context applies them; check_tensors (-vq): every value checked finite."""
+    are logged, as ik's context applies them; check_tensors (-vq): every value checked finite; numa (--numa on several nodes): the
+    pages are not prefetched, so that each lands on the node of the thread that reads it first."""
     from .hparams import override_rope
     from .tokenizer import Tokenizer
 
@@ -232,7 +233,7 @@ def load_model(path: str, log: Log = stderr_log, mla: int = 3, overrides: list |
             raise ModelFileError(str(e)) from None
     if use_mmap and use_thp and mf.read_into_memory(huge=True, log=log):
         pass                    # in huge pages (ik's -thp replaces the mapping; without one it does nothing)
-    elif use_mmap:
+    elif use_mmap and not numa:
         mf.prefetch()
     else:
         mf.read_into_memory()

@@ -80,23 +80,23 @@ def _is_value_like(a: str) -> bool:
         return a == "-"
 
 
-NUMA_MODES = ("distribute", "isolate", "numactl")
-
-
 def numa_nodes() -> int:
     """NUMA nodes of this machine (1 where the kernel does not say)."""
     import glob
     return max(1, len(glob.glob("/sys/devices/system/node/node[0-9]*")))
 
 
-def _numa(mode: str, note) -> None:
-    from .ik_flags import REFUSED
-    if mode not in NUMA_MODES:
-        raise CliError(f"invalid value '{mode}' for --numa: use {', '.join(NUMA_MODES)}")
-    nodes = numa_nodes()
-    if nodes > 1:
-        raise CliError(f"--numa is not supported by ikcli: {REFUSED['--numa']} (this one has {nodes})")
-    note(f"--numa {mode}: this machine has one NUMA node, nothing to place")
+def parse_numa(mode: Optional[str]) -> str:
+    """--numa: the strategy to apply ("" on one node, with a line: nothing to place)."""
+    from engine.numa import STRATEGIES
+    if mode is None:
+        return ""
+    if mode not in STRATEGIES:
+        raise CliError(f"invalid value '{mode}' for --numa: use {', '.join(STRATEGIES)}")
+    if numa_nodes() == 1:
+        log(f"--numa {mode}: this machine has one NUMA node, nothing to place")
+        return ""
+    return mode
 
 
 def normalize_argv(args: list[str], declared: dict[str, int] | None = None, tool: str | None = None,
@@ -156,8 +156,6 @@ def normalize_argv(args: list[str], declared: dict[str, int] | None = None, tool
         i += 0 if eq else n
         if canon == "-h":
             out.append("--help")
-        elif canon == "--numa":
-            _numa(val if eq else args[i - 1], note)
         elif canon in REFUSED:
             raise CliError(f"{name} is not supported by ikcli: {REFUSED[canon]}")
         elif canon in USED_BY[tool]:
@@ -320,6 +318,7 @@ class EngineFlags:
     yarn_beta_fast: float = -1.0
     no_warmup: bool = False
     check_tensors: bool = False
+    numa: Optional[str] = None
 
 
 _ENGINE_OPTIONS = [("mla", int, MlaOpt), ("fa", str, FaOpt), ("amb", int, AmbOpt), ("ctk", str, CtkOpt),
@@ -327,6 +326,7 @@ _ENGINE_OPTIONS = [("mla", int, MlaOpt), ("fa", str, FaOpt), ("amb", int, AmbOpt
                    ("ot", Optional[List[str]], OtOpt), ("rtr", bool, RtrOpt), ("no_mmap", bool, NoMmapOpt),
                    ("mlock", bool, MlockOpt), ("thp", bool, ThpOpt), ("override_kv", Optional[List[str]], OkvOpt),
                    *_ROPE_OPTIONS,
+                   ("numa", Optional[str], typer.Option(None, "--numa", help="distribute, isolate or numactl: where the compute threads run on a machine with several NUMA nodes")),
                    ("check_tensors", bool, typer.Option(False, "-vq", "--check-tensors", help="check every tensor's data for NaN / infinite values at load")),
                    ("no_warmup", bool, typer.Option(False, "--no-warmup", help="skip the warm-up run (then the first pass compiles any kernel not yet in the cache)"))]
 
@@ -387,6 +387,7 @@ def engine_config(path: str, flags: EngineFlags, *, n_ctx: int, n_batch: int, n_
                         fused_moe=parse_bool("-fmoe", flags.fmoe), ser_min=ser_min, ser_thresh=ser_t,
                         tensor_overrides=parse_overrides(flags.ot), repack=flags.rtr, use_mmap=not flags.no_mmap,
                         use_mlock=flags.mlock, use_thp=flags.thp, check_tensors=flags.check_tensors,
+                        numa=parse_numa(flags.numa),
                         kv_overrides=parse_kv_overrides(flags.override_kv),
                         rope=rope_overrides(flags))
     return cfg
@@ -419,6 +420,9 @@ def new_context(m, cfg, flags: EngineFlags, n_seq: int = 1):
     compiled, with a line saying so) unless --no-warmup."""
     from engine.context import Context
     from engine.warmup import warm_up
+    if cfg.numa:
+        from engine.numa import apply
+        apply(cfg.numa, log)
     ctx = Context(m, cfg, log, n_seq=n_seq)
     if not flags.no_warmup:
         warm_up(ctx, log)
@@ -432,4 +436,4 @@ def load_model(path: str, cfg):
     first_run_notice(log)
     return load(path, log, mla=cfg.mla, overrides=cfg.tensor_overrides, repack=cfg.repack, use_mmap=cfg.use_mmap,
                 use_mlock=cfg.use_mlock, use_thp=cfg.use_thp, kv_overrides=cfg.kv_overrides, rope=cfg.rope,
-                check_tensors=cfg.check_tensors)
+                check_tensors=cfg.check_tensors, numa=bool(cfg.numa))

@@ -10,9 +10,7 @@ spelling of this set is either
     generation flag given to perplexity), or it only steers something ikcli does not have and
     does not change a result or an output (GPU placement, ggml's graph switches); or
   * refused, with one line naming the flag and why: ik's tool uses it and ikcli does not
-    implement it, or it changes what the model computes (LoRA, RoPE overrides, ...).
-`--numa` is accepted on a machine with one NUMA node (there is nothing to place) and refused
-on others.
+    implement it, or it changes what the model computes (LoRA, self-extend, ...).
 Spellings outside this set are unknown arguments, as in ik.
 """
 from __future__ import annotations
@@ -370,7 +368,6 @@ REFUSED: dict[str, str] = {
     **{f: "embedding models are not implemented" for f in ("--pooling", "--attention", "--embedding",
                                                            "--embd-normalize", "--embd-output-format",
                                                            "--embd-separator")},
-    "--numa": "NUMA placement is not implemented yet on machines with more than one node",
 }
 
 # what each ik tool reads from the common set beyond the model options above (canonical
