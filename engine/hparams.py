@@ -7,7 +7,8 @@ from typing import Any
 
 from .gguf_file import ModelFileError, ModelFile
 
-SUPPORTED_ARCHS = ("llama", "deepseek2")
+SUPPORTED_ARCHS = ("llama", "deepseek2", "qwen3", "qwen3moe")
+NEOX_ROPE_ARCHS = ("qwen3", "qwen3moe")     # rotate (i, i + n_rot/2) pairs, as llama_rope_type says
 
 # expert_gating_func values in GGUF
 GATING_SOFTMAX = 1
@@ -124,7 +125,7 @@ def read_hparams(mf: ModelFile) -> HParams:
         yarn_beta_fast=float(g("rope.scaling.yarn_beta_fast", 32.0)),
         yarn_beta_slow=float(g("rope.scaling.yarn_beta_slow", 1.0)),
         rope_yarn_log_mul=float(g("rope.scaling.yarn_log_multiplier", 0.0)),
-        rope_neox=False,
+        rope_neox=arch in NEOX_ROPE_ARCHS,
     )
     hp.yarn_ext_factor_file = hp.yarn_ext_factor
     hp.rope_freq_scale_file = 1.0 if factor == 0.0 else 1.0 / factor
@@ -132,6 +133,7 @@ def read_hparams(mf: ModelFile) -> HParams:
         hp.yarn_ext_factor = 1.0 if rope_scaling == "yarn" else 0.0
     hp.n_expert = int(g("expert_count", 0) or 0)
     hp.n_expert_used = int(g("expert_used_count", 0) or 0)
+    hp.n_ff_exp = int(g("expert_feed_forward_length", 0) or 0)
     if arch == "deepseek2":
         hp.q_lora_rank = int(g("attention.q_lora_rank", 0) or 0)
         hp.kv_lora_rank = int(need("attention.kv_lora_rank"))

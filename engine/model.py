@@ -245,6 +245,9 @@ def load_model(path: str, log: Log = stderr_log, mla: int = 3, overrides: list |
     if hp.arch == "llama":
         from .arch.llama import LlamaArch
         arch = LlamaArch(hp, w, log)
+    elif hp.arch in ("qwen3", "qwen3moe"):
+        from .arch.qwen3 import Qwen3Arch
+        arch = Qwen3Arch(hp, w, log)
     elif hp.arch == "deepseek2":
         from .arch.deepseek2 import DeepSeek2Arch
         arch = DeepSeek2Arch(hp, w, log, mla=mla)

@@ -36,6 +36,9 @@ CASES = {
     "ds-mla576-mainline-mla": ("deepseek2", "mainline-mla", "tiny-mla576"),
     "ds-v3-yarn-sigmoid": ("deepseek2", "ik", "tiny-v3"),
     "ds-v2lite-like": ("deepseek2", "mainline-old", "tiny-lite"),
+    "qwen3": ("qwen3", "ik", "tiny"),
+    "qwen3moe": ("qwen3moe", "ik", "tiny"),
+    "qwen3moe-256": ("qwen3moe", "ik", "qwen256"),      # 256-wide matrices: the K-quant and IQK types
 }
 FINAL = re.compile(r"Final estimate: PPL(?: over \d+ chunks for n_ctx=\d+)? = (\d+\.\d+) \+/- (\d+\.\d+)")
 

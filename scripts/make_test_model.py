@@ -56,6 +56,7 @@ class Shape:
     yarn_orig_ctx: int = 0
     rope_base: float = 10000.0
     llama_moe: bool = False     # llama only: Mixtral-style routed experts instead of a dense MLP
+    qwen_head_dim: int = 24     # qwen3: the head size (attention.key_length), not n_embd / n_head
     n_vocab: int = 0            # >0: the byte vocabulary padded with control tokens to this size
 
 
@@ -68,6 +69,9 @@ PRESETS = {
     "tiny-lite": Shape(q_lora_rank=0, n_layer=26, n_embd=32, n_expert=4, n_ff_exp=32, n_ff=64, kv_lora_rank=32,
                        qk_nope=16, qk_rope=16, v_head=16),
     "tiny-moe": Shape(llama_moe=True, n_expert=4),
+    # qwen3moe at 256-multiple widths (so the 256-block types quantize every matrix): 8 experts, top 2
+    "qwen256": Shape(n_embd=256, n_head=4, n_head_kv=2, qwen_head_dim=64, n_ff=512, n_expert=8, n_expert_used=2,
+                     n_ff_exp=256, n_layer=2),
     # DeepSeek's real latent sizes (576/512, rope 64): ik_llama.cpp accepts the new-mainline MLA
     # layout only with these
     "tiny-mla576": Shape(kv_lora_rank=512, qk_rope=64, qk_nope=32, v_head=32),
@@ -209,6 +213,41 @@ def build_llama(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int) -> None
             w.mat(p + "ffn_down.weight", E, s.n_ff, scale=0.5)
 
 
+def build_qwen3(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int, moe: bool) -> None:
+    """qwen3 / qwen3moe as convert_hf_to_gguf writes them: key_length for the head size, per-head
+    q/k norms, and for the MoE experts of expert_feed_forward_length (no shared expert)."""
+    a = "qwen3moe" if moe else "qwen3"
+    _common_kv(gw, a, s, n_vocab, 1e-6)
+    hd, E = s.qwen_head_dim, s.n_embd
+    gw.add_uint32(f"{a}.attention.head_count_kv", s.n_head_kv)
+    gw.add_uint32(f"{a}.attention.key_length", hd)
+    gw.add_uint32(f"{a}.attention.value_length", hd)
+    if moe:
+        gw.add_uint32(f"{a}.expert_count", s.n_expert)
+        gw.add_uint32(f"{a}.expert_used_count", s.n_expert_used)
+        gw.add_uint32(f"{a}.expert_feed_forward_length", s.n_ff_exp)
+    _embedding_and_head(w, s, n_vocab)
+    for i in range(s.n_layer):
+        p = f"blk.{i}."
+        w.vec(p + "attn_norm.weight", E)
+        w.mat(p + "attn_q.weight", s.n_head * hd, E, scale=2.0)
+        w.mat(p + "attn_k.weight", s.n_head_kv * hd, E, scale=2.0)
+        w.mat(p + "attn_v.weight", s.n_head_kv * hd, E)
+        w.vec(p + "attn_q_norm.weight", hd, noise=0.3)
+        w.vec(p + "attn_k_norm.weight", hd, noise=0.3)
+        w.mat(p + "attn_output.weight", E, s.n_head * hd, scale=0.5)
+        w.vec(p + "ffn_norm.weight", E)
+        if moe:
+            w.mat(p + "ffn_gate_inp.weight", s.n_expert, E, scale=3.0, keep_f32=True)
+            w.mat(p + "ffn_gate_exps.weight", s.n_expert, s.n_ff_exp, E)
+            w.mat(p + "ffn_up_exps.weight", s.n_expert, s.n_ff_exp, E)
+            w.mat(p + "ffn_down_exps.weight", s.n_expert, E, s.n_ff_exp, scale=0.5)
+        else:
+            w.mat(p + "ffn_gate.weight", s.n_ff, E)
+            w.mat(p + "ffn_up.weight", s.n_ff, E)
+            w.mat(p + "ffn_down.weight", E, s.n_ff, scale=0.5)
+
+
 def build_deepseek2(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int, layout: str) -> None:
     a = "deepseek2"
     E, H = s.n_embd, s.n_head
@@ -310,6 +349,8 @@ def write_model(path: str, arch: str = "deepseek2", layout: str = "ik", qtype: s
     w = _Writer(qtype, rng)
     if arch == "llama":
         build_llama(w, gw, s, n_vocab)
+    elif arch in ("qwen3", "qwen3moe"):
+        build_qwen3(w, gw, s, n_vocab, arch == "qwen3moe")
     elif arch == "deepseek2":
         build_deepseek2(w, gw, s, n_vocab, layout)
     else:
@@ -329,7 +370,7 @@ def write_model(path: str, arch: str = "deepseek2", layout: str = "ik", qtype: s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out")
-    ap.add_argument("--arch", default="deepseek2", choices=["llama", "deepseek2"])
+    ap.add_argument("--arch", default="deepseek2", choices=["llama", "deepseek2", "qwen3", "qwen3moe"])
     ap.add_argument("--layout", default="ik", choices=["ik", "mainline-old", "mainline-mla"])
     ap.add_argument("--type", default="f16", help="weight type: f32 f16 bf16 q8_0 q4_0")
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))

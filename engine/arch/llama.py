@@ -35,7 +35,7 @@ class LlamaArch:
             }
             if w.has(p + "ffn_gate_inp.weight"):
                 if hp.n_expert_used <= 0:
-                    raise ModelFileError(f"{w.mf.path}: MoE tensors present but no llama.expert_used_count")
+                    raise ModelFileError(f"{w.mf.path}: MoE tensors present but no {hp.arch}.expert_used_count")
                 L["moe"] = MoEWeights(w.matrix(p + "ffn_gate_inp.weight"), None, w.matrix(p + "ffn_gate_exps.weight"),
                                       w.matrix(p + "ffn_up_exps.weight"), w.matrix(p + "ffn_down_exps.weight"))
             else:
@@ -45,6 +45,10 @@ class LlamaArch:
             self.layers.append(L)
         self.kq_scale = yarn_kq_scale(hp)
         self.attn_factor = rope_attn_factor(hp)
+
+    def qk_norm(self, L: dict, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per-head normalisation of q and k before RoPE: none in llama (Qwen3 overrides it)."""
+        return q, k
 
     def make_cache(self, n_ctx: int, opts: RunOptions, type_k: int, type_v: int) -> KVCache:
         hp = self.hp
@@ -61,6 +65,7 @@ class LlamaArch:
             q = matmul(L["wq"], h).reshape(T, hp.n_head, hp.n_embd_head_k)
             k = matmul(L["wk"], h).reshape(T, hp.n_head_kv, hp.n_embd_head_k)
             v = matmul(L["wv"], h).reshape(T, hp.n_head_kv, hp.n_embd_head_v)
+            q, k = self.qk_norm(L, q, k)
             apply_rope(q, cos, sin, hp.rope_neox)
             apply_rope(k, cos, sin, hp.rope_neox)
             a = np.empty((T, hp.n_head, hp.n_embd_head_v), dtype=np.float32)
