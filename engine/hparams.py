@@ -7,8 +7,8 @@ from typing import Any
 
 from .gguf_file import ModelFileError, ModelFile
 
-SUPPORTED_ARCHS = ("llama", "deepseek2", "qwen3", "qwen3moe")
-NEOX_ROPE_ARCHS = ("qwen3", "qwen3moe")     # rotate (i, i + n_rot/2) pairs, as llama_rope_type says
+SUPPORTED_ARCHS = ("llama", "deepseek2", "qwen2", "qwen2moe", "qwen3", "qwen3moe")
+NEOX_ROPE_ARCHS = ("qwen2", "qwen2moe", "qwen3", "qwen3moe")     # rotate (i, i + n_rot/2) pairs, as llama_rope_type says
 
 # expert_gating_func values in GGUF
 GATING_SOFTMAX = 1

@@ -242,7 +242,7 @@ def load_model(path: str, log: Log = stderr_log, mla: int = 3, overrides: list |
     if check_tensors:
         mf.check_tensors()
     w = Weights(mf, repack=repack)
-    if hp.arch == "llama":
+    if hp.arch in ("llama", "qwen2", "qwen2moe"):
         from .arch.llama import LlamaArch
         arch = LlamaArch(hp, w, log)
     elif hp.arch in ("qwen3", "qwen3moe"):

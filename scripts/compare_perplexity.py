@@ -36,6 +36,8 @@ CASES = {
     "ds-mla576-mainline-mla": ("deepseek2", "mainline-mla", "tiny-mla576"),
     "ds-v3-yarn-sigmoid": ("deepseek2", "ik", "tiny-v3"),
     "ds-v2lite-like": ("deepseek2", "mainline-old", "tiny-lite"),
+    "qwen2": ("qwen2", "ik", "tiny"),
+    "qwen2moe": ("qwen2moe", "ik", "tiny"),
     "qwen3": ("qwen3", "ik", "tiny"),
     "qwen3moe": ("qwen3moe", "ik", "tiny"),
     "qwen3moe-256": ("qwen3moe", "ik", "qwen256"),      # 256-wide matrices: the K-quant and IQK types

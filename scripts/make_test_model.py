@@ -248,6 +248,45 @@ def build_qwen3(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int, moe: bo
             w.mat(p + "ffn_down.weight", E, s.n_ff, scale=0.5)
 
 
+def build_qwen2(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int, moe: bool) -> None:
+    """qwen2 / qwen2moe as convert_hf_to_gguf writes them: q/k/v biases; for the MoE, experts of
+    expert_feed_forward_length and one shared expert (expert_shared_feed_forward_length) behind
+    a per-token sigmoid gate (ffn_gate_inp_shexp)."""
+    a = "qwen2moe" if moe else "qwen2"
+    _common_kv(gw, a, s, n_vocab, 1e-6)
+    gw.add_uint32(f"{a}.attention.head_count_kv", s.n_head_kv)
+    if moe:
+        gw.add_uint32(f"{a}.expert_count", s.n_expert)
+        gw.add_uint32(f"{a}.expert_used_count", s.n_expert_used)
+        gw.add_uint32(f"{a}.expert_feed_forward_length", s.n_ff_exp)
+        gw.add_uint32(f"{a}.expert_shared_feed_forward_length", 2 * s.n_ff_exp)
+    E, hd = s.n_embd, s.n_embd // s.n_head
+    _embedding_and_head(w, s, n_vocab)
+    for i in range(s.n_layer):
+        p = f"blk.{i}."
+        w.vec(p + "attn_norm.weight", E)
+        w.mat(p + "attn_q.weight", s.n_head * hd, E, scale=2.0)
+        w.mat(p + "attn_k.weight", s.n_head_kv * hd, E, scale=2.0)
+        w.mat(p + "attn_v.weight", s.n_head_kv * hd, E)
+        for n, rows in (("q", s.n_head * hd), ("k", s.n_head_kv * hd), ("v", s.n_head_kv * hd)):
+            w.vec(p + f"attn_{n}.bias", rows, base=0.0, noise=0.5)
+        w.mat(p + "attn_output.weight", E, s.n_head * hd, scale=0.5)
+        w.vec(p + "ffn_norm.weight", E)
+        if moe:
+            w.mat(p + "ffn_gate_inp.weight", s.n_expert, E, scale=3.0, keep_f32=True)
+            w.mat(p + "ffn_gate_exps.weight", s.n_expert, s.n_ff_exp, E)
+            w.mat(p + "ffn_up_exps.weight", s.n_expert, s.n_ff_exp, E)
+            w.mat(p + "ffn_down_exps.weight", s.n_expert, E, s.n_ff_exp, scale=0.5)
+            w.vec(p + "ffn_gate_inp_shexp.weight", E, base=0.0, noise=0.3)
+            w.mat(p + "ffn_gate_shexp.weight", 2 * s.n_ff_exp, E)
+            w.mat(p + "ffn_up_shexp.weight", 2 * s.n_ff_exp, E)
+            w.mat(p + "ffn_down_shexp.weight", E, 2 * s.n_ff_exp, scale=0.5)
+        else:
+            w.mat(p + "ffn_gate.weight", s.n_ff, E)
+            w.mat(p + "ffn_up.weight", s.n_ff, E)
+            w.mat(p + "ffn_down.weight", E, s.n_ff, scale=0.5)
+
+
 def build_deepseek2(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int, layout: str) -> None:
     a = "deepseek2"
     E, H = s.n_embd, s.n_head
@@ -349,6 +388,8 @@ def write_model(path: str, arch: str = "deepseek2", layout: str = "ik", qtype: s
     w = _Writer(qtype, rng)
     if arch == "llama":
         build_llama(w, gw, s, n_vocab)
+    elif arch in ("qwen2", "qwen2moe"):
+        build_qwen2(w, gw, s, n_vocab, arch == "qwen2moe")
     elif arch in ("qwen3", "qwen3moe"):
         build_qwen3(w, gw, s, n_vocab, arch == "qwen3moe")
     elif arch == "deepseek2":
@@ -370,7 +411,7 @@ def write_model(path: str, arch: str = "deepseek2", layout: str = "ik", qtype: s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out")
-    ap.add_argument("--arch", default="deepseek2", choices=["llama", "deepseek2", "qwen3", "qwen3moe"])
+    ap.add_argument("--arch", default="deepseek2", choices=["llama", "deepseek2", "qwen2", "qwen2moe", "qwen3", "qwen3moe"])
     ap.add_argument("--layout", default="ik", choices=["ik", "mainline-old", "mainline-mla"])
     ap.add_argument("--type", default="f16", help="weight type: f32 f16 bf16 q8_0 q4_0")
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))

@@ -1,4 +1,6 @@
-"""The `llama` architecture (LLaMA, Mistral-style files): GQA attention with RoPE, SiLU MLP or MoE."""
+"""The llama block and the files built on it: `llama` (LLaMA, Mistral, Mixtral-style MoE) and
+`qwen2` / `qwen2moe` (q/k/v biases, NEOX RoPE; experts without renormalised weights plus a
+shared expert behind a sigmoid gate).  GQA attention with RoPE, a SiLU MLP or routed experts."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +11,7 @@ from ..gguf_file import ModelFileError
 from ..hparams import GATING_SOFTMAX, HParams, yarn_kq_scale, rope_attn_factor
 from ..kv_cache import KVCache
 from ..linear import matmul
-from ..ops import rms_norm
+from ..ops import rms_norm, sigmoid
 from ..rope import apply_rope
 from .common import Head, RunOptions, UBatch, rope_tables
 
@@ -32,17 +34,27 @@ class LlamaArch:
                 "wv": w.matrix(p + "attn_v.weight", (Hkv * hp.n_embd_head_v, E)),
                 "wo": w.matrix(p + "attn_output.weight", (E, H * hp.n_embd_head_v)),
                 "ffn_norm": w.vector(p + "ffn_norm.weight", E),
+                # qwen2's projections carry biases (llama's may)
+                "bq": w.optional_vector(p + "attn_q.bias"),
+                "bk": w.optional_vector(p + "attn_k.bias"),
+                "bv": w.optional_vector(p + "attn_v.bias"),
+                "bo": w.optional_vector(p + "attn_output.bias"),
             }
             if w.has(p + "ffn_gate_inp.weight"):
                 if hp.n_expert_used <= 0:
                     raise ModelFileError(f"{w.mf.path}: MoE tensors present but no {hp.arch}.expert_used_count")
                 L["moe"] = MoEWeights(w.matrix(p + "ffn_gate_inp.weight"), None, w.matrix(p + "ffn_gate_exps.weight"),
                                       w.matrix(p + "ffn_up_exps.weight"), w.matrix(p + "ffn_down_exps.weight"))
+                if w.has(p + "ffn_gate_inp_shexp.weight"):     # qwen2moe: one shared expert, gated per token
+                    L["shexp"] = (w.vector(p + "ffn_gate_inp_shexp.weight", E), w.matrix(p + "ffn_gate_shexp.weight"),
+                                  w.matrix(p + "ffn_up_shexp.weight"), w.matrix(p + "ffn_down_shexp.weight"))
             else:
                 L["gate"] = w.matrix(p + "ffn_gate.weight")
                 L["up"] = w.matrix(p + "ffn_up.weight")
                 L["down"] = w.matrix(p + "ffn_down.weight")
             self.layers.append(L)
+        # Mixtral / Qwen3-MoE renormalise the top-k router weights; Qwen2-MoE uses them as they are
+        self.moe_norm_w = hp.arch != "qwen2moe"
         self.kq_scale = yarn_kq_scale(hp)
         self.attn_factor = rope_attn_factor(hp)
 
@@ -62,9 +74,9 @@ class LlamaArch:
         x = self.head.embed(ub.tokens)
         for il, L in enumerate(self.layers):
             h = rms_norm(x, L["attn_norm"], hp.rms_eps)
-            q = matmul(L["wq"], h).reshape(T, hp.n_head, hp.n_embd_head_k)
-            k = matmul(L["wk"], h).reshape(T, hp.n_head_kv, hp.n_embd_head_k)
-            v = matmul(L["wv"], h).reshape(T, hp.n_head_kv, hp.n_embd_head_v)
+            q = _biased(matmul(L["wq"], h), L["bq"]).reshape(T, hp.n_head, hp.n_embd_head_k)
+            k = _biased(matmul(L["wk"], h), L["bk"]).reshape(T, hp.n_head_kv, hp.n_embd_head_k)
+            v = _biased(matmul(L["wv"], h), L["bv"]).reshape(T, hp.n_head_kv, hp.n_embd_head_v)
             q, k = self.qk_norm(L, q, k)
             apply_rope(q, cos, sin, hp.rope_neox)
             apply_rope(k, cos, sin, hp.rope_neox)
@@ -76,12 +88,21 @@ class LlamaArch:
                 a[sl] = standard_attention(np.ascontiguousarray(q[sl]), lc, sg.cache.n, hp.n_head_kv, hp.n_embd_head_k,
                                            hp.n_embd_head_v, sg.cache.pos, ub.pos[sl], self.kq_scale,
                                            opts.flash_attn, opts.amb_bytes)
-            x = x + matmul(L["wo"], a.reshape(T, -1))
+            x = x + _biased(matmul(L["wo"], a.reshape(T, -1)), L["bo"])
             h = rms_norm(x, L["ffn_norm"], hp.rms_eps)
             if "moe" in L:
-                # Mixtral-style: softmax, top-k, weights renormalised, no scale
-                x = x + moe_ffn(h, L["moe"], hp.n_expert_used, GATING_SOFTMAX, True, 1.0,
+                # softmax, top-k, weights renormalised (or not: qwen2moe), no scale
+                x = x + moe_ffn(h, L["moe"], hp.n_expert_used, GATING_SOFTMAX, self.moe_norm_w, 1.0,
                                 fused=opts.fused_moe, ser=opts.ser)
+                if "shexp" in L:
+                    g, gate, up, down = L["shexp"]
+                    x = x + ffn_silu(h, gate, up, down) * sigmoid(h @ g)[:, None]
             else:
                 x = x + ffn_silu(h, L["gate"], L["up"], L["down"])
         return self.head.logits(x, ub.out_rows)
+
+
+def _biased(y: np.ndarray, b: np.ndarray | None) -> np.ndarray:
+    if b is not None:
+        y += b
+    return y

@@ -1,5 +1,6 @@
-"""qwen3 / qwen3moe: the engine against a plain NumPy restatement of the forward pass (per-head
-q/k RMSNorm before NEOX RoPE, GQA with the file's own head size, a SiLU MLP or softmax top-k
+"""qwen2 / qwen2moe / qwen3 / qwen3moe: the engine against a plain NumPy restatement of the
+forward pass (NEOX RoPE, GQA; qwen2: q/k/v biases, experts not renormalised plus a shared expert
+behind a sigmoid gate; qwen3: per-head q/k RMSNorm before RoPE, the file's own head size,
 experts renormalised), batching, the quantizer and the file's metadata."""
 from __future__ import annotations
 
@@ -40,11 +41,15 @@ def _rope_neox(x, pos, base):
     return np.concatenate([a * c - b * s, a * s + b * c], axis=-1)
 
 
-def reference_qwen3(path, toks):
+def reference_qwen(path, toks):
     meta, W = _weights(path)
     a = meta["general.architecture"]
     eps, base = meta[f"{a}.attention.layer_norm_rms_epsilon"], meta[f"{a}.rope.freq_base"]
-    H, Hkv, hd = meta[f"{a}.attention.head_count"], meta[f"{a}.attention.head_count_kv"], meta[f"{a}.attention.key_length"]
+    H, Hkv = meta[f"{a}.attention.head_count"], meta[f"{a}.attention.head_count_kv"]
+    hd = meta.get(f"{a}.attention.key_length", meta[f"{a}.embedding_length"] // H)
+    ident = lambda z, _w, _e: z
+    qn = _rms if a.startswith("qwen3") else ident
+    bias = lambda name: W.get(name, 0.0)
     T = len(toks)
     pos = np.arange(T, dtype=np.float64)
     x = W["token_embd.weight"][toks]
@@ -52,9 +57,11 @@ def reference_qwen3(path, toks):
     for i in range(meta[f"{a}.block_count"]):
         p = f"blk.{i}."
         h = _rms(x, W[p + "attn_norm.weight"], eps)
-        q = _rms((h @ W[p + "attn_q.weight"].T).reshape(T, H, hd), W[p + "attn_q_norm.weight"], eps)
-        k = _rms((h @ W[p + "attn_k.weight"].T).reshape(T, Hkv, hd), W[p + "attn_k_norm.weight"], eps)
-        v = (h @ W[p + "attn_v.weight"].T).reshape(T, Hkv, hd)
+        q = qn((h @ W[p + "attn_q.weight"].T + bias(p + "attn_q.bias")).reshape(T, H, hd),
+               W.get(p + "attn_q_norm.weight"), eps)
+        k = qn((h @ W[p + "attn_k.weight"].T + bias(p + "attn_k.bias")).reshape(T, Hkv, hd),
+               W.get(p + "attn_k_norm.weight"), eps)
+        v = (h @ W[p + "attn_v.weight"].T + bias(p + "attn_v.bias")).reshape(T, Hkv, hd)
         q, k = _rope_neox(q, pos, base), _rope_neox(k, pos, base)
         att = np.empty((T, H, hd))
         for hh in range(H):
@@ -65,7 +72,8 @@ def reference_qwen3(path, toks):
             att[:, hh] = (pr / pr.sum(axis=1, keepdims=True)) @ v[:, g]
         x = x + att.reshape(T, -1) @ W[p + "attn_output.weight"].T
         h = _rms(x, W[p + "ffn_norm.weight"], eps)
-        if a == "qwen3moe":
+        if a.endswith("moe"):
+            norm_w = a == "qwen3moe"
             n_used = meta[f"{a}.expert_used_count"]
             lg = h @ W[p + "ffn_gate_inp.weight"].T
             pr = np.exp(lg - lg.max(axis=1, keepdims=True))
@@ -75,27 +83,37 @@ def reference_qwen3(path, toks):
                 top = np.argsort(-pr[t])[:n_used]
                 for e in top:
                     z = silu(W[p + "ffn_gate_exps.weight"][e] @ h[t]) * (W[p + "ffn_up_exps.weight"][e] @ h[t])
-                    y[t] += pr[t, e] / pr[t, top].sum() * (W[p + "ffn_down_exps.weight"][e] @ z)
+                    wt = pr[t, e] / pr[t, top].sum() if norm_w else pr[t, e]
+                    y[t] += wt * (W[p + "ffn_down_exps.weight"][e] @ z)
+            if p + "ffn_gate_inp_shexp.weight" in W:
+                g = 1 / (1 + np.exp(-(h @ W[p + "ffn_gate_inp_shexp.weight"])))
+                sh = silu(h @ W[p + "ffn_gate_shexp.weight"].T) * (h @ W[p + "ffn_up_shexp.weight"].T)
+                y += (sh @ W[p + "ffn_down_shexp.weight"].T) * g[:, None]
         else:
             y = (silu(h @ W[p + "ffn_gate.weight"].T) * (h @ W[p + "ffn_up.weight"].T)) @ W[p + "ffn_down.weight"].T
         x = x + y
     return _rms(x, W["output_norm.weight"], eps) @ W["output.weight"].T
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3moe"])
+ARCHS = ["qwen2", "qwen2moe", "qwen3", "qwen3moe"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_matches_plain_numpy_restatement(make_model, arch):
     p = make_model(arch=arch, qtype="f32")
     toks = np.random.default_rng(5).integers(0, 265, 24).astype(np.int32)
-    ref = reference_qwen3(p, toks)
+    ref = reference_qwen(p, toks)
     got = _run(p, toks)
     # the KV cache is f16: keys / values are rounded once
     np.testing.assert_allclose(got, ref, rtol=2e-3, atol=2e-3 * np.abs(ref).max())
     m = load_model(p, quiet_log)
-    assert m.hp.rope_neox and m.hp.n_embd_head_k == 24 != m.hp.n_embd // m.hp.n_head
-    assert (m.hp.n_ff_exp, m.hp.n_expert_used) == ((64, 2) if arch == "qwen3moe" else (0, 0))
+    assert m.hp.rope_neox and m.hp.n_embd_head_k == (24 if arch.startswith("qwen3") else 16)
+    assert (m.hp.n_ff_exp, m.hp.n_expert_used) == ((64, 2) if arch.endswith("moe") else (0, 0))
+    if arch == "qwen2moe":
+        assert "shexp" in m.arch.layers[0] and not m.arch.moe_norm_w
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3moe"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_incremental_decoding_matches_one_batch(make_model, arch):
     p = make_model(arch=arch, qtype="f32")
     t = np.random.default_rng(2).integers(0, 265, 33).astype(np.int32)
