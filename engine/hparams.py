@@ -7,8 +7,8 @@ from typing import Any
 
 from .gguf_file import ModelFileError, ModelFile
 
-SUPPORTED_ARCHS = ("llama", "deepseek2", "qwen2", "qwen2moe", "qwen3", "qwen3moe")
-NEOX_ROPE_ARCHS = ("qwen2", "qwen2moe", "qwen3", "qwen3moe")     # rotate (i, i + n_rot/2) pairs, as llama_rope_type says
+SUPPORTED_ARCHS = ("llama", "deepseek2", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "glm4moe")
+NEOX_ROPE_ARCHS = ("qwen2", "qwen2moe", "qwen3", "qwen3moe", "glm4moe")     # rotate (i, i + n_rot/2) pairs, as llama_rope_type says
 
 # expert_gating_func values in GGUF
 GATING_SOFTMAX = 1
@@ -53,6 +53,7 @@ class HParams:
     expert_gating_func: int = GATING_SOFTMAX
     yarn_ext_factor_file: float = -1.0   # the GGUF's own values (ext factor negative: absent), for --rope-scaling
     rope_freq_scale_file: float = 1.0
+    n_nextn: int = 0                     # NextN / MTP layers at the end (glm4moe): loaded by nobody
 
     @property
     def n_embd_head_qk_nope(self) -> int:
@@ -134,6 +135,16 @@ def read_hparams(mf: ModelFile) -> HParams:
     hp.n_expert = int(g("expert_count", 0) or 0)
     hp.n_expert_used = int(g("expert_used_count", 0) or 0)
     hp.n_ff_exp = int(g("expert_feed_forward_length", 0) or 0)
+    hp.n_nextn = int(g("nextn_predict_layers", 0) or 0)
+    if arch == "glm4moe":      # DeepSeek-V3's router and expert keys; sigmoid unless the file says
+        hp.n_expert_shared = int(g("expert_shared_count", 0) or 0)
+        hp.n_layer_dense_lead = int(g("leading_dense_block_count", 0) or 0)
+        hp.expert_weights_scale = float(need("expert_weights_scale"))
+        hp.expert_weights_norm = bool(g("expert_weights_norm", False))
+        gf = int(g("expert_gating_func", 0) or 0)
+        hp.expert_gating_func = gf if gf in (GATING_SOFTMAX, GATING_SIGMOID) else GATING_SIGMOID
+        if not 0 <= hp.n_nextn < hp.n_layer:
+            raise ModelFileError(f"{path}: nextn_predict_layers {hp.n_nextn} for {hp.n_layer} layers")
     if arch == "deepseek2":
         hp.q_lora_rank = int(g("attention.q_lora_rank", 0) or 0)
         hp.kv_lora_rank = int(need("attention.kv_lora_rank"))

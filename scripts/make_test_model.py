@@ -287,6 +287,58 @@ def build_qwen2(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int, moe: bo
             w.mat(p + "ffn_down.weight", E, s.n_ff, scale=0.5)
 
 
+def build_glm4moe(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int) -> None:
+    """glm4moe as convert_hf_to_gguf writes GLM-4.5: q/k/v biases, half the head rotated (NEOX),
+    n_dense_lead dense layers, then sigmoid-routed experts with exp_probs_b, weights normalised
+    and scaled, one shared expert; plus one NextN layer at the end (its tensors, never run)."""
+    a = "glm4moe"
+    n_layer = s.n_layer + 1                                     # + the NextN layer
+    _common_kv(gw, a, replace(s, n_layer=n_layer), n_vocab, 1e-5)
+    hd, E = s.qwen_head_dim, s.n_embd
+    gw.add_uint32(f"{a}.attention.head_count_kv", s.n_head_kv)
+    gw.add_uint32(f"{a}.attention.key_length", hd)
+    gw.add_uint32(f"{a}.attention.value_length", hd)
+    gw.add_uint32(f"{a}.rope.dimension_count", hd // 2)
+    gw.add_uint32(f"{a}.expert_count", s.n_expert)
+    gw.add_uint32(f"{a}.expert_used_count", s.n_expert_used)
+    gw.add_uint32(f"{a}.expert_shared_count", 1)
+    gw.add_uint32(f"{a}.expert_feed_forward_length", s.n_ff_exp)
+    gw.add_uint32(f"{a}.leading_dense_block_count", s.n_dense_lead)
+    gw.add_float32(f"{a}.expert_weights_scale", 2.5)
+    gw.add_bool(f"{a}.expert_weights_norm", True)
+    gw.add_uint32(f"{a}.expert_gating_func", 2)
+    gw.add_uint32(f"{a}.nextn_predict_layers", 1)
+    _embedding_and_head(w, s, n_vocab)
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        w.vec(p + "attn_norm.weight", E)
+        w.mat(p + "attn_q.weight", s.n_head * hd, E, scale=2.0)
+        w.mat(p + "attn_k.weight", s.n_head_kv * hd, E, scale=2.0)
+        w.mat(p + "attn_v.weight", s.n_head_kv * hd, E)
+        for n, rows in (("q", s.n_head * hd), ("k", s.n_head_kv * hd), ("v", s.n_head_kv * hd)):
+            w.vec(p + f"attn_{n}.bias", rows, base=0.0, noise=0.5)
+        w.mat(p + "attn_output.weight", E, s.n_head * hd, scale=0.5)
+        w.vec(p + "post_attention_norm.weight", E)
+        if i < s.n_dense_lead:
+            w.mat(p + "ffn_gate.weight", s.n_ff, E)
+            w.mat(p + "ffn_up.weight", s.n_ff, E)
+            w.mat(p + "ffn_down.weight", E, s.n_ff, scale=0.5)
+            continue
+        w.mat(p + "ffn_gate_inp.weight", s.n_expert, E, scale=3.0, keep_f32=True)
+        w.vec(p + "exp_probs_b.bias", s.n_expert, base=0.0, noise=0.3)
+        w.mat(p + "ffn_gate_exps.weight", s.n_expert, s.n_ff_exp, E)
+        w.mat(p + "ffn_up_exps.weight", s.n_expert, s.n_ff_exp, E)
+        w.mat(p + "ffn_down_exps.weight", s.n_expert, E, s.n_ff_exp, scale=0.5)
+        w.mat(p + "ffn_gate_shexp.weight", s.n_ff_exp, E)
+        w.mat(p + "ffn_up_shexp.weight", s.n_ff_exp, E)
+        w.mat(p + "ffn_down_shexp.weight", E, s.n_ff_exp, scale=0.5)
+        if i == n_layer - 1:                                     # the NextN layer's own tensors
+            w.vec(p + "nextn.enorm.weight", E)
+            w.vec(p + "nextn.hnorm.weight", E)
+            w.mat(p + "nextn.eh_proj.weight", E, 2 * E)
+            w.vec(p + "nextn.shared_head_norm.weight", E)
+
+
 def build_deepseek2(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int, layout: str) -> None:
     a = "deepseek2"
     E, H = s.n_embd, s.n_head
@@ -388,6 +440,8 @@ def write_model(path: str, arch: str = "deepseek2", layout: str = "ik", qtype: s
     w = _Writer(qtype, rng)
     if arch == "llama":
         build_llama(w, gw, s, n_vocab)
+    elif arch == "glm4moe":
+        build_glm4moe(w, gw, s, n_vocab)
     elif arch in ("qwen2", "qwen2moe"):
         build_qwen2(w, gw, s, n_vocab, arch == "qwen2moe")
     elif arch in ("qwen3", "qwen3moe"):
@@ -411,7 +465,7 @@ def write_model(path: str, arch: str = "deepseek2", layout: str = "ik", qtype: s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out")
-    ap.add_argument("--arch", default="deepseek2", choices=["llama", "deepseek2", "qwen2", "qwen2moe", "qwen3", "qwen3moe"])
+    ap.add_argument("--arch", default="deepseek2", choices=["llama", "deepseek2", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "glm4moe"])
     ap.add_argument("--layout", default="ik", choices=["ik", "mainline-old", "mainline-mla"])
     ap.add_argument("--type", default="f16", help="weight type: f32 f16 bf16 q8_0 q4_0")
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))

@@ -17,6 +17,8 @@ from .common import Head, RunOptions, UBatch, rope_tables
 
 
 class LlamaArch:
+    FFN_NORM = "ffn_norm.weight"      # glm4moe names it post_attention_norm
+
     def __init__(self, hp: HParams, w, log) -> None:
         self.hp = hp
         E, H, Hkv, dk = hp.n_embd, hp.n_head, hp.n_head_kv, hp.n_embd_head_k
@@ -25,7 +27,7 @@ class LlamaArch:
         self.head = Head(emb, w.vector("output_norm.weight", E), out, hp.rms_eps)
         self.freq_factors = w.optional_vector("rope_freqs.weight")
         self.layers = []
-        for i in range(hp.n_layer):
+        for i in range(hp.n_layer - hp.n_nextn):      # NextN / MTP layers are loaded by nobody, as ik skips them
             p = f"blk.{i}."
             L = {
                 "attn_norm": w.vector(p + "attn_norm.weight", E),
@@ -33,38 +35,45 @@ class LlamaArch:
                 "wk": w.matrix(p + "attn_k.weight", (Hkv * dk, E)),
                 "wv": w.matrix(p + "attn_v.weight", (Hkv * hp.n_embd_head_v, E)),
                 "wo": w.matrix(p + "attn_output.weight", (E, H * hp.n_embd_head_v)),
-                "ffn_norm": w.vector(p + "ffn_norm.weight", E),
+                "ffn_norm": w.vector(p + self.FFN_NORM, E),
                 # qwen2's projections carry biases (llama's may)
                 "bq": w.optional_vector(p + "attn_q.bias"),
                 "bk": w.optional_vector(p + "attn_k.bias"),
                 "bv": w.optional_vector(p + "attn_v.bias"),
                 "bo": w.optional_vector(p + "attn_output.bias"),
+                # per-head RMSNorm of q and k before RoPE (qwen3 always; glm4moe where the file has them)
+                "q_norm": w.optional_vector(p + "attn_q_norm.weight"),
+                "k_norm": w.optional_vector(p + "attn_k_norm.weight"),
             }
             if w.has(p + "ffn_gate_inp.weight"):
                 if hp.n_expert_used <= 0:
                     raise ModelFileError(f"{w.mf.path}: MoE tensors present but no {hp.arch}.expert_used_count")
                 L["moe"] = MoEWeights(w.matrix(p + "ffn_gate_inp.weight"), None, w.matrix(p + "ffn_gate_exps.weight"),
                                       w.matrix(p + "ffn_up_exps.weight"), w.matrix(p + "ffn_down_exps.weight"))
-                if w.has(p + "ffn_gate_inp_shexp.weight"):     # qwen2moe: one shared expert, gated per token
-                    L["shexp"] = (w.vector(p + "ffn_gate_inp_shexp.weight", E), w.matrix(p + "ffn_gate_shexp.weight"),
+                if w.has(p + "ffn_gate_shexp.weight"):     # a shared expert: gated per token in qwen2moe
+                    L["shexp"] = (w.optional_vector(p + "ffn_gate_inp_shexp.weight"), w.matrix(p + "ffn_gate_shexp.weight"),
                                   w.matrix(p + "ffn_up_shexp.weight"), w.matrix(p + "ffn_down_shexp.weight"))
             else:
                 L["gate"] = w.matrix(p + "ffn_gate.weight")
                 L["up"] = w.matrix(p + "ffn_up.weight")
                 L["down"] = w.matrix(p + "ffn_down.weight")
             self.layers.append(L)
-        # Mixtral / Qwen3-MoE renormalise the top-k router weights; Qwen2-MoE uses them as they are
-        self.moe_norm_w = hp.arch != "qwen2moe"
+        # router: Mixtral / Qwen3-MoE renormalise the softmax top-k weights, Qwen2-MoE uses them as
+        # they are; GLM-4.5 reads sigmoid gating, weight norm and scale from the file
+        self.moe_gating, self.moe_norm_w, self.moe_scale = GATING_SOFTMAX, hp.arch != "qwen2moe", 1.0
         self.kq_scale = yarn_kq_scale(hp)
         self.attn_factor = rope_attn_factor(hp)
 
     def qk_norm(self, L: dict, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Per-head normalisation of q and k before RoPE: none in llama (Qwen3 overrides it)."""
-        return q, k
+        """Per-head RMSNorm of q and k before RoPE, where the file has the norms."""
+        if L["q_norm"] is None:
+            return q, k
+        eps = self.hp.rms_eps
+        return rms_norm(q, L["q_norm"], eps), rms_norm(k, L["k_norm"], eps)
 
     def make_cache(self, n_ctx: int, opts: RunOptions, type_k: int, type_v: int) -> KVCache:
         hp = self.hp
-        return KVCache.standard(n_ctx, [(hp.n_head_kv, hp.n_embd_head_k, hp.n_embd_head_v)] * hp.n_layer,
+        return KVCache.standard(n_ctx, [(hp.n_head_kv, hp.n_embd_head_k, hp.n_embd_head_v)] * len(self.layers),
                                 type_k, type_v)
 
     def forward(self, ub: UBatch, cache: KVCache, opts: RunOptions) -> np.ndarray:
@@ -78,8 +87,8 @@ class LlamaArch:
             k = _biased(matmul(L["wk"], h), L["bk"]).reshape(T, hp.n_head_kv, hp.n_embd_head_k)
             v = _biased(matmul(L["wv"], h), L["bv"]).reshape(T, hp.n_head_kv, hp.n_embd_head_v)
             q, k = self.qk_norm(L, q, k)
-            apply_rope(q, cos, sin, hp.rope_neox)
-            apply_rope(k, cos, sin, hp.rope_neox)
+            apply_rope(q[..., :hp.n_rot], cos, sin, hp.rope_neox)     # partial RoPE (glm4moe): the first n_rot
+            apply_rope(k[..., :hp.n_rot], cos, sin, hp.rope_neox)     # values of each head, in place
             a = np.empty((T, hp.n_head, hp.n_embd_head_v), dtype=np.float32)
             for sg in ub.segs(cache):
                 lc, sl = sg.cache.layers[il], slice(sg.t0, sg.t1)
@@ -92,11 +101,12 @@ class LlamaArch:
             h = rms_norm(x, L["ffn_norm"], hp.rms_eps)
             if "moe" in L:
                 # softmax, top-k, weights renormalised (or not: qwen2moe), no scale
-                x = x + moe_ffn(h, L["moe"], hp.n_expert_used, GATING_SOFTMAX, self.moe_norm_w, 1.0,
+                x = x + moe_ffn(h, L["moe"], hp.n_expert_used, self.moe_gating, self.moe_norm_w, self.moe_scale,
                                 fused=opts.fused_moe, ser=opts.ser)
                 if "shexp" in L:
                     g, gate, up, down = L["shexp"]
-                    x = x + ffn_silu(h, gate, up, down) * sigmoid(h @ g)[:, None]
+                    y = ffn_silu(h, gate, up, down)
+                    x = x + (y if g is None else y * sigmoid(h @ g)[:, None])
             else:
                 x = x + ffn_silu(h, L["gate"], L["up"], L["down"])
         return self.head.logits(x, ub.out_rows)

@@ -4,21 +4,14 @@ own (`attention.key_length`), and for qwen3moe a softmax router whose top-k weig
 renormalised, no shared expert, experts `expert_feed_forward_length` wide."""
 from __future__ import annotations
 
-import numpy as np
-
 from ..hparams import HParams
-from ..ops import rms_norm
 from .llama import LlamaArch
 
 
 class Qwen3Arch(LlamaArch):
     def __init__(self, hp: HParams, w, log) -> None:
         super().__init__(hp, w, log)
-        for i, L in enumerate(self.layers):
+        for i, L in enumerate(self.layers):       # required here (llama's block applies them)
             p = f"blk.{i}."
             L["q_norm"] = w.vector(p + "attn_q_norm.weight", hp.n_embd_head_k)
             L["k_norm"] = w.vector(p + "attn_k_norm.weight", hp.n_embd_head_k)
-
-    def qk_norm(self, L: dict, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        eps = self.hp.rms_eps
-        return rms_norm(q, L["q_norm"], eps), rms_norm(k, L["k_norm"], eps)
