@@ -31,17 +31,20 @@ def head_steps(n_head: int, kq_bytes: int, amb_bytes: int) -> int:
 
 
 def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, cell_pos: np.ndarray, q_pos: np.ndarray,
-                     kq_scale: float, amb_bytes: int = 0) -> np.ndarray:
+                     kq_scale: float, amb_bytes: int = 0, window: int = 0) -> np.ndarray:
     """softmax(kq_scale * q.k) v with K*Q materialized per group of heads.
 
     q (T, H, dk) f32; k (n_kv, Hkv, dk), v (n_kv, Hkv, dv) f32 for cells with positions cell_pos.
     Returns (T, H, dv). Heads are processed in groups sized by head_steps (the -amb rule).
+    window > 0: a sliding window, query t sees only cells with q_pos[t] - cell_pos < window.
     """
     T, H, dk = q.shape
     n_kv, hkv, dv = v.shape
     g = H // hkv
     out = np.empty((T, H, dv), dtype=np.float32)
     hidden = cell_pos[None, :n_kv] > q_pos[:, None]               # (T, n_kv) True = masked
+    if window > 0:
+        hidden |= q_pos[:, None] - cell_pos[None, :n_kv] >= window
     hc = head_steps(H, T * n_kv * H * 4, amb_bytes)
     qh = np.ascontiguousarray(q.transpose(1, 0, 2))                # (H, T, dk)
     for h0 in range(0, H, hc):
@@ -60,14 +63,15 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, cell_pos: np.n
 
 def standard_attention(q: np.ndarray, lc: LayerCache, n_kv: int, n_head_kv: int, dk: int, dv: int,
                        cell_pos: np.ndarray, q_pos: np.ndarray, kq_scale: float, flash: bool,
-                       amb_bytes: int) -> np.ndarray:
-    """Attention of q (T, H, dk) over the first n_kv cells of a standard (K rows, V rows) layer cache."""
+                       amb_bytes: int, window: int = 0) -> np.ndarray:
+    """Attention of q (T, H, dk) over the first n_kv cells of a standard (K rows, V rows) layer cache
+    (window > 0: a sliding window of that many positions)."""
     if flash:
         from .flash_attn import flash_attn
-        return flash_attn(q, lc.k, lc.v, n_kv, n_head_kv, dk, dv, cell_pos[:n_kv], q_pos, kq_scale)
+        return flash_attn(q, lc.k, lc.v, n_kv, n_head_kv, dk, dv, cell_pos[:n_kv], q_pos, kq_scale, window=window)
     k = lc.k.read(n_kv).reshape(n_kv, n_head_kv, dk)
     v = lc.v.read(n_kv).reshape(n_kv, n_head_kv, dv)
-    return causal_attention(q, k, v, cell_pos[:n_kv], q_pos, kq_scale, amb_bytes)
+    return causal_attention(q, k, v, cell_pos[:n_kv], q_pos, kq_scale, amb_bytes, window)
 
 
 def split_heads_for_decompression(n_head: int, kv_bytes: int, amb_bytes: int) -> int:

@@ -45,6 +45,7 @@ from .kv_cache import RowStore
 
 F32_ID = 0
 LOG2E = 1.4426950408889634
+NO_WINDOW = -(1 << 62)  # the lower visibility edge of a query without a sliding window
 
 BLOCK = 8              # cells decoded per step of the kernel path (multiple of 8)
 ROW_BLOCK = 32         # query rows per work item of the kernel path
@@ -204,9 +205,10 @@ def _pv1x8(P, r, vb, b, dv, acc):
 # ----------------------------------------------------------------------------------------
 @njit(**_opts)
 def _attend_range(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, c0, c1, dk, dv,
-                  cell_pos, qg, rpos, r0, r1, s, B, lut, acc, m, l):
+                  cell_pos, qg, rpos, rlo, r0, r1, s, B, lut, acc, m, l):
     """Online softmax of rows r0..r1 of every kv head (qg (Hkv, R, dk), log2 domain) over
-    cells [c0, c1) into acc[g, s, r0:r1] / m / l.
+    cells [c0, c1) into acc[g, s, r0:r1] / m / l; row r sees the cells with rlo[r] < position
+    <= rpos[r] (rlo: the sliding window's edge, or far below every position).
 
     The kv-head loop is inside the cell-block loop so that the rows of a block are read
     whole while they are cached: one kv head per work item walked 6 KB rows 384 bytes at a
@@ -221,7 +223,9 @@ def _attend_range(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, 
     S = np.empty((B, R), dtype=np.float32)
     mnew = np.empty(R, dtype=np.float32)
     rp = rpos[r0:r1]
+    rl = rlo[r0:r1]
     maxpos = rp.max()
+    minlo = rl.min()
     for g in range(hkv):
         m[g, s, r0:r1] = -np.inf
         l[g, s, r0:r1] = 0.0
@@ -229,7 +233,7 @@ def _attend_range(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, 
     for j0 in range(c0, c1, B):
         nb = min(B, c1 - j0)
         cp = cell_pos[j0:j0 + nb]
-        if cp.min() > maxpos:
+        if cp.min() > maxpos or cp.max() <= minlo:
             continue                      # no row sees any of these cells
         if hkv > 1:                       # the heads' slices of a row are read far apart in
             nn = min(B, c1 - j0 - B)      # time, which the hardware prefetchers miss (~15 %)
@@ -260,7 +264,7 @@ def _attend_range(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, 
                 sb = S[b]
                 cb = cp[b]
                 for r in range(R):
-                    if cb <= rp[r]:
+                    if cb <= rp[r] and cb > rl[r]:
                         mnew[r] = max(mnew[r], sb[r])
             for r in range(R):
                 if mnew[r] > mg[r]:       # rescale only when the running max moved (rare)
@@ -274,7 +278,7 @@ def _attend_range(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, 
                 sb = S[b]
                 cb = cp[b]
                 for r in range(R):        # rows that saw nothing yet (m = -inf) add nothing
-                    p = _exp2(sb[r] - mg[r]) if cb <= rp[r] and mg[r] > -np.inf else np.float32(0.0)
+                    p = _exp2(sb[r] - mg[r]) if cb <= rp[r] and cb > rl[r] and mg[r] > -np.inf else np.float32(0.0)
                     sb[r] = p
                     lg[r] += p
             S[nb:] = 0.0
@@ -288,7 +292,7 @@ def _attend_range(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, 
 
 @njit(parallel=True, **_opts)
 def _fa_kernel(kbuf, kqt, kstride, khead, vbuf, vqt, vstride, vhead, v_is_k, n_kv, dk, dv, cell_pos,
-               qg, rpos, B, RB, nsplit, lut, acc, m, l):
+               qg, rpos, rlo, B, RB, nsplit, lut, acc, m, l):
     """qg (Hkv, R, dk); acc (Hkv, nsplit, R, dv), m / l (Hkv, nsplit, R): one work item per
     (block of query rows, range of cells)."""
     R = qg.shape[1]
@@ -298,7 +302,7 @@ def _fa_kernel(kbuf, kqt, kstride, khead, vbuf, vqt, vstride, vhead, v_is_k, n_k
         r0, r1 = rb * RB, min(R, rb * RB + RB)
         c0, c1 = _split_cells(n_kv, nsplit, s, B)
         _attend_range(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, c0, c1, dk, dv,
-                      cell_pos, qg, rpos, r0, r1, s, B, lut, acc, m, l)
+                      cell_pos, qg, rpos, rlo, r0, r1, s, B, lut, acc, m, l)
 
 
 def _n_splits(n_items: int, n_kv: int) -> int:
@@ -308,7 +312,7 @@ def _n_splits(n_items: int, n_kv: int) -> int:
 
 
 @njit(parallel=True, **_opts)
-def _softmax_tile(s, cp, qp, G, m, l, acc):
+def _softmax_tile(s, cp, qp, qlo, G, m, l, acc):
     """BLAS path: scores s (Hkv, rows, cells), row t * G + i -> probabilities in place, with the
     online-softmax update of m / l (Hkv, rows) and the rescaling of acc (Hkv, rows, dv); one
     pass instead of ~8 NumPy ones."""
@@ -316,17 +320,18 @@ def _softmax_tile(s, cp, qp, G, m, l, acc):
     for it in prange(hkv * rows):
         g, r = it // rows, it % rows
         pos = qp[r // G]
+        lo = qlo[r // G]
         sr = s[g, r]
         mx = m[g, r]
         for j in range(sr.shape[0]):
-            if cp[j] <= pos:
+            if cp[j] <= pos and cp[j] > lo:
                 mx = max(mx, sr[j])
         if mx == -np.inf:
             sr[:] = 0.0
             continue
         tot = np.float32(0.0)
         for j in range(sr.shape[0]):
-            p = _exp2(sr[j] - mx) if cp[j] <= pos else np.float32(0.0)
+            p = _exp2(sr[j] - mx) if cp[j] <= pos and cp[j] > lo else np.float32(0.0)
             sr[j] = p
             tot += p
         if mx > m[g, r]:
@@ -353,9 +358,9 @@ def _head_bytes(store: RowStore, n_head_kv: int) -> int:
 
 def flash_attn(q: np.ndarray, k: RowStore, v: RowStore | None, n_kv: int, n_head_kv: int, dk: int, dv: int,
                cell_pos: np.ndarray, q_pos: np.ndarray, scale: float, block: int | None = None,
-               path: str | None = None) -> np.ndarray:
+               path: str | None = None, window: int = 0) -> np.ndarray:
     """softmax(scale * q·k) · v over cells 0..n_kv-1 of the cache; query t sees cell j iff
-    cell_pos[j] <= q_pos[t].
+    cell_pos[j] <= q_pos[t] and, with a sliding window (window > 0), q_pos[t] - cell_pos[j] < window.
 
     q (T, H, dk) f32 -> (T, H, dv) f32.  k rows hold n_head_kv heads of dk values (head-major),
     v rows n_head_kv heads of dv values; v None: V is the first dv values of each K head
@@ -371,12 +376,13 @@ def flash_attn(q: np.ndarray, k: RowStore, v: RowStore | None, n_kv: int, n_head
         path = "kernel" if use_kernel_path(T, H, dk, dv) else "blas"
     cell_pos = np.ascontiguousarray(cell_pos[:n_kv], dtype=np.int64)
     q_pos = np.ascontiguousarray(q_pos, dtype=np.int64)
+    q_lo = q_pos - window if window > 0 else np.full_like(q_pos, NO_WINDOW)
     if n_kv == 0 or T == 0:
         return np.zeros((T, H, dv), dtype=np.float32)
     if path == "kernel":
-        return _flash_kernel(q, k, v, n_kv, n_head_kv, dk, dv, cell_pos, q_pos, scale)
+        return _flash_kernel(q, k, v, n_kv, n_head_kv, dk, dv, cell_pos, q_pos, q_lo, scale)
     if path == "blas":
-        return _flash_blas(q, k, v, n_kv, n_head_kv, dk, dv, cell_pos, q_pos, scale, block or CELL_TILE)
+        return _flash_blas(q, k, v, n_kv, n_head_kv, dk, dv, cell_pos, q_pos, q_lo, scale, block or CELL_TILE)
     raise ValueError(f"flash_attn: unknown path {path!r}")
 
 
@@ -397,7 +403,7 @@ def _bf16_ok(rows: int, dk: int, dv: int) -> bool:
     return supports(rows, dk, dv)
 
 
-def _flash_kernel(q, k, v, n_kv, hkv, dk, dv, cell_pos, q_pos, scale):
+def _flash_kernel(q, k, v, n_kv, hkv, dk, dv, cell_pos, q_pos, q_lo, scale):
     T, H, _ = q.shape
     G = H // hkv
     R = T * G
@@ -405,7 +411,8 @@ def _flash_kernel(q, k, v, n_kv, hkv, dk, dv, cell_pos, q_pos, scale):
     qg = np.ascontiguousarray((q.reshape(T, hkv, G, dk) * np.float32(scale * LOG2E)).transpose(1, 0, 2, 3)
                               .reshape(hkv, R, dk), dtype=np.float32)
     rpos = np.repeat(q_pos, G)
-    if USE_BF16 and _bf16_ok(R, dk, dv):
+    rlo = np.repeat(q_lo, G)
+    if USE_BF16 and _bf16_ok(R, dk, dv) and (q_lo == NO_WINDOW).all():     # bf16 kernel: no window
         from . import flash_bf16
         nch = -(-R // flash_bf16.LANES)
         nsplit = _n_splits(-(-nch // flash_bf16.CHUNKS_PER_ITEM), n_kv)
@@ -419,7 +426,7 @@ def _flash_kernel(q, k, v, n_kv, hkv, dk, dv, cell_pos, q_pos, scale):
     kbuf = k.data.reshape(-1)
     vs = k if v is None else v
     _fa_kernel(kbuf, k.qtype, k.data.shape[1], _head_bytes(k, hkv), vs.data.reshape(-1), vs.qtype,
-               vs.data.shape[1], _head_bytes(vs, hkv), v is None, n_kv, dk, dv, cell_pos, qg, rpos,
+               vs.data.shape[1], _head_bytes(vs, hkv), v is None, n_kv, dk, dv, cell_pos, qg, rpos, rlo,
                BLOCK, ROW_BLOCK, nsplit, F16_TO_F32, acc, m, l)
     out = np.empty((hkv, R, dv), dtype=np.float32)
     _combine(acc, m, l, R, 1, out)
@@ -436,7 +443,7 @@ def _read_tile(store: RowStore, c0: int, c1: int, out: np.ndarray) -> np.ndarray
     return o
 
 
-def _flash_blas(q, k, v, n_kv, hkv, dk, dv, cell_pos, q_pos, scale, block):
+def _flash_blas(q, k, v, n_kv, hkv, dk, dv, cell_pos, q_pos, q_lo, scale, block):
     T, H, _ = q.shape
     G = H // hkv
     tq = max(1, Q_TILE_ROWS // H)                  # queries per tile
@@ -450,6 +457,7 @@ def _flash_blas(q, k, v, n_kv, hkv, dk, dv, cell_pos, q_pos, scale, block):
         qt = np.ascontiguousarray(qs[t0:t1].reshape(t1 - t0, hkv, G, dk).transpose(1, 0, 2, 3))
         qt = qt.reshape(hkv, rows, dk)
         qp = q_pos[t0:t1]
+        ql = q_lo[t0:t1]
         m = np.full((hkv, rows), -np.inf, dtype=np.float32)
         lsum = np.zeros((hkv, rows), dtype=np.float32)
         acc = np.zeros((hkv, rows, dv), dtype=np.float32)
@@ -457,12 +465,12 @@ def _flash_blas(q, k, v, n_kv, hkv, dk, dv, cell_pos, q_pos, scale, block):
         for c0 in range(0, n_kv, block):
             c1 = min(n_kv, c0 + block)
             cp = cell_pos[c0:c1]
-            if cp.min() > qp.max():
+            if cp.min() > qp.max() or cp.max() <= ql.min():
                 continue                           # nobody in this query tile sees these cells
             kf = _read_tile(k, c0, c1, kt).reshape(c1 - c0, hkv, dk)
             vf = kf[:, :, :dv] if v is None else _read_tile(v, c0, c1, vt).reshape(c1 - c0, hkv, dv)
             s = gemm(qt, kf.transpose(1, 0, 2), st[:, :, :c1 - c0])   # (hkv, rows, cells), log2 domain
-            _softmax_tile(s, cp, qp, G, m, lsum, acc)
+            _softmax_tile(s, cp, qp, ql, G, m, lsum, acc)
             gemm(s, vf.transpose(1, 0, 2), acc, trans_b=False, accumulate=True)
         with np.errstate(divide="ignore", invalid="ignore"):
             res = np.where(lsum[:, :, None] > 0, acc / lsum[:, :, None], np.float32(0.0))

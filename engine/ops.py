@@ -3,6 +3,8 @@ Numba: a 1B-model token runs 41 norms, ~9 us each as NumPy expressions, ~2 us co
 one row of 384..1024 values)."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import njit
 
@@ -41,6 +43,14 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     e = np.exp(x - m)
     e /= np.sum(e, axis=axis, keepdims=True)
     return e
+
+
+_GELU_C = np.float32(math.sqrt(2.0 / math.pi))
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    """GELU, tanh approximation (ggml_gelu's)."""
+    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(_GELU_C * x * (np.float32(1.0) + np.float32(0.044715) * x * x)))
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:

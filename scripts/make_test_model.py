@@ -287,6 +287,37 @@ def build_qwen2(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int, moe: bo
             w.mat(p + "ffn_down.weight", E, s.n_ff, scale=0.5)
 
 
+def build_gemma3(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int) -> None:
+    """gemma3 as convert_hf_to_gguf writes it: 7 layers (layer 5 global, the others sliding with a
+    16-position window, so the window matters at -c 64), the file's own head size, q/k norms,
+    the sandwich norms (post_attention_norm, post_ffw_norm), a GELU FFN, tied embeddings."""
+    a = "gemma3"
+    s = replace(s, n_layer=7)
+    _common_kv(gw, a, replace(s, rope_base=1e6), n_vocab, 1e-6)
+    hd, E = s.qwen_head_dim, s.n_embd
+    gw.add_uint32(f"{a}.attention.head_count_kv", s.n_head_kv)
+    gw.add_uint32(f"{a}.attention.key_length", hd)
+    gw.add_uint32(f"{a}.attention.value_length", hd)
+    gw.add_uint32(f"{a}.attention.sliding_window", 16)
+    w.mat("token_embd.weight", n_vocab, E, scale=1.0)
+    w.vec("output_norm.weight", E)
+    for i in range(s.n_layer):
+        p = f"blk.{i}."
+        w.vec(p + "attn_norm.weight", E)
+        w.mat(p + "attn_q.weight", s.n_head * hd, E, scale=2.0)
+        w.mat(p + "attn_k.weight", s.n_head_kv * hd, E, scale=2.0)
+        w.mat(p + "attn_v.weight", s.n_head_kv * hd, E)
+        w.vec(p + "attn_q_norm.weight", hd, noise=0.3)
+        w.vec(p + "attn_k_norm.weight", hd, noise=0.3)
+        w.mat(p + "attn_output.weight", E, s.n_head * hd, scale=0.5)
+        w.vec(p + "post_attention_norm.weight", E, base=0.5)
+        w.vec(p + "ffn_norm.weight", E)
+        w.mat(p + "ffn_gate.weight", s.n_ff, E)
+        w.mat(p + "ffn_up.weight", s.n_ff, E)
+        w.mat(p + "ffn_down.weight", E, s.n_ff, scale=0.5)
+        w.vec(p + "post_ffw_norm.weight", E, base=0.5)
+
+
 def build_glm4moe(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int) -> None:
     """glm4moe as convert_hf_to_gguf writes GLM-4.5: q/k/v biases, half the head rotated (NEOX),
     n_dense_lead dense layers, then sigmoid-routed experts with exp_probs_b, weights normalised
@@ -442,6 +473,8 @@ def write_model(path: str, arch: str = "deepseek2", layout: str = "ik", qtype: s
         build_llama(w, gw, s, n_vocab)
     elif arch == "glm4moe":
         build_glm4moe(w, gw, s, n_vocab)
+    elif arch == "gemma3":
+        build_gemma3(w, gw, s, n_vocab)
     elif arch in ("qwen2", "qwen2moe"):
         build_qwen2(w, gw, s, n_vocab, arch == "qwen2moe")
     elif arch in ("qwen3", "qwen3moe"):
@@ -465,7 +498,7 @@ def write_model(path: str, arch: str = "deepseek2", layout: str = "ik", qtype: s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out")
-    ap.add_argument("--arch", default="deepseek2", choices=["llama", "deepseek2", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "glm4moe"])
+    ap.add_argument("--arch", default="deepseek2", choices=["llama", "deepseek2", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "glm4moe", "gemma3"])
     ap.add_argument("--layout", default="ik", choices=["ik", "mainline-old", "mainline-mla"])
     ap.add_argument("--type", default="f16", help="weight type: f32 f16 bf16 q8_0 q4_0")
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))

@@ -14,9 +14,9 @@ from engine.context import Context
 from engine.model import load_model, quiet_log
 
 
-def _run(path, toks, n_ubatch=512):
+def _run(path, toks, n_ubatch=512, **kw):
     m = load_model(path, quiet_log)
-    ctx = Context(m, EngineConfig(path, n_ctx=128, n_ubatch=n_ubatch), quiet_log)
+    ctx = Context(m, EngineConfig(path, n_ctx=128, n_ubatch=n_ubatch, **kw), quiet_log)
     return ctx.decode(np.asarray(toks, dtype=np.int32))
 
 
