@@ -31,12 +31,14 @@ def head_steps(n_head: int, kq_bytes: int, amb_bytes: int) -> int:
 
 
 def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, cell_pos: np.ndarray, q_pos: np.ndarray,
-                     kq_scale: float, amb_bytes: int = 0, window: int = 0) -> np.ndarray:
+                     kq_scale: float, amb_bytes: int = 0, window: int = 0,
+                     sinks: np.ndarray | None = None) -> np.ndarray:
     """softmax(kq_scale * q.k) v with K*Q materialized per group of heads.
 
     q (T, H, dk) f32; k (n_kv, Hkv, dk), v (n_kv, Hkv, dv) f32 for cells with positions cell_pos.
     Returns (T, H, dv). Heads are processed in groups sized by head_steps (the -amb rule).
     window > 0: a sliding window, query t sees only cells with q_pos[t] - cell_pos < window.
+    sinks (H,): one more logit per head in each softmax, with no value (gpt-oss).
     """
     T, H, dk = q.shape
     n_kv, hkv, dv = v.shape
@@ -55,7 +57,13 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, cell_pos: np.n
         s = gemm(qh[h0:h1], kh, np.empty((h1 - h0, T, n_kv), dtype=np.float32))
         s *= np.float32(kq_scale)
         s[:, hidden] = -np.inf
-        p = softmax(s, axis=-1)
+        if sinks is None:
+            p = softmax(s, axis=-1)
+        else:
+            sk = np.asarray(sinks, dtype=np.float32)[h0:h1, None, None]
+            mx = np.maximum(s.max(axis=-1, keepdims=True), sk)
+            p = np.exp(s - mx)
+            p /= p.sum(axis=-1, keepdims=True) + np.exp(sk - mx)
         p[~np.isfinite(p)] = 0.0                                   # a query that sees nothing
         out[:, h0:h1, :] = gemm(p, vh, np.empty((h1 - h0, T, dv), dtype=np.float32), trans_b=False).transpose(1, 0, 2)
     return out
@@ -63,15 +71,16 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, cell_pos: np.n
 
 def standard_attention(q: np.ndarray, lc: LayerCache, n_kv: int, n_head_kv: int, dk: int, dv: int,
                        cell_pos: np.ndarray, q_pos: np.ndarray, kq_scale: float, flash: bool,
-                       amb_bytes: int, window: int = 0) -> np.ndarray:
+                       amb_bytes: int, window: int = 0, sinks: np.ndarray | None = None) -> np.ndarray:
     """Attention of q (T, H, dk) over the first n_kv cells of a standard (K rows, V rows) layer cache
     (window > 0: a sliding window of that many positions)."""
     if flash:
         from .flash_attn import flash_attn
-        return flash_attn(q, lc.k, lc.v, n_kv, n_head_kv, dk, dv, cell_pos[:n_kv], q_pos, kq_scale, window=window)
+        return flash_attn(q, lc.k, lc.v, n_kv, n_head_kv, dk, dv, cell_pos[:n_kv], q_pos, kq_scale, window=window,
+                          sinks=sinks)
     k = lc.k.read(n_kv).reshape(n_kv, n_head_kv, dk)
     v = lc.v.read(n_kv).reshape(n_kv, n_head_kv, dv)
-    return causal_attention(q, k, v, cell_pos[:n_kv], q_pos, kq_scale, amb_bytes, window)
+    return causal_attention(q, k, v, cell_pos[:n_kv], q_pos, kq_scale, amb_bytes, window, sinks)
 
 
 def split_heads_for_decompression(n_head: int, kv_bytes: int, amb_bytes: int) -> int:

@@ -15,8 +15,16 @@ import numpy as np
 from .linear import matmul, matmul_id, moe_up_gate, up_gate
 from quant.tensor import QTensor
 
-from .hparams import GATING_SIGMOID
+from .hparams import GATING_SIGMOID, GATING_SOFTMAX_WEIGHT
 from .ops import sigmoid, silu, softmax
+
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = np.float32(1.702), np.float32(7.0)
+
+
+def swiglu_oai(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """gpt-oss's clamped SwiGLU: min(g, 7) * sigmoid(1.702 * min(g, 7)) * (clip(u, -7, 7) + 1)."""
+    g = np.minimum(g, SWIGLU_OAI_LIMIT)
+    return g * sigmoid(SWIGLU_OAI_ALPHA * g) * (np.clip(u, -SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT) + np.float32(1.0))
 
 
 def ffn_silu(x: np.ndarray, gate: QTensor, up: QTensor, down: QTensor, fused: bool = True) -> np.ndarray:
@@ -36,6 +44,12 @@ class MoEWeights:
     gate: QTensor                # (n_expert, n_ff_exp, n_embd)
     up: QTensor
     down: QTensor                # (n_expert, n_embd, n_ff_exp)
+    # gpt-oss: biases of the router and of each expert's projections, and its clamped SwiGLU
+    router_bias: np.ndarray | None = None   # (n_expert,)
+    gate_bias: np.ndarray | None = None     # (n_expert, n_ff_exp)
+    up_bias: np.ndarray | None = None
+    down_bias: np.ndarray | None = None     # (n_expert, n_embd)
+    act: str = "silu"                       # or "swiglu_oai"
 
 
 def route(logits: np.ndarray, n_used: int, gating: int, bias: np.ndarray | None, norm_w: bool,
@@ -47,7 +61,8 @@ def route(logits: np.ndarray, n_used: int, gating: int, bias: np.ndarray | None,
     below t * (top score) are dropped: id -1, weight 0.  Normalization then divides by the
     sum of the kept weights.  Each token is routed on its own, whatever the batch.
     """
-    probs = sigmoid(logits) if gating == GATING_SIGMOID else softmax(logits, axis=-1)
+    probs = sigmoid(logits) if gating == GATING_SIGMOID else logits if gating == GATING_SOFTMAX_WEIGHT \
+        else softmax(logits, axis=-1)
     sel = probs + bias if bias is not None else probs
     ids = np.argsort(-sel, axis=-1, kind="stable")[:, :n_used]
     w = np.take_along_axis(probs, ids, axis=-1)
@@ -57,6 +72,8 @@ def route(logits: np.ndarray, n_used: int, gating: int, bias: np.ndarray | None,
         drop[:, :ser_min] = False
         ids = np.where(drop, -1, ids)
         w = np.where(drop, np.float32(0.0), w)
+    if gating == GATING_SOFTMAX_WEIGHT:      # dropped experts (-ser) take no share
+        w = softmax(np.where(ids >= 0, w, -np.inf), axis=-1)
     if norm_w:
         w = w / np.sum(w, axis=-1, keepdims=True)
     if abs(scale - 1.0) > 1e-5:
@@ -70,17 +87,29 @@ def moe_ffn(x: np.ndarray, m: MoEWeights, n_used: int, gating: int, norm_w: bool
 
     ser = (K, t): Smart Expert Reduction (see route); dropped experts are not computed.
     """
-    ids, w = route(matmul(m.router, x), n_used, gating, m.probs_bias, norm_w, scale, *ser)
+    logits = matmul(m.router, x)
+    if m.router_bias is not None:
+        logits += m.router_bias
+    ids, w = route(logits, n_used, gating, m.probs_bias, norm_w, scale, *ser)
     keep = ids >= 0
     pair_ids = ids[keep]                  # pairs in token order, then slot order
     pair_rows = np.nonzero(keep)[0]
     n_pairs = pair_ids.size
-    if fused:
+    if m.act == "swiglu_oai":                # biases and a clamped activation: gate and up apart
+        g = matmul_id(m.gate, x, pair_ids, pair_rows)
+        u = matmul_id(m.up, x, pair_ids, pair_rows)
+        if m.gate_bias is not None:
+            g += m.gate_bias[pair_ids]
+            u += m.up_bias[pair_ids]
+        par = swiglu_oai(g, u)
+    elif fused:
         par = moe_up_gate(m.gate, m.up, x, pair_ids, pair_rows)
     else:
         par = silu(matmul_id(m.gate, x, pair_ids, pair_rows))
         par *= matmul_id(m.up, x, pair_ids, pair_rows)
     y = matmul_id(m.down, par, pair_ids, np.arange(n_pairs))
+    if m.down_bias is not None:
+        y += m.down_bias[pair_ids]
     y *= w[keep][:, None]
     # sum over slots in slot order, the same for a token alone or in a batch
     slot_pair = np.full(ids.shape, -1, dtype=np.int64)

@@ -358,9 +358,10 @@ def _head_bytes(store: RowStore, n_head_kv: int) -> int:
 
 def flash_attn(q: np.ndarray, k: RowStore, v: RowStore | None, n_kv: int, n_head_kv: int, dk: int, dv: int,
                cell_pos: np.ndarray, q_pos: np.ndarray, scale: float, block: int | None = None,
-               path: str | None = None, window: int = 0) -> np.ndarray:
+               path: str | None = None, window: int = 0, sinks: np.ndarray | None = None) -> np.ndarray:
     """softmax(scale * q·k) · v over cells 0..n_kv-1 of the cache; query t sees cell j iff
     cell_pos[j] <= q_pos[t] and, with a sliding window (window > 0), q_pos[t] - cell_pos[j] < window.
+    sinks (H,): attention sinks (gpt-oss): one more logit per head in every softmax, with no value.
 
     q (T, H, dk) f32 -> (T, H, dv) f32.  k rows hold n_head_kv heads of dk values (head-major),
     v rows n_head_kv heads of dv values; v None: V is the first dv values of each K head
@@ -379,10 +380,11 @@ def flash_attn(q: np.ndarray, k: RowStore, v: RowStore | None, n_kv: int, n_head
     q_lo = q_pos - window if window > 0 else np.full_like(q_pos, NO_WINDOW)
     if n_kv == 0 or T == 0:
         return np.zeros((T, H, dv), dtype=np.float32)
+    sink2 = None if sinks is None else np.asarray(sinks, dtype=np.float32) * np.float32(LOG2E)   # log2 domain
     if path == "kernel":
-        return _flash_kernel(q, k, v, n_kv, n_head_kv, dk, dv, cell_pos, q_pos, q_lo, scale)
+        return _flash_kernel(q, k, v, n_kv, n_head_kv, dk, dv, cell_pos, q_pos, q_lo, scale, sink2)
     if path == "blas":
-        return _flash_blas(q, k, v, n_kv, n_head_kv, dk, dv, cell_pos, q_pos, q_lo, scale, block or CELL_TILE)
+        return _flash_blas(q, k, v, n_kv, n_head_kv, dk, dv, cell_pos, q_pos, q_lo, scale, block or CELL_TILE, sink2)
     raise ValueError(f"flash_attn: unknown path {path!r}")
 
 
@@ -403,7 +405,12 @@ def _bf16_ok(rows: int, dk: int, dv: int) -> bool:
     return supports(rows, dk, dv)
 
 
-def _flash_kernel(q, k, v, n_kv, hkv, dk, dv, cell_pos, q_pos, q_lo, scale):
+def _sink_rows(sink2: np.ndarray, hkv: int, G: int, rows: int) -> np.ndarray:
+    """(Hkv, rows) sink of each row: row r of kv head g is query head g * G + r % G."""
+    return sink2.reshape(hkv, G)[:, np.arange(rows) % G]
+
+
+def _flash_kernel(q, k, v, n_kv, hkv, dk, dv, cell_pos, q_pos, q_lo, scale, sink2=None):
     T, H, _ = q.shape
     G = H // hkv
     R = T * G
@@ -412,7 +419,7 @@ def _flash_kernel(q, k, v, n_kv, hkv, dk, dv, cell_pos, q_pos, q_lo, scale):
                               .reshape(hkv, R, dk), dtype=np.float32)
     rpos = np.repeat(q_pos, G)
     rlo = np.repeat(q_lo, G)
-    if USE_BF16 and _bf16_ok(R, dk, dv) and (q_lo == NO_WINDOW).all():     # bf16 kernel: no window
+    if USE_BF16 and _bf16_ok(R, dk, dv) and (q_lo == NO_WINDOW).all() and sink2 is None:   # bf16: neither
         from . import flash_bf16
         nch = -(-R // flash_bf16.LANES)
         nsplit = _n_splits(-(-nch // flash_bf16.CHUNKS_PER_ITEM), n_kv)
@@ -428,6 +435,10 @@ def _flash_kernel(q, k, v, n_kv, hkv, dk, dv, cell_pos, q_pos, q_lo, scale):
     _fa_kernel(kbuf, k.qtype, k.data.shape[1], _head_bytes(k, hkv), vs.data.reshape(-1), vs.qtype,
                vs.data.shape[1], _head_bytes(vs, hkv), v is None, n_kv, dk, dv, cell_pos, qg, rpos, rlo,
                BLOCK, ROW_BLOCK, nsplit, F16_TO_F32, acc, m, l)
+    if sink2 is not None:       # the sinks as one more split: their logit, weight 1, no value
+        acc = np.concatenate([acc, np.zeros((hkv, 1, R, dv), dtype=np.float32)], axis=1)
+        m = np.concatenate([m, _sink_rows(sink2, hkv, G, R)[:, None, :]], axis=1)
+        l = np.concatenate([l, np.ones((hkv, 1, R), dtype=np.float32)], axis=1)
     out = np.empty((hkv, R, dv), dtype=np.float32)
     _combine(acc, m, l, R, 1, out)
     return out.reshape(hkv, T, G, dv).transpose(1, 0, 2, 3).reshape(T, H, dv)
@@ -443,7 +454,7 @@ def _read_tile(store: RowStore, c0: int, c1: int, out: np.ndarray) -> np.ndarray
     return o
 
 
-def _flash_blas(q, k, v, n_kv, hkv, dk, dv, cell_pos, q_pos, q_lo, scale, block):
+def _flash_blas(q, k, v, n_kv, hkv, dk, dv, cell_pos, q_pos, q_lo, scale, block, sink2=None):
     T, H, _ = q.shape
     G = H // hkv
     tq = max(1, Q_TILE_ROWS // H)                  # queries per tile
@@ -472,6 +483,12 @@ def _flash_blas(q, k, v, n_kv, hkv, dk, dv, cell_pos, q_pos, q_lo, scale, block)
             s = gemm(qt, kf.transpose(1, 0, 2), st[:, :, :c1 - c0])   # (hkv, rows, cells), log2 domain
             _softmax_tile(s, cp, qp, ql, G, m, lsum, acc)
             gemm(s, vf.transpose(1, 0, 2), acc, trans_b=False, accumulate=True)
+        if sink2 is not None:   # one more logit per row in the softmax sum, with no value
+            sk = _sink_rows(sink2, hkv, G, rows)
+            mx = np.maximum(m, sk)
+            keep = np.where(m > -np.inf, np.exp2(m - mx), np.float32(0.0)).astype(np.float32)
+            lsum = lsum * keep + np.exp2(sk - mx)
+            acc *= keep[:, :, None]
         with np.errstate(divide="ignore", invalid="ignore"):
             res = np.where(lsum[:, :, None] > 0, acc / lsum[:, :, None], np.float32(0.0))
         out[t0:t1] = res.reshape(hkv, t1 - t0, G, dv).transpose(1, 0, 2, 3).reshape(t1 - t0, H, dv)

@@ -7,12 +7,13 @@ from typing import Any
 
 from .gguf_file import ModelFileError, ModelFile
 
-SUPPORTED_ARCHS = ("llama", "deepseek2", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "glm4moe", "gemma3")
-NEOX_ROPE_ARCHS = ("qwen2", "qwen2moe", "qwen3", "qwen3moe", "glm4moe", "gemma3")     # rotate (i, i + n_rot/2) pairs, as llama_rope_type says
+SUPPORTED_ARCHS = ("llama", "deepseek2", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "glm4moe", "gemma3", "gpt-oss")
+NEOX_ROPE_ARCHS = ("qwen2", "qwen2moe", "qwen3", "qwen3moe", "glm4moe", "gemma3", "gpt-oss")     # rotate (i, i + n_rot/2) pairs, as llama_rope_type says
 
 # expert_gating_func values in GGUF
 GATING_SOFTMAX = 1
 GATING_SIGMOID = 2
+GATING_SOFTMAX_WEIGHT = 3    # gpt-oss: top-k of the raw logits, softmax over the chosen ones
 
 
 @dataclass
@@ -138,8 +139,8 @@ def read_hparams(mf: ModelFile) -> HParams:
     hp.n_ff_exp = int(g("expert_feed_forward_length", 0) or 0)
     hp.n_nextn = int(g("nextn_predict_layers", 0) or 0)
     hp.n_swa = int(g("attention.sliding_window", 0) or 0)
-    if arch == "gemma3" and hp.n_swa <= 0:
-        raise ModelFileError(f"{path}: gemma3 model without a positive attention.sliding_window")
+    if arch in ("gemma3", "gpt-oss") and hp.n_swa <= 0:
+        raise ModelFileError(f"{path}: {arch} model without a positive attention.sliding_window")
     if arch == "glm4moe":      # DeepSeek-V3's router and expert keys; sigmoid unless the file says
         hp.n_expert_shared = int(g("expert_shared_count", 0) or 0)
         hp.n_layer_dense_lead = int(g("leading_dense_block_count", 0) or 0)

@@ -42,7 +42,8 @@ CASES = {
     "qwen3moe": ("qwen3moe", "ik", "tiny"),
     "qwen3moe-256": ("qwen3moe", "ik", "qwen256"),
     "glm4moe": ("glm4moe", "ik", "tiny"),
-    "gemma3": ("gemma3", "ik", "tiny"),      # 256-wide matrices: the K-quant and IQK types
+    "gemma3": ("gemma3", "ik", "tiny"),
+    "gpt-oss": ("gpt-oss", "ik", "tiny"),      # 256-wide matrices: the K-quant and IQK types
 }
 FINAL = re.compile(r"Final estimate: PPL(?: over \d+ chunks for n_ctx=\d+)? = (\d+\.\d+) \+/- (\d+\.\d+)")
 

@@ -318,6 +318,47 @@ def build_gemma3(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int) -> Non
         w.vec(p + "post_ffw_norm.weight", E, base=0.5)
 
 
+def build_gpt_oss(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int) -> None:
+    """gpt-oss as convert_hf_to_gguf writes it: biases on q/k/v/o, the router and every expert
+    projection; attention sinks; a 16-position window on the even layers; YaRN x4 (original
+    context 64); experts of expert_feed_forward_length (F16 / Q8_0 here: MXFP4 is not a type
+    of this writer)."""
+    a = "gpt-oss"
+    s = replace(s, n_layer=4)
+    _common_kv(gw, a, replace(s, rope_base=150000.0), n_vocab, 1e-5)
+    hd, E, X, F = s.qwen_head_dim, s.n_embd, s.n_expert, s.n_ff_exp
+    gw.add_uint32(f"{a}.attention.head_count_kv", s.n_head_kv)
+    gw.add_uint32(f"{a}.attention.key_length", hd)
+    gw.add_uint32(f"{a}.attention.value_length", hd)
+    gw.add_uint32(f"{a}.rope.dimension_count", hd)
+    gw.add_uint32(f"{a}.attention.sliding_window", 16)
+    gw.add_uint32(f"{a}.expert_count", X)
+    gw.add_uint32(f"{a}.expert_used_count", s.n_expert_used)
+    gw.add_uint32(f"{a}.expert_feed_forward_length", F)
+    gw.add_string(f"{a}.rope.scaling.type", "yarn")
+    gw.add_float32(f"{a}.rope.scaling.factor", 4.0)
+    gw.add_uint32(f"{a}.rope.scaling.original_context_length", 64)
+    _embedding_and_head(w, s, n_vocab)
+    for i in range(s.n_layer):
+        p = f"blk.{i}."
+        w.vec(p + "attn_norm.weight", E)
+        for n, rows in (("q", s.n_head * hd), ("k", s.n_head_kv * hd), ("v", s.n_head_kv * hd)):
+            w.mat(p + f"attn_{n}.weight", rows, E, scale=2.0 if n != "v" else 1.0)
+            w.vec(p + f"attn_{n}.bias", rows, base=0.0, noise=0.5)
+        w.mat(p + "attn_output.weight", E, s.n_head * hd, scale=0.5)
+        w.vec(p + "attn_output.bias", E, base=0.0, noise=0.2)
+        w.vec(p + "attn_sinks.weight", s.n_head, base=1.0, noise=1.0)
+        w.vec(p + "post_attention_norm.weight", E)
+        w.mat(p + "ffn_gate_inp.weight", X, E, scale=3.0, keep_f32=True)
+        w.vec(p + "ffn_gate_inp.bias", X, base=0.0, noise=0.5)
+        w.mat(p + "ffn_gate_exps.weight", X, F, E, scale=4.0)    # past the SwiGLU's clamp at 7 now and then
+        w.mat(p + "ffn_gate_exps.bias", X, F, scale=np.sqrt(F) * 0.5, keep_f32=True)
+        w.mat(p + "ffn_up_exps.weight", X, F, E, scale=4.0)
+        w.mat(p + "ffn_up_exps.bias", X, F, scale=np.sqrt(F) * 0.5, keep_f32=True)
+        w.mat(p + "ffn_down_exps.weight", X, E, F, scale=0.5)
+        w.mat(p + "ffn_down_exps.bias", X, E, scale=np.sqrt(E) * 0.2, keep_f32=True)
+
+
 def build_glm4moe(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int) -> None:
     """glm4moe as convert_hf_to_gguf writes GLM-4.5: q/k/v biases, half the head rotated (NEOX),
     n_dense_lead dense layers, then sigmoid-routed experts with exp_probs_b, weights normalised
@@ -475,6 +516,8 @@ def write_model(path: str, arch: str = "deepseek2", layout: str = "ik", qtype: s
         build_glm4moe(w, gw, s, n_vocab)
     elif arch == "gemma3":
         build_gemma3(w, gw, s, n_vocab)
+    elif arch == "gpt-oss":
+        build_gpt_oss(w, gw, s, n_vocab)
     elif arch in ("qwen2", "qwen2moe"):
         build_qwen2(w, gw, s, n_vocab, arch == "qwen2moe")
     elif arch in ("qwen3", "qwen3moe"):
@@ -498,7 +541,7 @@ def write_model(path: str, arch: str = "deepseek2", layout: str = "ik", qtype: s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out")
-    ap.add_argument("--arch", default="deepseek2", choices=["llama", "deepseek2", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "glm4moe", "gemma3"])
+    ap.add_argument("--arch", default="deepseek2", choices=["llama", "deepseek2", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "glm4moe", "gemma3", "gpt-oss"])
     ap.add_argument("--layout", default="ik", choices=["ik", "mainline-old", "mainline-mla"])
     ap.add_argument("--type", default="f16", help="weight type: f32 f16 bf16 q8_0 q4_0")
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))

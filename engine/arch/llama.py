@@ -44,6 +44,7 @@ class LlamaArch:
                 # per-head RMSNorm of q and k before RoPE (qwen3 always; glm4moe where the file has them)
                 "q_norm": w.optional_vector(p + "attn_q_norm.weight"),
                 "k_norm": w.optional_vector(p + "attn_k_norm.weight"),
+                "sinks": w.optional_vector(p + "attn_sinks.weight"),      # gpt-oss
             }
             if w.has(p + "ffn_gate_inp.weight"):
                 if hp.n_expert_used <= 0:
@@ -71,6 +72,10 @@ class LlamaArch:
         eps = self.hp.rms_eps
         return rms_norm(q, L["q_norm"], eps), rms_norm(k, L["k_norm"], eps)
 
+    def layer_window(self, il: int) -> int:
+        """The sliding window of layer il (0: attends to the whole context)."""
+        return 0
+
     def make_cache(self, n_ctx: int, opts: RunOptions, type_k: int, type_v: int) -> KVCache:
         hp = self.hp
         return KVCache.standard(n_ctx, [(hp.n_head_kv, hp.n_embd_head_k, hp.n_embd_head_v)] * len(self.layers),
@@ -96,7 +101,8 @@ class LlamaArch:
                 lc.v.write(sg.cell0, v[sl].reshape(sg.t1 - sg.t0, -1))
                 a[sl] = standard_attention(np.ascontiguousarray(q[sl]), lc, sg.cache.n, hp.n_head_kv, hp.n_embd_head_k,
                                            hp.n_embd_head_v, sg.cache.pos, ub.pos[sl], self.kq_scale,
-                                           opts.flash_attn, opts.amb_bytes)
+                                           opts.flash_attn, opts.amb_bytes, window=self.layer_window(il),
+                                           sinks=L["sinks"])
             x = x + _biased(matmul(L["wo"], a.reshape(T, -1)), L["bo"])
             h = rms_norm(x, L["ffn_norm"], hp.rms_eps)
             if "moe" in L:
