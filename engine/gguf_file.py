@@ -129,6 +129,8 @@ class _Reader(GGUFReader):
         self.tensors = []
         seen: set[str] = set()
         file_size = len(self.data)
+        align = int(getattr(self, "alignment", 32) or 32)
+        expect = 0                  # ggml's rule: each tensor starts where the previous one, padded, ends
         for f in fields:
             _nl, name_data, _nd, dims, raw_dtype, offset_tensor = f.parts
             name = bytes(name_data).decode("utf-8", errors="replace")
@@ -144,8 +146,16 @@ class _Reader(GGUFReader):
             n_elem = int(np.prod(ne)) if ne else 1
             if ne[0] % ti.block_size:
                 raise ModelFileError(f"tensor '{name}': row of {ne[0]} is not a multiple of the {ti.name} block size")
+            if ti.interleave and len(ne) > 1 and ne[1] % ti.interleave:
+                raise ModelFileError(f"tensor '{name}': {ne[1]} rows are not a multiple of the {ti.interleave} rows "
+                                     f"{ti.name} interleaves")
             nbytes = ti.row_bytes(ne[0]) * (n_elem // ne[0]) if ne[0] else 0
-            offs = int(start_offs + int(offset_tensor[0]))
+            rel = int(offset_tensor[0])
+            if rel != expect:
+                raise ModelFileError(f"tensor '{name}' has data offset {rel}, expected {expect} "
+                                     f"(damaged tensor table, or a type id that does not fit its size)")
+            expect += -(-nbytes // align) * align
+            offs = int(start_offs + rel)
             if offs + nbytes > file_size:
                 raise ModelFileError(
                     f"file is truncated: tensor '{name}' needs bytes {offs}..{offs + nbytes} but the file has {file_size}")

@@ -68,6 +68,50 @@ def _need(meta: dict[str, Any], key: str, path: str) -> Any:
     return meta[key]
 
 
+# the `{arch}.*` keys read as counts / sizes, and as real numbers: a value of another type is
+# a one-line error naming the key, not an IndexError / ZeroDivisionError further down
+_INT_KEYS = ("embedding_length", "block_count", "context_length", "feed_forward_length", "attention.head_count",
+             "attention.head_count_kv", "attention.key_length", "attention.value_length",
+             "attention.key_length_mla", "attention.value_length_mla", "rope.dimension_count", "vocab_size",
+             "expert_count", "expert_used_count", "expert_feed_forward_length", "expert_shared_count",
+             "expert_shared_feed_forward_length", "leading_dense_block_count", "attention.q_lora_rank",
+             "attention.kv_lora_rank", "nextn_predict_layers", "attention.sliding_window", "expert_gating_func",
+             "rope.scaling.original_context_length")
+_POSITIVE = ("embedding_length", "block_count", "attention.head_count")
+_PER_LAYER = ("attention.head_count", "attention.head_count_kv", "feed_forward_length")   # may be arrays
+_REAL_KEYS = ("attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.scaling.factor", "rope.scale_linear",
+              "rope.scaling.attn_factor", "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_beta_fast",
+              "rope.scaling.yarn_beta_slow", "rope.scaling.yarn_log_multiplier", "expert_weights_scale")
+
+
+def _check_types(meta: dict, arch: str, path: str) -> None:
+    def bad(key: str, want: str, v: Any) -> ModelFileError:
+        shown = repr(v) if not isinstance(v, list) or len(v) < 8 else f"an array of {len(v)}"
+        return ModelFileError(f"{path}: metadata key '{arch}.{key}' must be {want}, got {shown}")
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    n_layer = meta.get(f"{arch}.block_count")
+    for key in _INT_KEYS:
+        v = meta.get(f"{arch}.{key}")
+        if v is None:
+            continue
+        if isinstance(v, list) and key in _PER_LAYER:
+            if not v or not all(is_int(x) for x in v) or (is_int(n_layer) and len(v) != n_layer):
+                raise bad(key, f"an integer or an array of {n_layer} integers (one per layer)", v)
+            if len(set(v)) > 1:
+                raise ModelFileError(f"{path}: metadata key '{arch}.{key}' differs between layers ({v[:8]}...): "
+                                     f"per-layer sizes are not supported")
+            v = v[0]
+        if not is_int(v) or v < 0 or (key in _POSITIVE and v == 0):
+            raise bad(key, "a positive integer" if key in _POSITIVE else "a non-negative integer", v)
+    for key in _REAL_KEYS:
+        v = meta.get(f"{arch}.{key}")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise bad(key, "a number", v)
+
+
 def read_hparams(mf: ModelFile) -> HParams:
     meta, path = mf.meta, mf.path
     arch = mf.arch
@@ -75,6 +119,7 @@ def read_hparams(mf: ModelFile) -> HParams:
         raise ModelFileError(f"{path}: no general.architecture key (vocabulary-only or corrupt file?)")
     if arch not in SUPPORTED_ARCHS:
         raise ModelFileError(f"{path}: unknown model architecture '{arch}' (supported: {', '.join(SUPPORTED_ARCHS)})")
+    _check_types(meta, arch, path)
 
     def g(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)

@@ -221,8 +221,8 @@ def load_model(path: str, log: Log = stderr_log, mla: int = 3, overrides: list |
     hp = read_hparams(mf)
     try:
         tok = Tokenizer.from_metadata(mf.meta)
-    except (ValueError, KeyError) as e:
-        raise ModelFileError(f"{path}: cannot build tokenizer: {e}") from None
+    except (ValueError, KeyError, TypeError, IndexError, OverflowError) as e:
+        raise ModelFileError(f"{path}: cannot build tokenizer: {type(e).__name__ if not str(e) else e}") from None
     if hp.n_vocab == 0:
         hp.n_vocab = tok.n_vocab
     log_hparams(mf, hp, log)

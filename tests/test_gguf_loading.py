@@ -117,3 +117,69 @@ def test_hparams_of_three_layouts_agree(make_model):
     for hp in hps[1:]:
         assert (hp.n_embd_head_k, hp.n_embd_head_v, hp.n_head_kv, hp.kv_lora_rank) == \
                (hps[0].n_embd_head_k, hps[0].n_embd_head_v, hps[0].n_head_kv, hps[0].kv_lora_rank)
+
+
+def _tensor_info_at(raw: bytes, name: str) -> tuple[int, int]:
+    """(position of the type id, position of the data offset) of tensor `name`'s info."""
+    i = raw.find(name.encode()) + len(name)
+    n_dims = int.from_bytes(raw[i:i + 4], "little")
+    t = i + 4 + 8 * n_dims
+    return t, t + 4
+
+
+def test_damaged_tensor_table_is_refused(make_model, tmp_path):
+    """ggml's rule: each tensor's data starts where the previous one's (padded) ends. A shifted
+    offset, or a type id that changes a tensor's size, names the tensor instead of loading."""
+    src = make_model(arch="llama", qtype="q8_0")
+    raw = bytearray(open(src, "rb").read())
+    _, off = _tensor_info_at(raw, "blk.0.attn_k.weight")
+    bad = bytearray(raw)
+    bad[off:off + 8] = (int.from_bytes(raw[off:off + 8], "little") + 32).to_bytes(8, "little")
+    (tmp_path / "off.gguf").write_bytes(bytes(bad))
+    with pytest.raises(ModelFileError, match=r"tensor 'blk.0.attn_k.weight' has data offset \d+, expected \d+"):
+        open_model_file(str(tmp_path / "off.gguf"))
+    t, _ = _tensor_info_at(raw, "blk.0.attn_q.weight")
+    bad = bytearray(raw)
+    bad[t:t + 4] = (2).to_bytes(4, "little")          # Q8_0 -> Q4_0: same blocks, fewer bytes
+    (tmp_path / "type.gguf").write_bytes(bytes(bad))
+    with pytest.raises(ModelFileError, match=r"has data offset \d+, expected \d+ \(damaged tensor table"):
+        open_model_file(str(tmp_path / "type.gguf"))
+
+
+def test_interleaved_rows_must_fill_their_groups(tmp_path):
+    import gguf
+    p = tmp_path / "r4.gguf"
+    w = gguf.GGUFWriter(str(p), "llama")
+    w.add_tensor("w", np.zeros((6, 32), dtype=np.float32))   # 6 rows of 32, relabelled below
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    raw = bytearray(p.read_bytes())
+    t, _ = _tensor_info_at(raw, "w")
+    raw[t:t + 4] = (208).to_bytes(4, "little")         # Q8_0_R8: groups of 8 rows
+    p.write_bytes(bytes(raw))
+    with pytest.raises(ModelFileError, match="6 rows are not a multiple of the 8 rows Q8_0_R8 interleaves"):
+        open_model_file(str(p))
+
+
+@pytest.mark.parametrize("key,value,msg", [
+    ("llama.feed_forward_length", [], "'llama.feed_forward_length' must be an integer or an array of 3 integers"),
+    ("llama.expert_count", [4, 4, 4], "'llama.expert_count' must be a non-negative integer, got [4, 4, 4]"),
+    ("llama.attention.head_count", 0.0, "'llama.attention.head_count' must be a positive integer, got 0.0"),
+    ("llama.attention.head_count", 0, "'llama.attention.head_count' must be a positive integer, got 0"),
+    ("llama.block_count", "3", "'llama.block_count' must be a positive integer, got '3'"),
+    ("llama.rope.freq_base", [1.0], "'llama.rope.freq_base' must be a number"),
+    ("llama.attention.head_count_kv", [2, 2, 1], "differs between layers"),
+])
+def test_hyper_parameters_of_the_wrong_type_name_the_key(make_model, key, value, msg):
+    """Wrong types in the metadata are one-line errors naming the key (they were IndexError /
+    TypeError / ZeroDivisionError tracebacks)."""
+    mf = open_model_file(make_model(arch="llama", qtype="f32"))
+    mf.meta[key] = value
+    with pytest.raises(ModelFileError, match=__import__("re").escape(msg)):
+        read_hparams(mf)
+
+
+def test_per_layer_arrays_of_equal_sizes_are_read(make_model):
+    mf = open_model_file(make_model(arch="llama", qtype="f32"))
+    want = read_hparams(mf)
+    mf.meta["llama.attention.head_count_kv"] = [want.n_head_kv] * want.n_layer
+    assert read_hparams(mf).n_head_kv == want.n_head_kv
