@@ -256,3 +256,8 @@ class KldAccumulator:
         if n < 10:
             return 0.0
         return (self.sum_nll_nll_base / n - (self.sum_nll / n) * (self.sum_nll_base / n)) / (n - 1)
+
+
+def count_nonfinite(logits: np.ndarray) -> int:
+    """NaN / infinite values among the logits (0 for a healthy model)."""
+    return int(logits.size - np.count_nonzero(np.isfinite(logits)))

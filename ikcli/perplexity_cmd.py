@@ -19,13 +19,15 @@ def _read_text(path: Optional[str], escape: bool) -> tuple[str, str]:
         from .defaults import demo_text
         path = demo_text()
         common.log(f"perplexity: no -f given, using the bundled text {path}")
+    from .textio import decode_utf8
     if path == "-":
-        return prompt_from_file(sys.stdin.buffer.read().decode("utf-8", errors="replace"), escape), "<stdin>"
+        return prompt_from_file(decode_utf8(sys.stdin.buffer.read(), "<stdin>", common.log), escape), "<stdin>"
     try:
         with open(path, "rb") as fh:
-            return prompt_from_file(fh.read().decode("utf-8", errors="replace"), escape), path
+            data = fh.read()
     except OSError as e:
         raise CliError(f"cannot read text file '{path}': {e.strerror}") from None
+    return prompt_from_file(decode_utf8(data, path, common.log), escape), path
 
 
 class _Progress:
@@ -48,6 +50,28 @@ class _Progress:
     def close(self) -> None:
         if self.bar:
             self.bar.stop()
+
+
+def _chunk_logits(ctx, chunk, bos, n_batch: int, i: int):
+    """The chunk's logits; NaN / inf in the model's computation stops the run at this chunk."""
+    from engine.perplexity import chunk_logits
+    try:
+        logits = chunk_logits(ctx, chunk, bos, n_batch)
+    except FloatingPointError as e:
+        sys.stdout.write("\n")
+        raise CliError(f"chunk {i + 1}: {e} (damaged weights? --check-tensors validates them at load)") from None
+    _check_logits(logits, i)
+    return logits
+
+
+def _check_logits(logits, i: int) -> None:
+    """A NaN / inf logit stops the run at its chunk with a reason, instead of `PPL = nan`."""
+    from engine.perplexity import count_nonfinite
+    bad = count_nonfinite(logits)
+    if bad:
+        sys.stdout.write("\n")
+        raise CliError(f"chunk {i + 1}: the model produced {bad} NaN or infinite logits (damaged weights? "
+                       f"--check-tensors validates them at load)")
 
 
 def _eta(t_pass: float, n_pass: int, who: str = "perplexity") -> None:
@@ -372,7 +396,7 @@ def _perplexity(ctx, m, text_name: tuple[str, str], n_ctx: int, n_batch: int, n_
                 kl_base: Optional[str], output_type: int = 0) -> None:
     import numpy as np
 
-    from engine.perplexity import BaseLogitsWriter, PplAccumulator, chunk_logits, plan_chunks, token_nll
+    from engine.perplexity import BaseLogitsWriter, PplAccumulator, plan_chunks, token_nll
 
     text, name = text_name
     common.log("perplexity: tokenizing the input ..")
@@ -401,7 +425,7 @@ def _perplexity(ctx, m, text_name: tuple[str, str], n_ctx: int, n_batch: int, n_
         for i in range(n_chunk):
             t_start = time.perf_counter()
             chunk = tokens[i * n_ctx:(i + 1) * n_ctx]
-            logits = chunk_logits(ctx, chunk, bos, n_batch)
+            logits = _chunk_logits(ctx, chunk, bos, n_batch, i)
             if i == 0:
                 _eta(time.perf_counter() - t_start, n_chunk)
             acc.add(token_nll(logits, chunk[first + 1:]))
@@ -439,7 +463,7 @@ def _ppl_line(acc, i_batch: int, n_ctx: int) -> str:
 def _kl_divergence(ctx, m, base, n_batch: int) -> None:
     import numpy as np
 
-    from engine.perplexity import KldAccumulator, chunk_logits
+    from engine.perplexity import KldAccumulator
 
     if base.n_vocab != m.n_vocab:
         raise CliError(f"{base.path}: inconsistent vocabulary ({base.n_vocab} vs {m.n_vocab})")
@@ -453,7 +477,7 @@ def _kl_divergence(ctx, m, base, n_batch: int) -> None:
         for i, rows in enumerate(base.chunks()):
             t_start = time.perf_counter()
             chunk = base.tokens[i * n_ctx:(i + 1) * n_ctx]
-            logits = chunk_logits(ctx, chunk, bos, n_batch)
+            logits = _chunk_logits(ctx, chunk, bos, n_batch, i)
             if i == 0:
                 _eta(time.perf_counter() - t_start, base.n_chunk)
                 out.write("\nchunk             PPL               ln(PPL(Q)/PPL(base))          KL Divergence"

@@ -24,3 +24,13 @@ def prompt_from_file(data: str, escape: bool = True) -> str:
     if data.endswith("\n"):
         data = data[:-1]
     return process_escapes(data) if escape else data
+
+
+def decode_utf8(data: bytes, name: str, log) -> str:
+    """UTF-8 text as llama.cpp reads it (invalid bytes become U+FFFD), saying how many were replaced."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        bad = len(data) - len(data.decode("utf-8", errors="ignore").encode("utf-8"))
+        log(f"warning: {name}: {bad} bytes of invalid UTF-8 replaced by U+FFFD")
+        return data.decode("utf-8", errors="replace")

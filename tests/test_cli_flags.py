@@ -193,7 +193,15 @@ def test_check_tensors(capsys, tmp_path, make_model, qtype, tensor, bad):
     assert code != 0 and f"tensor '{tensor}' has invalid data (" in err and len(err.strip().splitlines()[-1]) < 300
     assert "Traceback" not in err
     code, _, err = cli(capsys, "perplexity", "-m", str(path), "-c", "64", "--chunks", "1", "-t", "2", "--no-warmup")
-    assert "has invalid data" not in err
+    assert "has invalid data" not in err              # without -vq the file loads, and the NaN stops the run
+    assert code != 0 and "ikcli: error: chunk 1: " in err and "NaN or infinite" in err and "--check-tensors" in err
+
+
+def test_invalid_utf8_is_counted(capsys, tmp_path, corpus_text):
+    f = tmp_path / "bad.txt"
+    f.write_bytes(corpus_text[:3000].encode() + b"\xff\xfe ok \xc3")
+    code, out, err = cli(capsys, "perplexity", "-f", str(f), "-c", "64", "--chunks", "1", "-t", "2")
+    assert code == 0 and f"warning: {f}: 3 bytes of invalid UTF-8 replaced by U+FFFD" in err
 
 
 def test_metadata_and_rope_overrides(capsys):

@@ -58,6 +58,8 @@ class Head:
 
     def logits(self, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
         h = rms_norm(np.ascontiguousarray(x[rows]), self.output_norm, self.eps)
+        if not np.isfinite(h).all():     # else quantizing the activations for the output would hide it
+            raise FloatingPointError("the hidden state reached the output layer with NaN or infinite values")
         return matmul(self.output, h)
 
 
