@@ -302,6 +302,11 @@ def _open_one(path: str) -> _Reader:
         raise ModelFileError(f"{path}: is a directory, not a GGUF file")
     if os.path.getsize(path) < 24:
         raise ModelFileError(f"{path}: file is too small to be a GGUF file (truncated?)")
+    from . import gguf_scan
+    try:
+        gguf_scan.check_layout(np.memmap(path, mode="r", dtype=np.uint8))
+    except gguf_scan.ModelFileError as e:
+        raise ModelFileError(f"{path}: {e}") from None
     try:
         return _Reader(path, "r")
     except ModelFileError as e:

@@ -183,3 +183,44 @@ def test_per_layer_arrays_of_equal_sizes_are_read(make_model):
     want = read_hparams(mf)
     mf.meta["llama.attention.head_count_kv"] = [want.n_head_kv] * want.n_layer
     assert read_hparams(mf).n_head_kv == want.n_head_kv
+
+
+def _kv_type_at(raw: bytes, key: str) -> int:
+    """Position of the value type (u32) of metadata `key`."""
+    return raw.find(key.encode()) + len(key)
+
+
+@pytest.mark.parametrize("edit,msg", [
+    ("tokens-elem-array", "metadata key 'tokenizer.ggml.tokens'"),      # gguf's reader looped, memory grew
+    ("merges-elem-array", "metadata key 'tokenizer.ggml.merges'"),
+    ("tokens-count", "metadata key 'tokenizer.ggml.tokens': 1099511627776 elements cannot fit"),
+])
+def test_metadata_counts_are_checked_before_reading(make_model, tmp_path, edit, msg):
+    """Counts and element types that do not fit the file are one-line errors naming the key, found
+    before gguf's reader could loop past the end of the file."""
+    import time
+    raw = bytearray(open(make_model(arch="llama", qtype="f32"), "rb").read())
+    key = "tokenizer.ggml.tokens" if edit.startswith("tokens") else "tokenizer.ggml.merges"
+    t = _kv_type_at(raw, key)
+    assert int.from_bytes(raw[t:t + 4], "little") == 9 and int.from_bytes(raw[t + 4:t + 8], "little") == 8
+    if edit.endswith("elem-array"):
+        raw[t + 4:t + 8] = (9).to_bytes(4, "little")
+    else:
+        raw[t + 8:t + 16] = (1 << 40).to_bytes(8, "little")
+    p = tmp_path / "bad.gguf"
+    p.write_bytes(bytes(raw))
+    t0 = time.perf_counter()
+    with pytest.raises(ModelFileError, match=__import__("re").escape(msg)):
+        open_model_file(str(p))
+    assert time.perf_counter() - t0 < 5
+
+
+def test_deeply_nested_arrays_are_refused(tmp_path):
+    import struct
+    depth = 30000                                       # was a RecursionError
+    body = struct.pack("<Q", 1) + b"x" + struct.pack("<I", 9)
+    body += struct.pack("<IQ", 9, 1) * depth + struct.pack("<IQ", 4, 0)
+    p = tmp_path / "nested.gguf"
+    p.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + body)
+    with pytest.raises(ModelFileError, match="metadata key 'x': arrays nested more than 4 deep"):
+        open_model_file(str(p))
