@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import json
 import os
+import re
 import secrets
 import string
 import sys
@@ -28,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 # ---------------------------------------------------------------------------------------- logging
 
@@ -141,6 +143,54 @@ def _token_list(v: Any, n_vocab: Optional[int], what: str) -> list[int]:
         if bad:
             raise bad_request(f"invalid token id {bad[0]} in '{what}' (the vocabulary has {n_vocab} tokens)")
     return list(v)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")   # how one can reach json.loads's output at all
+
+
+def _json_path(parts: tuple) -> str:
+    """'messages[0].content' from ('messages', 0, 'content') (keys written ASCII-safe)."""
+    out = ""
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        else:
+            key = p if p.isidentifier() and p.isascii() else json.dumps(p)
+            out += ("." if out else "") + key
+    return out
+
+
+def check_text(body: Any, raw_text: str = "") -> None:
+    """Refuse (400) a JSON document with a lone UTF-16 surrogate (U+D800..U+DFFF) in any string or key.
+
+    json.loads turns a `\\ud800` escape without its pair into a str no UTF-8 codec will encode, which
+    would fail deep in the tokenizer or mid-stream; llama.cpp's JSON parser rejects such a body at
+    parse time, and so does this server, naming the field.  raw_text: the document's text, to skip the
+    walk when it has no surrogate escape at all (raw UTF-8 cannot carry a surrogate)."""
+    if raw_text and not _SURROGATE_ESCAPE.search(raw_text):
+        return
+    stack: list[tuple[Any, tuple]] = [(body, ())]
+    while stack:   # no recursion: json.loads accepts nesting deeper than a recursive walk would
+        v, path = stack.pop()
+        if isinstance(v, str):
+            m = _SURROGATE.search(v)
+            if m:
+                where = _json_path(path) or "the request body"
+                raise bad_request(f"invalid text in '{where}': lone UTF-16 surrogate at position {m.start()}")
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                m = _SURROGATE.search(k)
+                if m:
+                    where = f"'{_json_path(path)}'" if path else "the request body"
+                    raise bad_request(f"invalid text in a key of {where}: lone UTF-16 surrogate "
+                                      f"at position {m.start()}")
+                if isinstance(x, (str, dict, list)):
+                    stack.append((x, path + (k,)))
+        elif isinstance(v, list):
+            for i, x in enumerate(v):
+                if isinstance(x, (str, dict, list)):
+                    stack.append((x, path + (i,)))
 
 
 # llama.cpp request fields that change the output but that this server does not implement, each with
@@ -377,7 +427,7 @@ class _AccessLogAndAuth:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
-        status = {"code": 500}   # unless a response starts: an exception went past the handlers
+        status: dict[str, Any] = {"code": 500}   # unless a response starts: an exception went past the handlers
         bodies = {"request": bytearray(), "response": bytearray(), "stream": False}
 
         async def receive_wrapper():
@@ -388,7 +438,7 @@ class _AccessLogAndAuth:
 
         async def send_wrapper(message) -> None:
             if message["type"] == "http.response.start":
-                status["code"] = message["status"]
+                status["code"], status["started"] = message["status"], True
                 if self.verbose:    # ik's verbose line carries no body for streamed (SSE) answers
                     ctype = dict(message.get("headers", [])).get(b"content-type", b"")
                     bodies["stream"] = ctype.startswith(b"text/event-stream")
@@ -404,15 +454,24 @@ class _AccessLogAndAuth:
                 if not secrets.compare_digest(given.encode(), self.api_key.encode()):
                     await error_response(401, "Invalid API Key", "authentication_error")(scope, receive, send_wrapper)
                     return
-            await self.app(scope, receive_wrapper, send_wrapper)
+            try:
+                await self.app(scope, receive_wrapper, send_wrapper)
+            except ClientDisconnect:
+                # the client went away while the request body was read: nobody to answer, nothing broke.
+                # One log line (below), no traceback; the status is what cpp-httplib logs for a body it
+                # cannot read (400)
+                if not status.get("started"):
+                    status["code"], status["error"] = 400, "client disconnected while sending the request body"
         finally:
             if self.log_requests and path not in ("/v1/health", "/v1/completions"):   # as ik_llama.cpp skips them
                 client = scope.get("client") or ("", 0)
                 query = scope.get("query_string", b"").decode("latin-1")
                 params = dict(p.split("=", 1) if "=" in p else (p, "") for p in query.split("&") if p)
-                server_log("INFO", "log_server_request", "request",
-                           {"remote_addr": client[0], "remote_port": client[1], "status": status["code"],
-                            "method": scope.get("method", ""), "path": path, "params": params})
+                extra = {"remote_addr": client[0], "remote_port": client[1], "status": status["code"],
+                         "method": scope.get("method", ""), "path": path, "params": params}
+                if "error" in status:
+                    extra["error"] = status["error"]
+                server_log("INFO", "log_server_request", "request", extra)
                 if self.verbose:
                     server_log("VERB", "log_server_request", "request",
                                {"request": bodies["request"].decode("utf-8", "replace"),
@@ -517,8 +576,11 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
             raise bad_request(f"invalid JSON in the request body: {e.msg} at line {e.lineno} column {e.colno}") from None
         except RecursionError:
             raise bad_request("invalid JSON in the request body: nested too deeply") from None
+        except ValueError:   # an integer of more digits than int() converts (sys.get_int_max_str_digits)
+            raise bad_request("invalid JSON in the request body: a number has too many digits") from None
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object")
+        check_text(body, text)
         return body
 
     def sampling_params(body: dict):

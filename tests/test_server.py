@@ -898,3 +898,123 @@ def test_chat_through_each_family_template(make_model, shared_dir, arch, templat
     finally:
         srv.stop()
         eng.shutdown()
+
+
+# ============================================================ bad text and dropped clients (issue 18)
+
+# raw bodies (httpx's json= cannot even encode a lone surrogate): each must be a 400 naming the field
+SURROGATE_REQUESTS = [
+    ("/completion", rb'{"prompt":"\ud800abc"}', "invalid text in 'prompt': lone UTF-16 surrogate at position 0"),
+    ("/completion", rb'{"prompt":"x","stop":["ok","\udfff"]}', "'stop[1]'"),
+    ("/completion", rb'{"prompt":"x","stop":"a\udc00"}', "'stop': lone UTF-16 surrogate at position 1"),
+    ("/completion", rb'{"prompt":["ab",[5,6],"\uDBFF"]}', "'prompt[2]'"),
+    ("/completion", rb'{"prompt":"x","\ud800key":1}', "a key of the request body"),
+    ("/completions", rb'{"prompt":"\ud800"}', "'prompt'"),
+    ("/v1/completions", rb'{"prompt":"\udc00"}', "'prompt'"),
+    ("/v1/completions", rb'{"prompt":["a","\ud800"],"stream":true}', "'prompt[1]'"),
+    ("/v1/chat/completions", rb'{"messages":[{"role":"user","content":"a\ud800"}]}',
+     "invalid text in 'messages[0].content': lone UTF-16 surrogate at position 1"),
+    ("/v1/chat/completions", rb'{"messages":[{"role":"user","content":[{"type":"text","text":"\ud800"}]}]}',
+     "'messages[0].content[0].text'"),
+    ("/chat/completions", rb'{"messages":[{"role":"\udbff","content":"x"}]}', "'messages[0].role'"),
+    ("/tokenize", rb'{"content":"\ud800"}', "'content'"),
+    ("/tokenize", rb'{"content":"ok","with_pieces":true,"x":{"\udc00":1}}', "a key of 'x'"),
+    ("/detokenize", rb'{"tokens":[70],"note":"\ud800"}', "'note'"),
+]
+
+
+@pytest.mark.parametrize("path,raw,contains", SURROGATE_REQUESTS,
+                         ids=[f"{p}:{i}" for i, (p, _, _c) in enumerate(SURROGATE_REQUESTS)])
+def test_lone_surrogates_are_400_json(fake, path, raw, contains):
+    r = httpx.post(fake.base + path, content=raw, headers={"Content-Type": "application/json"}, timeout=10)
+    assert_error(r, 400, contains=contains)
+    assert "\\ud" not in r.text.lower()    # the message names the field, it does not echo the bad text
+    assert httpx.get(fake.base + "/health").json()["status"] == "ok"
+
+
+def test_valid_surrogate_pairs_and_escapes_are_text(fake):
+    """A \\ud83d\\ude00 pair is one character (U+1F600), and an escaped backslash before 'ud800' is
+    plain text: neither is refused."""
+    for raw, text in ((rb'{"content":"\ud83d\ude00"}', "\U0001F600"), (rb'{"content":"\\ud800"}', "\\ud800")):
+        r = httpx.post(fake.base + "/tokenize", content=raw, headers={"Content-Type": "application/json"})
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens"] == fake.engine.tokenize(text, False)
+
+
+def test_too_long_number_is_400(fake):
+    raw = b'{"prompt":"x","seed":' + b"9" * 5000 + b"}"     # past Python's int() digit limit
+    r = httpx.post(fake.base + "/completion", content=raw, headers={"Content-Type": "application/json"})
+    assert_error(r, 400, contains="too many digits")
+    assert httpx.get(fake.base + "/health").json()["status"] == "ok"
+
+
+@pytest.mark.parametrize("path,raw", [
+    ("/completion", rb'{"prompt":"\ud800abc","stream":true}'),
+    ("/completion", rb'{"prompt":"x","stop":["\ud800"],"stream":true}'),
+    ("/v1/completions", rb'{"prompt":"x","stop":"\udfff","stream":true}'),
+    ("/v1/chat/completions", rb'{"messages":[{"role":"user","content":"\ud800"}],"stream":true}'),
+], ids=["completion-prompt", "completion-stop", "v1-completions-stop", "chat-content"])
+def test_stream_with_a_surrogate_is_400_before_any_event(fake, path, raw):
+    n_jobs = len(fake.engine.submitted)
+    with httpx.stream("POST", fake.base + path, content=raw, headers={"Content-Type": "application/json"},
+                      timeout=10) as r:
+        body = r.read()
+    assert r.status_code == 400 and r.headers["content-type"].startswith("application/json"), body
+    assert b"data:" not in body
+    assert json.loads(body)["error"]["type"] == "invalid_request_error"
+    assert len(fake.engine.submitted) == n_jobs        # nothing reached the engine
+    assert httpx.get(fake.base + "/health").json() == {"status": "ok", "slots_idle": 2, "slots_processing": 0}
+
+
+def test_client_dropping_mid_body_is_one_log_line(capsys):
+    """A client that sends its headers (Content-Length: 1000) and 10 body bytes, then closes: one
+    `request | ... client disconnected` line, no traceback, and the server goes on serving."""
+    srv = ServerThread(_fake_app(FakeEngine()))
+    out, err = "", ""
+    try:
+        for path in ("/completion", "/v1/chat/completions"):
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+            s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      "Content-Length: 1000\r\n\r\n".encode() + b'{"prompt":')
+            time.sleep(0.1)
+            s.close()
+        t0 = time.time()
+        while out.count("client disconnected") < 2 and time.time() - t0 < 5:
+            time.sleep(0.05)
+            o, e = capsys.readouterr()
+            out, err = out + o, err + e
+        r = httpx.post(srv.base + "/completion", json={"prompt": "x", "n_predict": 2}, timeout=10)
+        assert r.status_code == 200 and r.json()["content"] == "He"
+    finally:
+        srv.stop()
+    o, e = capsys.readouterr()
+    out, err = out + o, err + e
+    assert "Traceback" not in out + err and "ClientDisconnect" not in out + err, out + err
+    assert "Exception in ASGI application" not in err, err
+    lines = [ln for ln in (out + err).splitlines() if "client disconnected" in ln]
+    assert len(lines) == 2, out + err
+    for ln, path in zip(lines, ("/completion", "/v1/chat/completions")):
+        assert ln.startswith("INFO [      log_server_request] request | "), ln
+        fields = _log_fields(ln)
+        assert fields["path"] == path and fields["method"] == "POST" and fields["status"] == 400, fields
+
+
+def test_queued_stream_dropped_before_its_turn_frees_everything(slow):
+    """One slot: stream A runs, stream B waits for the slot; B's client leaves, then A's: both jobs
+    end cancelled and the slot is free (a dropped waiting client must not take the slot later)."""
+    body = {"prompt": "x", "stream": True}
+    with httpx.Client(timeout=10) as ca, httpx.Client(timeout=10) as cb:
+        with ca.stream("POST", slow.base + "/completion", json=body) as ra:
+            lines = ra.iter_lines()
+            for line in lines:
+                if '"x"' in line:
+                    break
+            with cb.stream("POST", slow.base + "/completion", json=body) as rb:
+                assert rb.status_code == 200
+                wait_until(lambda: len(slow.engine.submitted) == 2, 3, "the second job to be queued")
+    evs = [slow.engine.finals.get(timeout=3), slow.engine.finals.get(timeout=3)]
+    assert all(ev.finish_reason == "cancelled" for ev in evs), evs
+    assert sorted(ev.n_generated for ev in evs)[0] == 0        # B never generated
+    wait_until(lambda: _idle(slow.base), 3, "the slot to be free")
+    d = httpx.post(slow.base + "/completion", json={"prompt": "x", "n_predict": 2}, timeout=10).json()
+    assert d["content"] == "xx"
