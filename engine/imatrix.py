@@ -339,7 +339,7 @@ class Collector:
                 if not keep:
                     log(msg + " - skipping")
                     continue
-            with np.errstate(divide="ignore", invalid="ignore"):
+            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):   # write_dat refuses non-finite
                 # in float32 as ik does (combining files then gives ik's bytes)
                 vals = (e.values.astype(np.float32) / e.counts.astype(np.float32)) * np.float32(e.ncall)
             out.append((name, e.ncall, vals))
@@ -383,7 +383,18 @@ def _write_entries(fh: BinaryIO, entries, last_call: int, dataset: str) -> None:
 
 
 def write_dat(path: str, entries, last_call: int, dataset: str) -> None:
-    """Write a legacy .dat file atomically (temporary file in the same folder, then rename)."""
+    """Write a legacy .dat file atomically (temporary file in the same folder, then rename).
+
+    Every entry must have ncall > 0 and finite values (ImatrixError naming the entry otherwise,
+    before anything is written): a reader would refuse the file."""
+    for name, ncall, vals in entries:
+        v = np.asarray(vals, dtype=np.float32)
+        bad = np.flatnonzero(~np.isfinite(v))
+        if bad.size:
+            raise ImatrixError(f"{path}: not written: entry '{name}' has a non-finite value "
+                               f"({v[bad[0]]} at index {bad[0]})")
+        if int(ncall) <= 0:
+            raise ImatrixError(f"{path}: not written: entry '{name}' has ncall {int(ncall)} (must be > 0)")
     folder = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}")
     try:
@@ -399,18 +410,22 @@ def write_dat(path: str, entries, last_call: int, dataset: str) -> None:
 
 
 def read_dat(path: str) -> DatFile:
-    """Read a legacy .dat file (ours or llama-imatrix's); ImatrixError with one line if it is bad."""
+    """Read a legacy .dat file (ours or llama-imatrix's); ImatrixError with one line if it is bad.
+
+    Refused, naming the file and the entry: counts that do not fit the file, ncall <= 0,
+    negative or non-finite values, a name used twice, bytes after the dataset name."""
     try:
         with open(path, "rb") as fh:
             buf = fh.read()
     except OSError as e:
         raise ImatrixError(f"failed to open {path}: {e.strerror}") from None
     off = 0
+    of = ""                 # "; the file claims N entries", once N is read
 
     def take(n: int, what: str) -> bytes:
         nonlocal off
         if off + n > len(buf):
-            raise ImatrixError(f"{path}: truncated file (failed reading {what})")
+            raise ImatrixError(f"{path}: truncated file (failed reading {what}{of})")
         b = buf[off:off + n]
         off += n
         return b
@@ -420,27 +435,49 @@ def read_dat(path: str) -> DatFile:
     (n_entries,) = struct.unpack("<i", take(4, "the entry count"))
     if n_entries < 1:
         raise ImatrixError(f"no data in file {path}")
+    of = f"; the file claims {n_entries} entries"
     entries = []
+    seen: set[str] = set()
     for i in range(n_entries):
         (ln,) = struct.unpack("<i", take(4, f"the name of entry {i + 1}"))
-        if ln < 0 or ln > 1 << 16:
+        if ln < 0 or ln > 1 << 16 or ln > len(buf) - off:
             raise ImatrixError(f"{path}: bad name length {ln} for entry {i + 1} (not an imatrix .dat file?)")
         try:
             name = take(ln, f"the name of entry {i + 1}").decode("utf-8")
         except UnicodeDecodeError:
             raise ImatrixError(f"{path}: entry {i + 1} has a name that is not UTF-8 (not an imatrix .dat file?)") from None
-        ncall, nval = struct.unpack("<ii", take(8, f"the size of entry {i + 1}"))
+        what = f"entry {i + 1} ('{name}')"
+        ncall, nval = struct.unpack("<ii", take(8, f"the size of {what}"))
         if nval < 1:
-            raise ImatrixError(f"{path}: failed reading number of values for entry {i + 1} ('{name}')")
-        vals = np.frombuffer(take(4 * nval, f"the data of entry {i + 1} ('{name}')"), dtype="<f4").astype(np.float32)
+            raise ImatrixError(f"{path}: failed reading number of values for {what}")
+        if 4 * nval > len(buf) - off:
+            raise ImatrixError(f"{path}: {what} claims {nval} values but only {len(buf) - off} bytes are left "
+                               f"in the file")
+        if ncall <= 0:
+            raise ImatrixError(f"{path}: {what} has ncall {ncall} (must be > 0)")
+        if name in seen:
+            raise ImatrixError(f"{path}: {what} repeats an earlier entry's name")
+        seen.add(name)
+        vals = np.frombuffer(take(4 * nval, f"the data of {what}"), dtype="<f4").astype(np.float32)
+        bad = np.flatnonzero(~np.isfinite(vals))
+        if bad.size:
+            raise ImatrixError(f"{path}: {what} has a non-finite value ({vals[bad[0]]} at index {bad[0]})")
+        bad = np.flatnonzero(vals < 0)
+        if bad.size:
+            raise ImatrixError(f"{path}: {what} has a negative value ({vals[bad[0]]:g} at index {bad[0]}); "
+                               f"importance values are mean squares")
         entries.append((name, ncall, vals))
     last_call, dataset = 0, ""
     if off < len(buf):
-        (last_call,) = struct.unpack("<i", take(4, "the chunk count"))
-        (ln,) = struct.unpack("<i", take(4, "the dataset name"))
-        if ln < 0:
-            raise ImatrixError(f"{path}: bad dataset name length {ln}")
-        dataset = take(ln, "the dataset name").decode("utf-8", errors="replace")
+        tail = f"after the last entry ({n_entries}: '{entries[-1][0]}')"
+        of = f"; does the file hold more than the {n_entries} entries it claims?"
+        (last_call,) = struct.unpack("<i", take(4, f"the chunk count {tail}"))
+        (ln,) = struct.unpack("<i", take(4, f"the dataset name {tail}"))
+        if last_call < 0 or ln < 0 or ln > len(buf) - off:
+            raise ImatrixError(f"{path}: bad chunk count {last_call} or dataset name length {ln} {tail}{of}")
+        dataset = take(ln, f"the dataset name {tail}").decode("utf-8", errors="replace")
+        if off < len(buf):
+            raise ImatrixError(f"{path}: {len(buf) - off} bytes of unexpected data {tail} and the dataset name{of}")
     return DatFile(entries, last_call, dataset)
 
 

@@ -23,15 +23,17 @@ import typer
 
 from . import common
 from .errors import CliError
+from .quantize_cmd import check_output_path, remove_stale_temps, terminate_cleanly, write_error
 from .sweep_bench_cmd import _Timings      # llama_print_timings' lines
 
 
 def _save(col, path: str, dataset: str, verbose: bool = True) -> None:
     from engine.imatrix import ImatrixError
     try:
-        col.save(path, dataset, common.log)
+        with terminate_cleanly():        # SIGTERM while writing: the temporary file is removed
+            col.save(path, dataset, common.log)
     except OSError as e:
-        raise CliError(f"cannot write {path}: {e.strerror}") from None
+        raise write_error(path, e) from None
     except ImatrixError as e:
         raise CliError(str(e)) from None
     if verbose:
@@ -94,13 +96,16 @@ def imatrix(
     has_text = file is not None or prompt is not None
     if not has_text and not in_files:
         raise CliError("imatrix: nothing to do: give a text with -f (and a model with -m), or --in-file FILE to combine")
+    check_output_path(out_file)             # before any work
+    remove_stale_temps(out_file, "imatrix")
     col = Collector()
     for f in in_files:
         print(f"main : loading imatrix from '{f}'", flush=True)
         try:
             col.load(f)
         except ImatrixError as e:
-            raise CliError(f"failed to load {f}: {e}") from None
+            msg = str(e)
+            raise CliError(f"failed to load {f}: {msg[len(f) + 2:] if msg.startswith(f + ': ') else msg}") from None
     dataset = file or ""
     if not has_text or len(in_files) > 1:
         print(f"main : saving combined imatrix to '{out_file}'", flush=True)

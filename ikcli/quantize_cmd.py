@@ -4,15 +4,21 @@
 
 The per-tensor choices are engine.quantize_plan's (ik_llama.cpp's rules for the base types ikcli
 can produce); the bytes come from quant.reference.  The output is written to a temporary file
-in the destination folder and renamed only once complete.  --imatrix: a legacy .dat file
+in the destination folder and renamed only once complete; it is removed on any error, Ctrl-C,
+SIGTERM or SIGHUP, and one left by a killed run (SIGKILL: its process is gone) is removed by the
+next run writing the same output.  --imatrix: a legacy .dat file
 (engine.imatrix), looked up per tensor with llama-quantize's fallbacks; each expert of a 3-D
 tensor gets its own block of weights.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import re
+import signal
 import sys
+import threading
 import time
 from typing import List, Optional
 
@@ -29,6 +35,120 @@ def _log(msg: str, bar=None) -> None:
         bar.console.print(msg, markup=False, highlight=False, soft_wrap=True)
     else:
         common.log(msg)
+
+
+# ---- output files: checks, write errors, signals, temporary files --------------------------
+
+def check_output_path(path: str) -> None:
+    """Refuse, before any work, an output path the run could not write (CliError naming it)."""
+    if os.path.isdir(path) or path.endswith(os.sep):
+        raise CliError(f"cannot write {path}: it is a directory")
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise CliError(f"cannot write {path}: it exists and is not a regular file")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise CliError(f"cannot write {path}: folder '{folder}' does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise CliError(f"cannot write {path}: folder '{folder}' is not writable")
+
+
+def write_error(path: str, e: OSError) -> CliError:
+    """One line naming the output file for an error met while writing it.  NumPy's tofile reports a
+    short write without errno ("294912 requested and 134016 written"): a full disk when the
+    output's file system has (almost) no space left.  Call it before the partial file is removed."""
+    if e.errno is not None:
+        return CliError(f"cannot write {path}: {e.strerror or e}")
+    try:
+        st = os.statvfs(os.path.dirname(os.path.abspath(path)))
+        full = st.f_bavail * st.f_frsize < (1 << 20)
+    except OSError:
+        full = False
+    return CliError(f"cannot write {path}: {'No space left on device' if full else 'short write'} ({e})")
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM / SIGHUP, raised in the main thread as Ctrl-C raises KeyboardInterrupt."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def terminate_cleanly():
+    """Inside the block SIGTERM and SIGHUP unwind the main thread like Ctrl-C (the same clean-up:
+    temporary files removed); leaving the block then ends the run with `ikcli: terminated by
+    SIGTERM` and exit status 128 + the signal's number.  A second signal while cleaning up is
+    ignored; signals the parent ignores (nohup) stay ignored; outside the main thread: no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    fired: list[int] = []
+
+    def handler(signum, frame):
+        if not fired:
+            fired.append(signum)
+            raise _Terminated(signum)
+
+    saved = {}
+    for sig in (getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n)):
+        try:
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                saved[sig] = signal.signal(sig, handler)
+        except (ValueError, OSError):
+            pass
+    try:
+        yield
+    except _Terminated as e:
+        print(f"ikcli: terminated by {signal.Signals(e.signum).name}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + e.signum) from None
+    finally:
+        for sig, prev in saved.items():
+            signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
+
+
+def temp_path(path: str) -> str:
+    """The temporary file an output is written to before it is renamed: hidden, same folder."""
+    return os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp-{os.getpid()}")
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:          # someone else's process
+        return True
+    except (OverflowError, ValueError, OSError):
+        return pid > 0 and os.path.exists(f"/proc/{pid}")
+    return True
+
+
+def remove_stale_temps(path: str, tool: str) -> None:
+    """Remove temp_path(path)'s of processes that are no longer running (a SIGKILL, a crash, a
+    power cut leaves them), one log line each; those of running processes are left alone."""
+    folder = os.path.dirname(os.path.abspath(path))
+    pat = re.compile(r"\." + re.escape(os.path.basename(path)) + r"\.tmp-([0-9]+)")
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        m = pat.fullmatch(name)
+        if m is None or _pid_alive(int(m.group(1))):
+            continue
+        stale = os.path.join(folder, name)
+        try:
+            if os.path.islink(stale) or not os.path.isfile(stale):
+                continue
+            size = os.path.getsize(stale)
+            os.unlink(stale)
+        except OSError:
+            continue
+        common.log(f"{tool}: removed {stale} ({size} bytes), left by an interrupted run "
+                   f"(process {m.group(1)} is no longer running)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -108,8 +228,11 @@ def _convert(entry, new_type: int, nthread: int = 1, imatrix=None):
 
     starts = [p + j for p in range(0, rows, plane) for j in range(0, plane, chunk)]
     if nthread > 1 and len(starts) > 1:
-        with ThreadPoolExecutor(max_workers=nthread) as pool:
+        pool = ThreadPoolExecutor(max_workers=nthread)
+        try:
             list(pool.map(one, starts))
+        finally:                         # Ctrl-C / SIGTERM: do not run the chunks not yet started
+            pool.shutdown(wait=True, cancel_futures=True)
     else:
         for i in starts:
             one(i)
@@ -275,7 +398,6 @@ def quantize(
                    "--imatrix (ignored)")
     if include_weights and exclude_weights:
         raise CliError("--include-weights and --exclude-weights cannot be used together")
-    im = _prepare_imatrix(imatrix, include_weights, exclude_weights) if imatrix else None
     # positional arguments as llama-quantize reads them: IN [OUT] TYPE [NTHREADS]
     if len(args) < 2:
         raise CliError("bad arguments: expected IN.gguf [OUT.gguf] TYPE [NTHREADS]")
@@ -303,6 +425,9 @@ def quantize(
         rest = rest[1:]
     if rest:
         raise CliError(f"unexpected extra arguments: {' '.join(rest)}")
+    if not dry_run:
+        check_output_path(fname_out)       # before any work (--keep-split's shards: in _write)
+    im = _prepare_imatrix(imatrix, include_weights, exclude_weights) if imatrix else None
     try:
         out_type = qp.parse_type(output_tensor_type) if output_tensor_type is not None else None
         emb_type = qp.parse_type(token_embedding_type) if token_embedding_type is not None else None
@@ -458,16 +583,22 @@ def _log_outputs(fname_out: str, mf, entries, keep_split: bool) -> None:
 
 def _write(fname_out, mf, reader, entries, plans, file_type, n_fallback, nthread: int = 1,
            weights: Optional[dict] = None, extra_kv: Optional[list] = None, keep_split: bool = False) -> None:
-    """Write the output file(s); each one goes to a temporary name renamed when complete, and on
-    any failure every file of this run is removed."""
+    """Write the output file(s); each one goes to a temporary name (temp_path) renamed when
+    complete, and on any failure, Ctrl-C, SIGTERM or SIGHUP every file of this run is removed.
+    Outputs are checked and stale temporary files of killed runs removed before any work."""
+    outputs = _split_outputs(fname_out, mf, entries, keep_split)
+    for path, _ in outputs:
+        check_output_path(path)
+        remove_stale_temps(path, "quantize")
+    with terminate_cleanly():
+        _write_outputs(outputs, mf, reader, entries, plans, file_type, n_fallback, nthread, weights, extra_kv)
+
+
+def _write_outputs(outputs, mf, reader, entries, plans, file_type, n_fallback, nthread, weights, extra_kv) -> None:
     import numpy as np  # here, not at import: `ikcli --help` must stay light
     import gguf
     from engine.quantize_plan import TYPE_NAME, format_shape
 
-    outputs = _split_outputs(fname_out, mf, entries, keep_split)
-    out_dir = os.path.dirname(os.path.abspath(fname_out))
-    if not os.path.isdir(out_dir):
-        raise CliError(f"output folder '{out_dir}' does not exist")
     bar = _progress(len(plans))
     task = None
     if bar is not None:
@@ -477,9 +608,10 @@ def _write(fname_out, mf, reader, entries, plans, file_type, n_fallback, nthread
     done: list[str] = []
     tmp = None
     writer = None
+    path = outputs[0][0]
     try:
         for i_split, (path, idx) in enumerate(outputs):
-            tmp = os.path.join(out_dir, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+            tmp = temp_path(path)
             writer = gguf.GGUFWriter(tmp, mf.arch or "llama")
             align = mf.meta.get("general.alignment")
             if isinstance(align, int) and align > 0:
@@ -535,7 +667,10 @@ def _write(fname_out, mf, reader, entries, plans, file_type, n_fallback, nthread
         if bar is not None:
             bar.stop()
             bar = None
-    except BaseException:
+    except BaseException as exc:
+        # a write error names the output (NumPy's and the OS's messages do not), judged before
+        # the partial file is removed
+        err = write_error(path, exc) if isinstance(exc, OSError) else None
         if bar is not None:
             bar.stop()
         if writer is not None:
@@ -548,6 +683,8 @@ def _write(fname_out, mf, reader, entries, plans, file_type, n_fallback, nthread
                 os.unlink(t)
             except OSError:
                 pass
+        if err is not None:
+            raise err from None
         raise
     common.log(f"llama_model_quantize_internal: model size  = {tot_org / MiB:8.2f} MB")
     common.log(f"llama_model_quantize_internal: quant size  = {tot_new / MiB:8.2f} MB")

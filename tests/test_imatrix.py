@@ -501,3 +501,130 @@ def test_fusion_rules():
     col("mul_mat", (out,), few, None, None)
     col("mul_mat", (out,), many, None, None)
     assert list(col.entries) == ["output.weight"] and col.entries["output.weight"].ncall == 1
+
+
+# ---- issue 18: broken .dat files are refused, nothing non-finite is written, -o checked first -----
+
+def _write_raw_dat(path, entries, n_entries=None, trailer=True, last_call=3, dataset="t.txt", extra=b""):
+    """A legacy .dat written field by field with struct: entries are (name, ncall, values) or
+    (name, ncall, nval, values) where nval is what the file claims."""
+    import struct
+    b = struct.pack("<i", len(entries) if n_entries is None else n_entries)
+    for e in entries:
+        name, ncall, vals = e[0], e[1], e[-1]
+        nval = e[2] if len(e) == 4 else len(vals)
+        nb = name.encode()
+        b += struct.pack("<i", len(nb)) + nb + struct.pack("<ii", ncall, nval)
+        b += struct.pack(f"<{len(vals)}f", *vals)
+    if trailer:
+        b += struct.pack("<ii", last_call, len(dataset)) + dataset.encode()
+    path.write_bytes(b + extra)
+    return path
+
+
+_GOOD = ("blk.0.ffn_up.weight", 2, [1.0, 2.0, 3.0, 4.0])
+_BROKEN_DAT = {
+    # case: (entries, _write_raw_dat options, what the one error line says after the file's name)
+    "ncall_zero": ([_GOOD, ("blk.0.ffn_down.weight", 0, [1.0, 1.0])], {},
+                   "entry 2 ('blk.0.ffn_down.weight') has ncall 0 (must be > 0)"),
+    "ncall_negative": ([("blk.0.attn_q.weight", -4, [1.0]), _GOOD], {},
+                       "entry 1 ('blk.0.attn_q.weight') has ncall -4 (must be > 0)"),
+    "negative_value": ([_GOOD, ("blk.1.ffn_up.weight", 1, [0.5, -2.0, 1.0])], {},
+                       "entry 2 ('blk.1.ffn_up.weight') has a negative value (-2 at index 1)"),
+    "nan": ([_GOOD, ("blk.1.ffn_up.weight", 1, [0.5, 1.0, float("nan")])], {},
+            "entry 2 ('blk.1.ffn_up.weight') has a non-finite value (nan at index 2)"),
+    "inf": ([("blk.0.attn_q.weight", 1, [float("inf")]), _GOOD], {},
+            "entry 1 ('blk.0.attn_q.weight') has a non-finite value (inf at index 0)"),
+    "minus_inf": ([_GOOD, ("blk.1.ffn_up.weight", 1, [0.5, float("-inf")])], {},
+                  "entry 2 ('blk.1.ffn_up.weight') has a non-finite value (-inf at index 1)"),
+    "trailing_garbage": ([_GOOD], {"extra": b"\x01\x02\x03garbage"},
+                         "10 bytes of unexpected data after the last entry (1: 'blk.0.ffn_up.weight')"),
+    "too_few_entries_claimed": ([_GOOD, ("blk.1.ffn_up.weight", 2, [1.0, 1.0, 1.0, 1.0])], {"n_entries": 1},
+                                "after the last entry (1: 'blk.0.ffn_up.weight'); "
+                                "does the file hold more than the 1 entries it claims?"),
+    "nval_too_large": ([_GOOD, ("blk.1.ffn_up.weight", 2, 1000, [1.0, 1.0])], {},
+                       "entry 2 ('blk.1.ffn_up.weight') claims 1000 values but only"),
+    "too_many_entries_claimed": ([_GOOD], {"n_entries": 7, "trailer": False},
+                                 "truncated file (failed reading the name of entry 2; the file claims 7 entries)"),
+    "duplicate_name": ([_GOOD, _GOOD], {}, "entry 2 ('blk.0.ffn_up.weight') repeats an earlier entry's name"),
+}
+
+
+@pytest.mark.parametrize("tool", ["imatrix", "quantize"])
+@pytest.mark.parametrize("case", sorted(_BROKEN_DAT))
+def test_broken_dat_files_are_refused(case, tool, ds_model, tmp_path):
+    """ncall <= 0, negative / NaN / inf values, trailing bytes, counts that do not fit the file:
+    one line naming the file and the entry, from `imatrix --in-file` and `quantize --imatrix`."""
+    entries, opts, needle = _BROKEN_DAT[case]
+    bad = _write_raw_dat(tmp_path / "broken.dat", entries, **opts)
+    out = tmp_path / ("o.dat" if tool == "imatrix" else "q.gguf")
+    args = (["imatrix", "--in-file", str(bad), "-o", str(out)] if tool == "imatrix" else
+            ["quantize", "--imatrix", str(bad), ds_model, str(out), "Q4_0"])
+    code, _, err = _run(None, *args)
+    assert code == 1, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("ikcli: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert str(bad) in lines[0] and needle in lines[0], err
+    assert lines[0].count(str(bad)) == 1, err            # named once (not "failed to load F: F: ...")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.dat"]
+
+
+def test_good_raw_dat_is_read(tmp_path):
+    """The struct-written layout above is the real one: a well-formed file reads back."""
+    from engine.imatrix import read_dat
+    path = _write_raw_dat(tmp_path / "good.dat", [_GOOD, ("blk.1.ffn_up.weight", 1, [0.0, 5.0])])
+    dat = read_dat(str(path))
+    assert [(n, c, v.tolist()) for n, c, v in dat.entries] == [
+        ("blk.0.ffn_up.weight", 2, [1.0, 2.0, 3.0, 4.0]), ("blk.1.ffn_up.weight", 1, [0.0, 5.0])]
+    assert dat.last_call == 3 and dat.dataset == "t.txt"
+
+
+def test_non_finite_values_are_never_written(tmp_path):
+    """Combining two files whose sums overflow float32 would store inf: refused, naming the entry,
+    and nothing is written (write_dat refuses non-finite values itself too)."""
+    from engine.imatrix import ImatrixError, write_dat
+    big = ("blk.0.ffn_up.weight", 1, [3e38, 1.0])
+    a = _write_raw_dat(tmp_path / "a.dat", [big])
+    b = _write_raw_dat(tmp_path / "b.dat", [big])
+    out = tmp_path / "comb.dat"
+    code, _, err = _run(None, "imatrix", "--in-file", str(a), "--in-file", str(b), "-o", str(out))
+    assert code == 1, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("ikcli: error:")]
+    assert len(lines) == 1 and str(out) in lines[0] and "entry 'blk.0.ffn_up.weight' has a non-finite value" in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.dat", "b.dat"]
+    for vals in ([1.0, float("nan")], [float("-inf")]):
+        with pytest.raises(ImatrixError, match="non-finite"):
+            write_dat(str(out), [("x", 1, np.array(vals, np.float32))], 1, "")
+        assert not out.exists()
+
+
+@pytest.mark.parametrize("case", ["directory", "no_folder"])
+def test_imatrix_output_checked_before_any_work(case, tmp_path):
+    good = _write_raw_dat(tmp_path / "in.dat", [_GOOD])
+    if case == "directory":
+        out = tmp_path / "d.dat"
+        out.mkdir()
+        needle = f"cannot write {out}: it is a directory"
+    else:
+        out = tmp_path / "missing" / "o.dat"
+        needle = f"cannot write {out}: folder '{tmp_path / 'missing'}' does not exist"
+    code, stdout, err = _run(None, "imatrix", "--in-file", str(good), "-o", str(out))
+    assert code == 1
+    lines = [ln for ln in err.splitlines() if ln.startswith("ikcli: error:")]
+    assert len(lines) == 1 and needle in lines[0], err
+    assert "loading imatrix" not in stdout                # refused before the inputs are read
+
+
+def test_imatrix_full_disk_names_the_file(tmp_path, monkeypatch):
+    from engine import imatrix as eim
+    good = _write_raw_dat(tmp_path / "in.dat", [_GOOD])
+    out = tmp_path / "o.dat"
+
+    def full(fh, *a):
+        fh.write(b"partial")
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(eim, "_write_entries", full)
+    code, _, err = _run(None, "imatrix", "--in-file", str(good), "-o", str(out))
+    assert code == 1
+    assert f"ikcli: error: cannot write {out}: No space left on device" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.dat"]

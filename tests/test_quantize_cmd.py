@@ -252,3 +252,108 @@ def test_flags_that_need_another_flag_say_so(make_model, tmp_path, capsys):
     assert "are used only with --imatrix (ignored)" in err
     code, _, err = cli(capsys, "quantize", "--dry-run", src, str(tmp_path / "n.gguf"), "q8_0")
     assert code == 0 and "(ignored)" not in err, err
+
+
+# ---- issue 18: signals, stale temporary files, unwritable outputs, full disks ------------------
+
+def test_sigterm_leaves_no_temp_file(make_model, tmp_path):
+    """SIGTERM (as a job scheduler or `timeout` sends it) during the conversion removes the
+    temporary file, as Ctrl-C does, and ends with 'terminated by SIGTERM', status 143."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+    src = make_model(preset="small256", qtype="f16")    # iq2_k on 2 threads: ~1.5 s of conversion
+    out = tmp_path / "t.gguf"
+    p = subprocess.Popen([sys.executable, "-m", "ikcli", "quantize", src, str(out), "iq2_k", "2"],
+                         cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while p.poll() is None and time.time() < deadline and not any(".tmp-" in f for f in os.listdir(tmp_path)):
+            time.sleep(0.005)
+        assert p.poll() is None, "the run ended before its temporary file was seen"
+        assert os.listdir(tmp_path) == [f".t.gguf.tmp-{p.pid}"]
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 143, err
+    assert err.strip().splitlines()[-1] == "ikcli: terminated by SIGTERM", err
+    assert "Traceback" not in err
+    assert os.listdir(tmp_path) == []
+
+
+def test_stale_temp_file_of_a_dead_process_is_removed(make_model, tmp_path, capsys):
+    """A SIGKILLed run's temporary file (its process is gone) is removed by the next run writing
+    the same output, with one line; a running process's file and other outputs' are left alone."""
+    import subprocess
+    import sys
+    src = make_model(arch="llama", qtype="f16")
+    out = tmp_path / "s.gguf"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead_pid = int(dead.stdout)
+    stale = tmp_path / f".s.gguf.tmp-{dead_pid}"
+    live = tmp_path / f".s.gguf.tmp-{os.getppid()}"          # a running process (this one's parent)
+    other = tmp_path / f".other.gguf.tmp-{dead_pid}"         # another output's
+    for f in (stale, live, other):
+        f.write_bytes(b"GGUF" + bytes(1000))
+    code, _, err = cli(capsys, "quantize", src, str(out), "q8_0")
+    assert code == 0, err
+    lines = [ln for ln in err.splitlines() if "removed" in ln]
+    assert len(lines) == 1 and str(stale) in lines[0] and f"process {dead_pid} is no longer running" in lines[0], err
+    assert sorted(os.listdir(tmp_path)) == sorted([live.name, other.name, "s.gguf"])
+
+
+@pytest.mark.parametrize("case", ["directory", "no_folder", "directory_imatrix", "no_folder_keep_split"])
+def test_unwritable_output_is_refused_before_any_work(make_model, tmp_path, capsys, monkeypatch, case):
+    """An output that is a directory or in a missing folder: one line naming it, before the model
+    is read (not after the whole conversion)."""
+    src = make_model(arch="llama", qtype="f16")
+    if case.startswith("directory"):
+        out = tmp_path / "d.gguf"
+        out.mkdir()
+        needle = f"cannot write {out}: it is a directory"
+    else:
+        out = tmp_path / "missing" / "o.gguf"
+        needle = f"cannot write {out}: folder '{tmp_path / 'missing'}' does not exist"
+    opts = {"directory_imatrix": ["--imatrix", str(tmp_path / "x.dat")],     # not read either
+            "no_folder_keep_split": ["--keep-split"]}.get(case, [])
+
+    def no_work(*a, **k):
+        raise AssertionError("the model was read")
+    import engine.gguf_file
+    monkeypatch.setattr(engine.gguf_file, "open_model_file", no_work)
+    code, _, err = cli(capsys, "quantize", *opts, src, str(out), "q8_0")
+    assert code == 1
+    lines = [ln for ln in err.strip().splitlines() if ln.startswith("ikcli: error:")]
+    assert len(lines) == 1 and needle in lines[0], err
+    assert "main: quantizing" not in err and "converting" not in err
+
+
+@pytest.mark.parametrize("exc,reason", [
+    (OSError(28, "No space left on device"), "No space left on device"),
+    (OSError("294912 requested and 134016 written"), "(294912 requested and 134016 written)"),   # NumPy's tofile
+])
+def test_full_disk_names_the_output_and_removes_the_temp_file(make_model, tmp_path, capsys, monkeypatch, exc,
+                                                               reason):
+    src = make_model(arch="llama", qtype="f16")
+    out = tmp_path / "full.gguf"
+    calls = []
+
+    def full(writer, data):
+        calls.append(1)
+        if len(calls) == 3:
+            raise exc
+        writer.write_tensor_data(data)
+
+    monkeypatch.setattr(quantize_cmd, "_emit", full)
+    code, _, err = cli(capsys, "quantize", src, str(out), "q8_0")
+    assert code == 1
+    lines = [ln for ln in err.strip().splitlines() if ln.startswith("ikcli: error:")]
+    assert len(lines) == 1 and lines[0].startswith(f"ikcli: error: cannot write {out}: ") and reason in lines[0], err
+    assert os.listdir(tmp_path) == []
