@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from engine.model import load_model, quiet_log
-from test_qwen import _rms, _rope_neox, _run, _weights
+from test_qwen import _attend, _rms, _rope_neox, _run, _weights
 
 
 def reference_gemma3(path, toks, window=True):
@@ -32,13 +32,7 @@ def reference_gemma3(path, toks, window=True):
         v = (h @ W[p + "attn_v.weight"].T).reshape(T, Hkv, hd)
         qi, kj = np.arange(T)[:, None], np.arange(T)[None, :]
         hidden = (kj > qi) | ((qi - kj >= n_swa) & sliding & window)
-        att = np.empty((T, H, hd))
-        for hh in range(H):
-            kv = hh // (H // Hkv)
-            s = q[:, hh] @ k[:, kv].T / math.sqrt(hd)
-            s[hidden] = -np.inf
-            pr = np.exp(s - s.max(axis=1, keepdims=True))
-            att[:, hh] = (pr / pr.sum(axis=1, keepdims=True)) @ v[:, kv]
+        att = _attend(q, k, v, hidden)
         x = x + _rms(att.reshape(T, -1) @ W[p + "attn_output.weight"].T, W[p + "post_attention_norm.weight"], eps)
         h = _rms(x, W[p + "ffn_norm.weight"], eps)
         y = (gelu(h @ W[p + "ffn_gate.weight"].T) * (h @ W[p + "ffn_up.weight"].T)) @ W[p + "ffn_down.weight"].T

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.model import load_model, quiet_log
-from test_qwen import _rms, _rope_neox, _run, _weights
+from test_qwen import _attend, _rms, _rope_neox, _run, _weights
 
 
 def reference_glm4moe(path, toks):
@@ -28,14 +28,7 @@ def reference_glm4moe(path, toks):
         v = (h @ W[p + "attn_v.weight"].T + W[p + "attn_v.bias"]).reshape(T, Hkv, hd)
         q = np.concatenate([_rope_neox(q[..., :n_rot], pos, base), q[..., n_rot:]], axis=-1)
         k = np.concatenate([_rope_neox(k[..., :n_rot], pos, base), k[..., n_rot:]], axis=-1)
-        att = np.empty((T, H, hd))
-        for hh in range(H):
-            kv = hh // (H // Hkv)
-            s = q[:, hh] @ k[:, kv].T / np.sqrt(hd)
-            s[np.triu_indices(T, 1)] = -np.inf
-            pr = np.exp(s - s.max(axis=1, keepdims=True))
-            att[:, hh] = (pr / pr.sum(axis=1, keepdims=True)) @ v[:, kv]
-        x = x + att.reshape(T, -1) @ W[p + "attn_output.weight"].T
+        x = x + _attend(q, k, v).reshape(T, -1) @ W[p + "attn_output.weight"].T
         h = _rms(x, W[p + "post_attention_norm.weight"], eps)
         if i < g("leading_dense_block_count"):
             y = (silu(h @ W[p + "ffn_gate.weight"].T) * (h @ W[p + "ffn_up.weight"].T)) @ W[p + "ffn_down.weight"].T

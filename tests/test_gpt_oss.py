@@ -3,13 +3,12 @@ sliding window on the even layers, YaRN NEOX RoPE, raw-logit top-k router with a
 the chosen, biased experts with the clamped SwiGLU); and sinks in every attention path."""
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
 
 from engine.rope import rope_cos_sin
-from test_qwen import _rms, _run, _weights
+from test_qwen import _attend, _rms, _run, _weights
 
 
 def _yarn_neox(x, pos, meta):
@@ -40,15 +39,7 @@ def reference_gpt_oss(path, toks, window=True, sinks=True):
         v = (h @ W[p + "attn_v.weight"].T + W[p + "attn_v.bias"]).reshape(T, Hkv, hd)
         qi, kj = pos[:, None], pos[None, :]
         hidden = (kj > qi) | ((qi - kj >= n_swa) & (i % 2 == 0) & window)
-        att = np.empty((T, H, hd))
-        for hh in range(H):
-            kv = hh // (H // Hkv)
-            s = q[:, hh] @ k[:, kv].T / math.sqrt(hd)
-            s[hidden] = -np.inf
-            sk = W[p + "attn_sinks.weight"][hh] if sinks else -np.inf
-            mx = np.maximum(s.max(axis=1, keepdims=True), sk)
-            pr = np.exp(s - mx)
-            att[:, hh] = (pr / (pr.sum(axis=1, keepdims=True) + np.exp(sk - mx))) @ v[:, kv]
+        att = _attend(q, k, v, hidden, W[p + "attn_sinks.weight"] if sinks else None)
         x = x + att.reshape(T, -1) @ W[p + "attn_output.weight"].T + W[p + "attn_output.bias"]
         h = _rms(x, W[p + "post_attention_norm.weight"], eps)
         lg = h @ W[p + "ffn_gate_inp.weight"].T + W[p + "ffn_gate_inp.bias"]

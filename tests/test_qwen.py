@@ -41,6 +41,25 @@ def _rope_neox(x, pos, base):
     return np.concatenate([a * c - b * s, a * s + b * c], axis=-1)
 
 
+def _attend(q, k, v, hidden=None, sinks=None):
+    """Plain softmax attention of q (T, H, d) over k, v (T, Hkv, d), GQA; hidden (T, T) True =
+    masked (default: the causal mask); sinks (H,): one more logit per head, with no value."""
+    T, H, hd = q.shape
+    Hkv = k.shape[1]
+    if hidden is None:
+        hidden = np.triu(np.ones((T, T), dtype=bool), 1)
+    att = np.empty((T, H, v.shape[2]))
+    for hh in range(H):
+        g = hh // (H // Hkv)
+        s = q[:, hh] @ k[:, g].T / np.sqrt(hd)
+        s[hidden] = -np.inf
+        sk = -np.inf if sinks is None else sinks[hh]
+        mx = np.maximum(s.max(axis=1, keepdims=True), sk)
+        pr = np.exp(s - mx)
+        att[:, hh] = (pr / (pr.sum(axis=1, keepdims=True) + np.exp(sk - mx))) @ v[:, g]
+    return att
+
+
 def reference_qwen(path, toks):
     meta, W = _weights(path)
     a = meta["general.architecture"]
@@ -62,14 +81,7 @@ def reference_qwen(path, toks):
         k = qn((h @ W[p + "attn_k.weight"].T + bias(p + "attn_k.bias")).reshape(T, Hkv, hd),
                W.get(p + "attn_k_norm.weight"), eps)
         v = (h @ W[p + "attn_v.weight"].T + bias(p + "attn_v.bias")).reshape(T, Hkv, hd)
-        q, k = _rope_neox(q, pos, base), _rope_neox(k, pos, base)
-        att = np.empty((T, H, hd))
-        for hh in range(H):
-            g = hh // (H // Hkv)
-            s = q[:, hh] @ k[:, g].T / np.sqrt(hd)
-            s[np.triu_indices(T, 1)] = -np.inf
-            pr = np.exp(s - s.max(axis=1, keepdims=True))
-            att[:, hh] = (pr / pr.sum(axis=1, keepdims=True)) @ v[:, g]
+        att = _attend(_rope_neox(q, pos, base), _rope_neox(k, pos, base), v)
         x = x + att.reshape(T, -1) @ W[p + "attn_output.weight"].T
         h = _rms(x, W[p + "ffn_norm.weight"], eps)
         if a.endswith("moe"):
