@@ -23,7 +23,7 @@ import typer
 
 from . import common
 from .errors import CliError
-from .quantize_cmd import check_output_path, remove_stale_temps, terminate_cleanly, write_error
+from .outfiles import check_output_path, remove_stale_temps, terminate_cleanly, write_error
 from .sweep_bench_cmd import _Timings      # llama_print_timings' lines
 
 
