@@ -19,6 +19,7 @@ from quant.tensor import QTensor
 from quant.types import type_info
 
 from .gguf_meta import reader_metadata
+from .gguf_scan import printable
 
 _MADV_POPULATE_READ = 22        # Linux >= 5.14; Python's mmap module has no name for it before 3.12
 _MAP_HUGETLB = getattr(mmap, "MAP_HUGETLB", 0x40000)    # Linux's value; older Pythons lack the name
@@ -133,7 +134,7 @@ class _Reader(GGUFReader):
         expect = 0                  # ggml's rule: each tensor starts where the previous one, padded, ends
         for f in fields:
             _nl, name_data, _nd, dims, raw_dtype, offset_tensor = f.parts
-            name = bytes(name_data).decode("utf-8", errors="replace")
+            name = printable(bytes(name_data), 256)       # damage stays readable in messages
             if name in seen:
                 raise ModelFileError(f"duplicated tensor '{name}'")
             seen.add(name)

@@ -22,6 +22,16 @@ MAX_DEPTH = 4               # arrays of arrays of ... (GGUF files in use nest at
 MAX_DIMS = 4                # GGML_MAX_DIMS
 
 
+MAX_NAME = 256              # longer key / tensor names are damage (GGML_MAX_NAME is 64)
+
+
+def printable(name: bytes | str, limit: int = 80) -> str:
+    """A key or tensor name fit for a one-line message: non-printables escaped, long ones cut."""
+    text = name.decode("utf-8", errors="replace") if isinstance(name, bytes) else name
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 class _Walk:
     def __init__(self, buf: np.ndarray) -> None:
         self.buf, self.pos, self.end = buf, 0, len(buf)
@@ -81,12 +91,28 @@ def check_layout(buf: np.ndarray) -> None:
     if n_kv * 12 > w.end - w.pos or n_tensors * 24 > w.end - w.pos:
         raise ModelFileError(f"header claims {n_kv} metadata entries and {n_tensors} tensors: more than the "
                              f"file can hold")
+    keys: set[bytes] = set()
     for i in range(n_kv):
-        key = w.string(f"metadata entry {i}'s key").decode("utf-8", errors="replace")
+        raw_key = w.string(f"metadata entry {i}'s key")
+        key = printable(raw_key)
+        if len(raw_key) > MAX_NAME:
+            raise ModelFileError(f"metadata entry {i}'s key is {len(raw_key)} bytes long ('{key}')")
+        if raw_key in keys:
+            raise ModelFileError(f"metadata key '{key}' appears twice")
+        keys.add(raw_key)
         w.value(w.u32(f"metadata key '{key}'"), f"metadata key '{key}'")
     for i in range(n_tensors):
-        name = w.string(f"tensor info {i}'s name").decode("utf-8", errors="replace")
+        raw_name = w.string(f"tensor info {i}'s name")
+        name = printable(raw_name)
+        if len(raw_name) > MAX_NAME:
+            raise ModelFileError(f"tensor info {i}'s name is {len(raw_name)} bytes long ('{name}')")
         nd = w.u32(f"tensor '{name}'")
         if not 1 <= nd <= MAX_DIMS:
             raise ModelFileError(f"tensor '{name}' has {nd} dimensions (1..{MAX_DIMS} allowed)")
-        w.take(8 * nd + 4 + 8, f"tensor '{name}'")
+        dims = struct.unpack_from(f"<{nd}Q", buf, w.take(8 * nd, f"tensor '{name}'"))
+        n = 1
+        for d in dims:
+            n *= d
+        if not all(dims) or n >= 1 << 62:
+            raise ModelFileError(f"tensor '{name}' has dimensions {list(dims)}")
+        w.take(4 + 8, f"tensor '{name}'")

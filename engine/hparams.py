@@ -112,13 +112,25 @@ def _check_types(meta: dict, arch: str, path: str) -> None:
             raise bad(key, "a number", v)
 
 
+def _check_relations(hp: HParams, arch: str, path: str) -> None:
+    """Sizes that must agree with each other (a damaged value would fail deep in the forward)."""
+    def bad(what: str) -> ModelFileError:
+        return ModelFileError(f"{path}: inconsistent {arch} hyper-parameters: {what}")
+    if hp.n_head_kv < 1 or hp.n_head % hp.n_head_kv:
+        raise bad(f"{hp.n_head} attention heads are not a multiple of {hp.n_head_kv} kv heads")
+    if hp.n_rot % 2 or not 0 < hp.n_rot <= max(hp.n_embd_head_k, 1) or hp.n_embd_head_k < 1 or hp.n_embd_head_v < 1:
+        raise bad(f"rope.dimension_count {hp.n_rot} for heads of {hp.n_embd_head_k}/{hp.n_embd_head_v} values")
+
+
 def read_hparams(mf: ModelFile) -> HParams:
     meta, path = mf.meta, mf.path
     arch = mf.arch
     if not arch:
         raise ModelFileError(f"{path}: no general.architecture key (vocabulary-only or corrupt file?)")
     if arch not in SUPPORTED_ARCHS:
-        raise ModelFileError(f"{path}: unknown model architecture '{arch}' (supported: {', '.join(SUPPORTED_ARCHS)})")
+        from .gguf_scan import printable
+        raise ModelFileError(f"{path}: unknown model architecture '{printable(arch)}' "
+                             f"(supported: {', '.join(SUPPORTED_ARCHS)})")
     _check_types(meta, arch, path)
 
     def g(key: str, default: Any = None) -> Any:
@@ -176,11 +188,15 @@ def read_hparams(mf: ModelFile) -> HParams:
         rope_neox=arch in NEOX_ROPE_ARCHS,
     )
     hp.yarn_ext_factor_file = hp.yarn_ext_factor
+    _check_relations(hp, arch, path)
     hp.rope_freq_scale_file = 1.0 if factor == 0.0 else 1.0 / factor
     if hp.yarn_ext_factor < 0:
         hp.yarn_ext_factor = 1.0 if rope_scaling == "yarn" else 0.0
     hp.n_expert = int(g("expert_count", 0) or 0)
     hp.n_expert_used = int(g("expert_used_count", 0) or 0)
+    if hp.n_expert_used > hp.n_expert:
+        raise ModelFileError(f"{path}: inconsistent {arch} hyper-parameters: expert_used_count {hp.n_expert_used} > "
+                             f"expert_count {hp.n_expert}")
     hp.n_ff_exp = int(g("expert_feed_forward_length", 0) or 0)
     hp.n_nextn = int(g("nextn_predict_layers", 0) or 0)
     hp.n_swa = int(g("attention.sliding_window", 0) or 0)

@@ -66,3 +66,17 @@ class Head:
 def rope_tables(hp: HParams, pos: np.ndarray, attn_factor: float, freq_factors: np.ndarray | None = None):
     return rope_cos_sin(pos, hp.n_rot, hp.rope_freq_base, hp.rope_freq_scale, hp.yarn_ext_factor,
                         attn_factor, hp.n_ctx_orig_yarn, hp.yarn_beta_fast, hp.yarn_beta_slow, freq_factors)
+
+
+def check_moe_shapes(path: str, prefix: str, m, n_expert: int, n_embd: int) -> None:
+    """The expert tensors of one layer agree with each other and with the hyper-parameters
+    (ModelFileError naming the tensor): router (X, E), gate / up (X, F, E), down (X, E, F)."""
+    from ..gguf_file import ModelFileError
+    X, E = n_expert, n_embd
+    F = m.gate.shape[1] if len(m.gate.shape) == 3 else -1
+    want = {"ffn_gate_inp": (m.router, (X, E)), "ffn_gate_exps": (m.gate, (X, F, E)),
+            "ffn_up_exps": (m.up, (X, F, E)), "ffn_down_exps": (m.down, (X, E, F))}
+    for name, (t, shape) in want.items():
+        if tuple(t.shape) != shape:
+            raise ModelFileError(f"{path}: tensor '{prefix}{name}.weight' has shape {list(reversed(t.shape))}, "
+                                 f"expected {list(reversed(shape))}")

@@ -32,7 +32,7 @@ from ..kv_cache import KVCache, LayerCache, RowStore
 from ..linear import matmul, matmul_id
 from ..ops import rms_norm
 from ..rope import apply_rope
-from .common import Head, RunOptions, UBatch, rope_tables
+from .common import Head, RunOptions, UBatch, check_moe_shapes, rope_tables
 
 PP_DECOMPRESS_MIN_TOKENS = 128   # ik_llama.cpp's threshold for decompressed prompt processing (-mla 2/3)
 
@@ -98,6 +98,7 @@ class DeepSeek2Arch:
                     w.optional_vector(p + "exp_probs_b.bias"),
                     w.matrix(p + "ffn_gate_exps.weight"), w.matrix(p + "ffn_up_exps.weight"),
                     w.matrix(p + "ffn_down_exps.weight"))
+                check_moe_shapes(w.mf.path, p, L["moe"], hp.n_expert, E)
                 if hp.n_expert_shared > 0:
                     L["sh_gate"] = w.matrix(p + "ffn_gate_shexp.weight")
                     L["sh_up"] = w.matrix(p + "ffn_up_shexp.weight")

@@ -13,7 +13,7 @@ from ..kv_cache import KVCache
 from ..linear import matmul
 from ..ops import rms_norm, sigmoid
 from ..rope import apply_rope
-from .common import Head, RunOptions, UBatch, rope_tables
+from .common import Head, RunOptions, UBatch, check_moe_shapes, rope_tables
 
 
 class LlamaArch:
@@ -51,6 +51,7 @@ class LlamaArch:
                     raise ModelFileError(f"{w.mf.path}: MoE tensors present but no {hp.arch}.expert_used_count")
                 L["moe"] = MoEWeights(w.matrix(p + "ffn_gate_inp.weight"), None, w.matrix(p + "ffn_gate_exps.weight"),
                                       w.matrix(p + "ffn_up_exps.weight"), w.matrix(p + "ffn_down_exps.weight"))
+                check_moe_shapes(w.mf.path, p, L["moe"], hp.n_expert, E)
                 if w.has(p + "ffn_gate_shexp.weight"):     # a shared expert: gated per token in qwen2moe
                     L["shexp"] = (w.optional_vector(p + "ffn_gate_inp_shexp.weight"), w.matrix(p + "ffn_gate_shexp.weight"),
                                   w.matrix(p + "ffn_up_shexp.weight"), w.matrix(p + "ffn_down_shexp.weight"))
