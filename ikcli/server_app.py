@@ -26,7 +26,6 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -427,6 +426,14 @@ class _AccessLogAndAuth:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
+        origin = dict(scope.get("headers", [])).get(b"origin", b"")
+        if scope.get("method") == "OPTIONS":     # llama-server's CORS preflight: no key needed, a blank 200
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"access-control-allow-origin", origin), (b"access-control-allow-credentials", b"true"),
+                (b"access-control-allow-methods", b"GET, POST"), (b"access-control-allow-headers", b"*"),
+                (b"content-type", b"text/html"), (b"content-length", b"0")]})
+            await send({"type": "http.response.body", "body": b""})
+            return
         status: dict[str, Any] = {"code": 500}   # unless a response starts: an exception went past the handlers
         bodies = {"request": bytearray(), "response": bytearray(), "stream": False}
 
@@ -437,7 +444,9 @@ class _AccessLogAndAuth:
             return message
 
         async def send_wrapper(message) -> None:
-            if message["type"] == "http.response.start":
+            if message["type"] == "http.response.start":     # every answer echoes the Origin, as llama-server
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"access-control-allow-origin", origin)]}
                 status["code"], status["started"] = message["status"], True
                 if self.verbose:    # ik's verbose line carries no body for streamed (SSE) answers
                     ctype = dict(message.get("headers", [])).get(b"content-type", b"")
@@ -535,7 +544,6 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
     app.add_middleware(_AccessLogAndAuth, api_key=api_key, log_requests=log_requests, verbose=verbose)
     # browsers' web UIs on other origins may call the API, as llama.cpp's server allows (outermost:
     # CORS preflights are answered before the API key check)
-    app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
 
     # --------------------------------------------------------------------------- error handlers
     @app.exception_handler(ApiError)
@@ -662,6 +670,9 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         tools = _field(body, "tools")
         if tools is not _MISSING and tools != []:
             raise bad_request("'tools' are not supported by this server")
+        if isinstance(messages, list) and len(messages) >= 2 and all(
+                isinstance(m, dict) and m.get("role") == "assistant" for m in messages[-2:]):
+            raise bad_request("Cannot have 2 or more assistant messages at the end of the list.")
         try:
             prompt, _kind = await asyncio.to_thread(render_chat, messages, template, bos_token, eos_token, True)
         except ValueError as e:
@@ -705,10 +716,27 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
     # ------------------------------------------------------------------------ simple endpoints
     @app.get("/health")
     @app.get("/v1/health")
-    async def health():
+    async def health(request: Request):
         slots = engine.slots_info()
         busy = sum(1 for s in slots if s.get("is_processing"))
-        return {"status": "ok", "slots_idle": len(slots) - busy, "slots_processing": busy}
+        out: dict[str, Any] = {"status": "ok", "slots_idle": len(slots) - busy, "slots_processing": busy}
+        if "include_slots" in request.query_params:
+            out["slots"] = [{"n_ctx": n_ctx_slot, **s} for s in slots]
+        if busy == len(slots):
+            out["status"] = "no slot available"
+            if "fail_on_no_slot" in request.query_params:
+                return JSONResponse(out, status_code=503)
+        return out
+
+    @app.get("/version")
+    async def version():
+        return {"version": 4, "features": {"sql": False, "zstd_compression": False}}
+
+    @app.get("/v1/props")
+    async def props_simple():
+        return {"model_name": os.path.splitext(os.path.basename(model_path))[0] if model_path else alias,
+                "model_path": model_path, "modalities": {"vision": False, "audio": False},
+                "n_ctx": n_ctx_slot * n_parallel}
 
     @app.get("/slots")
     async def slots():
@@ -778,7 +806,10 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
             return {"content": ""}
         tokens = _token_list(tokens, n_vocab, "tokens")
         try:
-            content = await asyncio.to_thread(engine.detokenize, tokens)
+            if tok is not None:     # llama-server joins the pieces (a leading space stays)
+                content = b"".join(tok.token_to_bytes(t, True) for t in tokens).decode("utf-8", errors="replace")
+            else:
+                content = await asyncio.to_thread(engine.detokenize, tokens)
         except (ValueError, IndexError, KeyError) as e:
             raise bad_request(f"cannot detokenize: {e}") from None
         return {"content": content}

@@ -64,6 +64,7 @@ def server(
     verbose: bool = typer.Option(False, "-v", "--verbose", help="log every request's body and response (as --verbosity 1)"),
     verbosity: int = typer.Option(0, "--verbosity", help="> 0: log every request's body and response (VERB lines)"),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="require this key (Authorization: Bearer KEY) on all endpoints but /health and /v1/models"),
+    jinja: bool = typer.Option(False, "--jinja", help="use the Jinja chat template (ikcli always does: the GGUF's, or --chat-template-file)"),
     chat_template_file: Optional[str] = typer.Option(None, "--chat-template-file", help="Jinja chat template to use instead of the GGUF's tokenizer.chat_template"),
     cont_batching: bool = typer.Option(True, "-cb/-nocb", "--cont-batching/--no-cont-batching", help="continuous batching: the slots' tokens decode together (always on in ikcli; -nocb is refused)"),
     batch_size: int = common.BatchOpt,

@@ -1018,3 +1018,28 @@ def test_queued_stream_dropped_before_its_turn_frees_everything(slow):
     wait_until(lambda: _idle(slow.base), 3, "the slot to be free")
     d = httpx.post(slow.base + "/completion", json={"prompt": "x", "n_predict": 2}, timeout=10).json()
     assert d["content"] == "xx"
+
+
+@real
+def test_llama_server_simple_endpoints_and_cors(server):
+    """/version, /v1/props, /health?include_slots, /detokenize joining pieces (special ones too),
+    CORS as llama-server (Origin echoed, preflight with credentials and GET, POST)."""
+    assert httpx.get(server.base + "/version").json() == {"version": 4, "features": {"sql": False,
+                                                                                      "zstd_compression": False}}
+    p = httpx.get(server.base + "/v1/props").json()
+    assert set(p) == {"model_name", "model_path", "modalities", "n_ctx"} and p["n_ctx"] == 256
+    h = httpx.get(server.base + "/health?include_slots").json()
+    assert h["status"] == "ok" and len(h["slots"]) == 4 and h["slots"][0]["n_ctx"] == 64
+    bos = httpx.get(server.base + "/props").json()["bos_token"]
+    toks = httpx.post(server.base + "/tokenize", json={"content": " hello", "add_special": True}).json()["tokens"]
+    text = httpx.post(server.base + "/detokenize", json={"tokens": toks}).json()["content"]
+    assert text == bos + " hello"
+    r = httpx.get(server.base + "/health", headers={"Origin": "http://a.example"})
+    assert r.headers["access-control-allow-origin"] == "http://a.example"
+    r = httpx.options(server.base + "/v1/chat/completions", headers={"Origin": "http://a.example",
+                                                                       "Access-Control-Request-Method": "POST"})
+    assert r.status_code == 200 and r.headers["access-control-allow-credentials"] == "true"
+    assert r.headers["access-control-allow-methods"] == "GET, POST" and r.text == ""
+    r = httpx.post(server.base + "/v1/chat/completions", json={"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]})
+    assert r.status_code == 400 and "Cannot have 2 or more assistant messages at the end" in r.text
