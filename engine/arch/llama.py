@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from quant.tensor import f32_qtensor
+
 from ..attention import standard_attention
 from ..ffn import MoEWeights, ffn_silu, moe_ffn
 from ..gguf_file import ModelFileError
@@ -53,7 +55,11 @@ class LlamaArch:
                                       w.matrix(p + "ffn_up_exps.weight"), w.matrix(p + "ffn_down_exps.weight"))
                 check_moe_shapes(w.mf.path, p, L["moe"], hp.n_expert, E)
                 if w.has(p + "ffn_gate_shexp.weight"):     # a shared expert: gated per token in qwen2moe
-                    L["shexp"] = (w.optional_vector(p + "ffn_gate_inp_shexp.weight"), w.matrix(p + "ffn_gate_shexp.weight"),
+                    g = w.optional_vector(p + "ffn_gate_inp_shexp.weight")
+                    if g is not None:                     # a 1-row matrix: its product is observed (imatrix)
+                        g = f32_qtensor(g.reshape(1, E))
+                        g.name = p + "ffn_gate_inp_shexp.weight"
+                    L["shexp"] = (g, w.matrix(p + "ffn_gate_shexp.weight"),
                                   w.matrix(p + "ffn_up_shexp.weight"), w.matrix(p + "ffn_down_shexp.weight"))
             else:
                 L["gate"] = w.matrix(p + "ffn_gate.weight")
@@ -113,7 +119,7 @@ class LlamaArch:
                 if "shexp" in L:
                     g, gate, up, down = L["shexp"]
                     y = ffn_silu(h, gate, up, down)
-                    x = x + (y if g is None else y * sigmoid(h @ g)[:, None])
+                    x = x + (y if g is None else y * sigmoid(matmul(g, h)))
             else:
                 x = x + ffn_silu(h, L["gate"], L["up"], L["down"])
         return self.head.logits(x, ub.out_rows)
