@@ -61,8 +61,9 @@ def mutate(raw: bytes, head: int, rng: np.random.Generator) -> tuple[str, bytes]
     return kind, bytes(b)
 
 
-def run_case(path: str) -> tuple[str, str]:
-    """('ok' | 'error' | 'finding', detail) for one file, in this process."""
+def run_case(path: str, decode: bool = True) -> tuple[str, str]:
+    """('ok' | 'error' | 'finding', detail) for one file, in this process (decode False: load and
+    make a context only, which compiles no kernels)."""
     from engine.config import EngineConfig
     from engine.context import Context
     from engine.gguf_file import ModelFileError
@@ -70,6 +71,8 @@ def run_case(path: str) -> tuple[str, str]:
     try:
         m = load_model(path, lambda s: None)
         ctx = Context(m, EngineConfig(path, n_ctx=64, n_threads=1), lambda s: None)
+        if not decode:
+            return "ok", ""
         n = min(4, m.n_vocab)
         ctx.decode(np.arange(n, dtype=np.int32) % max(1, m.n_vocab))
         return "ok", ""
@@ -88,13 +91,13 @@ class Worker:
     """A child process (this script with --worker) that loads and runs the files it is sent, one
     per line; restarted after a hang, a crash or a runaway allocation (RLIMIT_AS)."""
 
-    def __init__(self, mem_mib: int) -> None:
-        self.mem_mib = mem_mib
+    def __init__(self, mem_mib: int, decode: bool = True) -> None:
+        self.mem_mib, self.decode = mem_mib, decode
         self.proc = None
 
     def start(self) -> None:
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", "--mem-mib",
-                                      str(self.mem_mib)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      str(self.mem_mib)] + ([] if self.decode else ["--no-decode"]), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True, bufsize=1)
         assert self.proc.stdout.readline().strip() == "ready"
 
@@ -118,12 +121,12 @@ class Worker:
         return status, detail
 
 
-def worker_main(mem_mib: int) -> None:
+def worker_main(mem_mib: int, decode: bool) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (mem_mib << 20, mem_mib << 20))
     print("ready", flush=True)
     for line in sys.stdin:
         try:
-            status, detail = run_case(line.strip())
+            status, detail = run_case(line.strip(), decode)
         except MemoryError:
             status, detail = "finding", "MemoryError"
         print(f"{status}\t{detail}".replace("\n", " "), flush=True)
@@ -135,10 +138,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=20.0)
     ap.add_argument("--mem-mib", type=int, default=3000)
+    ap.add_argument("--no-decode", action="store_true",
+                    help="load and make a context only (no kernels compiled: for the test suite on a cold cache)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
-        worker_main(a.mem_mib)
+        worker_main(a.mem_mib, not a.no_decode)
         return
     from gguf import GGUFReader
 
@@ -153,7 +158,7 @@ def main() -> None:
             raw = open(p, "rb").read()
             head = min(int(t.data_offset) for t in GGUFReader(p).tensors)
             bases.append((p, raw, head))
-        worker = Worker(a.mem_mib)
+        worker = Worker(a.mem_mib, not a.no_decode)
         for p, _, _ in bases:                   # intact files load and run
             assert worker.run(p, 600)[0] == "ok", p
         path = os.path.join(d, "case.gguf")
