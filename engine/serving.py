@@ -54,6 +54,7 @@ class Event:
     n_prompt: int
     n_generated: int
     timings: Timings | None = None
+    probs: list = field(default_factory=list)   # TokenProbs of the tokens since the previous event (n_probs > 0)
 
 
 @dataclass
@@ -86,6 +87,7 @@ class _Slot:
     history: list[int] = field(default_factory=list)  # prompt + generated, for the penalties
     text: str = ""                                  # generated text decoded so far
     tail: bytearray = field(default_factory=bytearray)  # bytes of an unfinished UTF-8 character
+    probs: list = field(default_factory=list)       # TokenProbs not yet sent (n_probs > 0)
     n_sent: int = 0                                 # characters of the text already sent
     t_start: float = 0.0
     t_prompt_done: float = 0.0
@@ -222,7 +224,7 @@ class ServingEngine:
             s.cache.clear()
         del s.cached[keep:]
         s.n_fed, s.n_reused, s.generated, s.pending = keep, keep, [], None
-        s.history, s.text, s.tail, s.n_sent = list(job.prompt), "", bytearray(), 0
+        s.history, s.text, s.tail, s.n_sent, s.probs = list(job.prompt), "", bytearray(), 0, []
         s.t_start = time.perf_counter()
         s.t_prompt_done = 0.0
 
@@ -292,6 +294,8 @@ class ServingEngine:
             return
         s.generated.append(tok)
         s.history.append(tok)
+        if s.sampler.last_probs is not None:
+            s.probs.append(s.sampler.last_probs)
         # decode only the new bytes (a whole-text decode per token would be quadratic)
         s.tail += tk.token_to_bytes(tok, special=False)
         cut = self._utf8_cut(s.tail)
@@ -327,7 +331,8 @@ class ServingEngine:
     def _emit(self, s: _Slot, text: str, tok: int | None, done: bool) -> None:
         s.n_sent += len(text)
         if text or done:
-            self._send(s, Event(text, tok, done, None, "", len(s.job.prompt), len(s.generated)))
+            probs, s.probs = s.probs, []
+            self._send(s, Event(text, tok, done, None, "", len(s.job.prompt), len(s.generated), probs=probs))
 
     def _send(self, s: _Slot, ev: Event) -> None:
         try:
@@ -348,7 +353,8 @@ class ServingEngine:
         else:
             rest = ""
         tm = Timings(n_p, t_p, n_g, t_g)
-        self._send(s, Event(rest, None, True, reason, word, len(job.prompt), n_g, tm))
+        probs, s.probs = s.probs, []
+        self._send(s, Event(rest, None, True, reason, word, len(job.prompt), n_g, tm, probs=probs))
         self.log(f"slot print_timings: id {s.id:2d} | \n"
                  f"prompt eval time = {t_p:10.2f} ms / {n_p:5d} tokens ({t_p / max(n_p, 1):8.2f} ms per token, "
                  f"{1e3 * n_p / t_p if t_p > 0 else 0.0:8.2f} tokens per second)\n"

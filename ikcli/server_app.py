@@ -591,12 +591,14 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         check_text(body, text)
         return body
 
-    def sampling_params(body: dict):
+    def sampling_params(body: dict, n_probs: bool = False):
+        """n_probs: the endpoint reports token probabilities (llama.cpp's /completion)."""
         data = {k: v for k, v in body.items() if v is not None}
-        # token probabilities are not returned yet: refuse rather than silently drop the request's ask
-        if data.get("n_probs") not in (None, 0) or data.get("logprobs") not in (None, False, 0) \
+        # where token probabilities are not returned yet: refuse rather than silently drop the ask
+        if (not n_probs and data.get("n_probs") not in (None, 0)) or data.get("logprobs") not in (None, False, 0) \
                 or data.get("top_logprobs") not in (None, 0):
-            raise bad_request("token probabilities ('n_probs', 'logprobs', 'top_logprobs') are not supported by this server yet")
+            raise bad_request("token probabilities ('logprobs', 'top_logprobs'; 'n_probs' outside /completion) are "
+                              "not supported by this server yet")
         check_unsupported(data)
         data = {**default_sampling, **data}
         try:
@@ -693,9 +695,10 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
     async def collect(request: Request, gen: Generation) -> dict[int, dict]:
         """Run the jobs to the end (non-streaming); a client that goes away cancels them."""
         watcher = asyncio.ensure_future(_cancel_on_disconnect(request, gen))
-        results: dict[int, dict] = {i: {"text": [], "final": None} for i in range(len(gen.jobs))}
+        results: dict[int, dict] = {i: {"text": [], "final": None, "probs": []} for i in range(len(gen.jobs))}
         try:
             async for i, ev in gen.events():
+                results[i]["probs"] += getattr(ev, "probs", None) or []
                 if ev.text:
                     results[i]["text"].append(ev.text)
                 if ev.done:
@@ -709,6 +712,20 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
 
     def stream_response(gen: Generation, chunks: AsyncIterator[str]) -> EventStream:
         return EventStream(chunks, gen.cancel)
+
+    def token_text(t: int) -> str:
+        """llama-server's tokens_to_output_formatted_string: the piece, or 'byte: \\xhh' for a lone
+        byte of a multi-byte character."""
+        b = tok.token_to_bytes(t, True) if tok is not None else b""
+        if len(b) == 1 and b[0] & 0x80:
+            return f"byte: \\x{b[0]:x}"
+        return b.decode("utf-8", errors="replace")
+
+    def token_probs_json(probs) -> list:
+        """llama-server's completion_probabilities: per generated token its text and the top n_probs
+        tokens with their probabilities (softmax of the raw logits)."""
+        return [{"content": token_text(p.token), "probs": [{"tok_str": token_text(t), "prob": q} for t, q in p.top]}
+                for p in probs or []]
 
     def counts(gen: Generation, i: int, ev) -> tuple[int, int]:
         return (ev.n_prompt if ev.n_prompt else len(gen.prompts[i])), ev.n_generated
@@ -820,15 +837,17 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
     async def completion(request: Request):
         body = await read_json(request)
         stream, stop, n_predict = request_basics(body)
-        params = sampling_params(body)
+        params = sampling_params(body, n_probs=True)
         raw_prompts, prompts = await prompts_of(body)
         gen = Generation()
         gen.submit(engine, prompts, params, n_predict, stop, get_cache_prompt(body))
         settings = generation_settings(params, n_predict, stop, stream)
+        with_probs = params.n_probs > 0
 
-        def final(i: int, ev, content: str) -> dict:
+        def final(i: int, ev, content: str, probs=None) -> dict:
             n_prompt, n_gen = counts(gen, i, ev)
-            return {
+            extra = {"completion_probabilities": token_probs_json(probs)} if with_probs and probs is not None else {}
+            return {**extra,
                 "content": content, "id_slot": getattr(gen.jobs[i], "id_slot", -1), "stop": True, "model": alias,
                 "tokens_predicted": n_gen, "tokens_evaluated": n_prompt, "generation_settings": settings,
                 "prompt": raw_prompts[i], "truncated": False,
@@ -844,14 +863,15 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
             out = []
             for i in range(len(prompts)):
                 ev = results[i]["final"]
-                out.append(final(i, ev, "".join(results[i]["text"])))
+                out.append(final(i, ev, "".join(results[i]["text"]), results[i]["probs"]))
             return out[0] if len(out) == 1 else out
 
         async def chunks() -> AsyncIterator[str]:
             async for i, ev in gen.events():
                 if ev.text:
+                    extra = {"completion_probabilities": token_probs_json(ev.probs)} if with_probs else {}
                     yield sse({"content": ev.text, "stop": False, "id_slot": getattr(gen.jobs[i], "id_slot", -1),
-                               "multimodal": False, "index": i})
+                               "multimodal": False, "index": i, **extra})
                 if gen.engine_failed(ev):
                     yield sse({"error": engine_failed_error().as_json()})
                     return

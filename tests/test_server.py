@@ -380,7 +380,7 @@ BAD_REQUESTS = [
     ("/tokenize", {"content": "x", "add_special": "no"}, "add_special"),
     ("/detokenize", {"tokens": "abc"}, "tokens"),
     ("/detokenize", {"tokens": [1, -1]}, "token id"),
-    ("/completion", {"prompt": "x", "n_probs": 5}, "token probabilities"),
+    ("/v1/completions", {"prompt": "x", "n_probs": 5}, "token probabilities"),
     ("/v1/completions", {"prompt": "x", "logprobs": 2}, "token probabilities"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "token probabilities"),
     # output-changing llama.cpp fields this server does not implement: refused, not silently dropped
@@ -1043,3 +1043,25 @@ def test_llama_server_simple_endpoints_and_cors(server):
     r = httpx.post(server.base + "/v1/chat/completions", json={"messages": [
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]})
     assert r.status_code == 400 and "Cannot have 2 or more assistant messages at the end" in r.text
+
+
+@real
+def test_completion_probabilities(server):
+    """/completion with n_probs: llama-server's completion_probabilities, one entry per generated
+    token with the top n_probs tokens (softmax of the raw logits), the greedy choice first; the
+    same per chunk when streaming."""
+    body = {"prompt": "ROMEO:", "n_predict": 6, "temperature": 0, "n_probs": 3}
+    d = httpx.post(server.base + "/completion", json=body, timeout=60).json()
+    cp = d["completion_probabilities"]
+    assert len(cp) == d["tokens_predicted"] and all(len(e["probs"]) == 3 for e in cp)
+    for e in cp:
+        ps = [p["prob"] for p in e["probs"]]
+        assert ps == sorted(ps, reverse=True) and 0 < sum(ps) <= 1.0 + 1e-6
+        assert e["probs"][0]["tok_str"] == e["content"]          # greedy: the most likely token
+    assert "".join(e["content"] for e in cp) == d["content"]
+    with httpx.stream("POST", server.base + "/completion", json={**body, "stream": True}, timeout=60) as r:
+        events = sse_events(r.iter_lines())
+    streamed = [e for ev in events if isinstance(ev, dict) and not ev.get("stop") for e in ev["completion_probabilities"]]
+    assert [e["content"] for e in streamed] == [e["content"] for e in cp]
+    plain = httpx.post(server.base + "/completion", json={**body, "n_probs": 0}, timeout=60).json()
+    assert "completion_probabilities" not in plain and plain["content"] == d["content"]
