@@ -15,6 +15,7 @@ import asyncio
 import copy
 import dataclasses
 import json
+import math
 import os
 import re
 import secrets
@@ -591,14 +592,30 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         check_text(body, text)
         return body
 
-    def sampling_params(body: dict, n_probs: bool = False):
-        """n_probs: the endpoint reports token probabilities (llama.cpp's /completion)."""
+    def sampling_params(body: dict, probs: str = "n_probs"):
+        """probs: how the endpoint asks for token probabilities, as llama-server reads them:
+        "n_probs" (/completion), "logprobs" (/v1/completions: an int), "chat" (logprobs: true with
+        top_logprobs, default 20)."""
         data = {k: v for k, v in body.items() if v is not None}
-        # where token probabilities are not returned yet: refuse rather than silently drop the ask
-        if (not n_probs and data.get("n_probs") not in (None, 0)) or data.get("logprobs") not in (None, False, 0) \
-                or data.get("top_logprobs") not in (None, 0):
-            raise bad_request("token probabilities ('logprobs', 'top_logprobs'; 'n_probs' outside /completion) are "
-                              "not supported by this server yet")
+        if probs == "logprobs":
+            n = data.pop("logprobs", 0)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise bad_request("'logprobs' must be a non-negative integer")
+            data.pop("n_probs", None)
+            data["n_probs"] = n
+        elif probs == "chat":
+            want, top = data.pop("logprobs", False), data.pop("top_logprobs", None)
+            if not isinstance(want, bool):
+                raise bad_request("'logprobs' must be a boolean")
+            if top is not None and not want:
+                raise bad_request("top_logprobs requires logprobs to be set to true")
+            if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
+                raise bad_request("'top_logprobs' must be an integer between 0 and 20")
+            data.pop("n_probs", None)
+            if want:
+                data["n_probs"] = 20 if top is None else top
+        elif data.get("logprobs") not in (None, False, 0) or data.get("top_logprobs") not in (None, 0):
+            raise bad_request("'logprobs' / 'top_logprobs' are OpenAI fields: use 'n_probs' here")
         check_unsupported(data)
         data = {**default_sampling, **data}
         try:
@@ -727,6 +744,20 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         return [{"content": token_text(p.token), "probs": [{"tok_str": token_text(t), "prob": q} for t, q in p.top]}
                 for p in probs or []]
 
+    def oai_logprobs(params, probs):
+        """OpenAI's logprobs object as llama-server writes it (None where none were asked for):
+        per token its text, bytes and log-probability, and the top tokens' (softmax of the raw logits)."""
+        if params.n_probs <= 0:
+            return None
+
+        def entry(t: int, p: float) -> dict:
+            b = tok.token_to_bytes(t, True) if tok is not None else b""
+            return {"id": t, "token": b.decode("utf-8", errors="ignore"), "bytes": list(b),
+                    "logprob": math.log(p) if p > 0 else -3.4028234663852886e38}
+
+        return {"content": [{**entry(p.token, p.prob), "top_logprobs": [entry(t, q) for t, q in p.top]}
+                            for p in probs or []]}
+
     def counts(gen: Generation, i: int, ev) -> tuple[int, int]:
         return (ev.n_prompt if ev.n_prompt else len(gen.prompts[i])), ev.n_generated
 
@@ -837,7 +868,7 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
     async def completion(request: Request):
         body = await read_json(request)
         stream, stop, n_predict = request_basics(body)
-        params = sampling_params(body, n_probs=True)
+        params = sampling_params(body, "n_probs")
         raw_prompts, prompts = await prompts_of(body)
         gen = Generation()
         gen.submit(engine, prompts, params, n_predict, stop, get_cache_prompt(body))
@@ -869,7 +900,7 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         async def chunks() -> AsyncIterator[str]:
             async for i, ev in gen.events():
                 if ev.text:
-                    extra = {"completion_probabilities": token_probs_json(ev.probs)} if with_probs else {}
+                    extra = {"completion_probabilities": token_probs_json(getattr(ev, "probs", None))} if with_probs else {}
                     yield sse({"content": ev.text, "stop": False, "id_slot": getattr(gen.jobs[i], "id_slot", -1),
                                "multimodal": False, "index": i, **extra})
                 if gen.engine_failed(ev):
@@ -887,7 +918,7 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         stream, stop, n_predict = request_basics(body, single_choice=True)
         if get_bool(body, "echo", False):
             raise bad_request("'echo' is not supported by this server")
-        params = sampling_params(body)
+        params = sampling_params(body, "logprobs")
         _raw, prompts = await prompts_of(body)
         gen = Generation()
         gen.submit(engine, prompts, params, n_predict, stop, get_cache_prompt(body))
@@ -906,7 +937,8 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
                 n_prompt_total += n_prompt
                 n_gen_total += n_gen
                 last_timings = timings_json(ev.timings, n_ctx_slot, n_prompt + n_gen)
-                choices.append({"text": "".join(results[i]["text"]), "index": i, "logprobs": None,
+                choices.append({"text": "".join(results[i]["text"]), "index": i,
+                                "logprobs": oai_logprobs(params, results[i]["probs"]),
                                 "finish_reason": oai_finish_reason(ev)})
             return {**head(), "choices": choices, "usage": usage_json(n_prompt_total, n_gen_total),
                     "timings": last_timings}
@@ -914,7 +946,8 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         async def chunks() -> AsyncIterator[str]:
             async for i, ev in gen.events():
                 if ev.text:
-                    yield sse({**head(), "choices": [{"text": ev.text, "index": i, "logprobs": None,
+                    yield sse({**head(), "choices": [{"text": ev.text, "index": i,
+                                                      "logprobs": oai_logprobs(params, getattr(ev, "probs", None)),
                                                       "finish_reason": None}]})
                 if gen.engine_failed(ev):
                     yield sse({"error": engine_failed_error().as_json()})
@@ -939,7 +972,7 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         if not isinstance(stream_options, dict):
             raise bad_request("'stream_options' must be an object")
         include_usage = get_bool(stream_options, "include_usage", False)
-        params = sampling_params(body)
+        params = sampling_params(body, "chat")
         prompt = await chat_prompt(body)
         gen = Generation()
         gen.submit(engine, [prompt], params, n_predict, stop, get_cache_prompt(body))
@@ -953,8 +986,11 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
             results = await collect(request, gen)
             ev = results[0]["final"]
             n_prompt, n_gen = counts(gen, 0, ev)
-            return {**head(), "choices": [{"index": 0, "finish_reason": oai_finish_reason(ev),
-                                           "message": {"role": "assistant", "content": "".join(results[0]["text"])}}],
+            choice = {"index": 0, "finish_reason": oai_finish_reason(ev),
+                      "message": {"role": "assistant", "content": "".join(results[0]["text"])}}
+            if params.n_probs > 0:
+                choice["logprobs"] = oai_logprobs(params, results[0]["probs"])
+            return {**head(), "choices": [choice],
                     "usage": usage_json(n_prompt, n_gen),
                     "timings": timings_json(ev.timings, n_ctx_slot, n_prompt + n_gen)}
 
@@ -963,8 +999,10 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
                                               "delta": {"role": "assistant", "content": None}}]})
             async for _i, ev in gen.events():
                 if ev.text:
-                    yield sse({**head(), "choices": [{"index": 0, "finish_reason": None,
-                                                      "delta": {"content": ev.text}}]})
+                    delta = {"index": 0, "finish_reason": None, "delta": {"content": ev.text}}
+                    if params.n_probs > 0:
+                        delta["logprobs"] = oai_logprobs(params, getattr(ev, "probs", None))
+                    yield sse({**head(), "choices": [delta]})
                 if gen.engine_failed(ev):
                     yield sse({"error": engine_failed_error().as_json()})
                     return

@@ -380,9 +380,10 @@ BAD_REQUESTS = [
     ("/tokenize", {"content": "x", "add_special": "no"}, "add_special"),
     ("/detokenize", {"tokens": "abc"}, "tokens"),
     ("/detokenize", {"tokens": [1, -1]}, "token id"),
-    ("/v1/completions", {"prompt": "x", "n_probs": 5}, "token probabilities"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 2}, "token probabilities"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "token probabilities"),
+    ("/completion", {"prompt": "x", "logprobs": 2}, "are OpenAI fields: use 'n_probs' here"),
+    ("/v1/completions", {"prompt": "x", "logprobs": True}, "'logprobs' must be a non-negative integer"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+     "top_logprobs requires logprobs to be set to true"),
     # output-changing llama.cpp fields this server does not implement: refused, not silently dropped
     ("/completion", {"prompt": "x", "ignore_eos": True}, "ignore_eos"),
     ("/completion", {"prompt": "x", "logit_bias": [[5, -100]]}, "logit_bias"),
@@ -1065,3 +1066,25 @@ def test_completion_probabilities(server):
     assert [e["content"] for e in streamed] == [e["content"] for e in cp]
     plain = httpx.post(server.base + "/completion", json={**body, "n_probs": 0}, timeout=60).json()
     assert "completion_probabilities" not in plain and plain["content"] == d["content"]
+
+
+@real
+def test_openai_logprobs(server):
+    """/v1/chat/completions logprobs + top_logprobs and /v1/completions logprobs N: llama-server's
+    OpenAI logprobs objects (per token text, bytes, logprob; the top ones), the greedy token first."""
+    msgs = [{"role": "user", "content": "Say something"}]
+    d = httpx.post(server.base + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 5, "temperature": 0,
+                                                               "logprobs": True, "top_logprobs": 2}, timeout=60).json()
+    content = d["choices"][0]["logprobs"]["content"]
+    assert len(content) == d["usage"]["completion_tokens"]
+    for e in content:
+        assert e["logprob"] <= 0 and len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["token"] == e["token"]
+        assert abs(e["top_logprobs"][0]["logprob"] - e["logprob"]) < 1e-6 and bytes(e["bytes"]).decode() == e["token"]
+    assert "".join(e["token"] for e in content) == d["choices"][0]["message"]["content"]
+    d = httpx.post(server.base + "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 4, "temperature": 0,
+                                                          "logprobs": 3}, timeout=60).json()
+    lp = d["choices"][0]["logprobs"]["content"]
+    assert len(lp) == d["usage"]["completion_tokens"] and all(len(e["top_logprobs"]) == 3 for e in lp)
+    plain = httpx.post(server.base + "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 4,
+                                                              "temperature": 0}, timeout=60).json()
+    assert plain["choices"][0]["logprobs"] is None and plain["choices"][0]["text"] == d["choices"][0]["text"]
