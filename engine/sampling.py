@@ -67,6 +67,8 @@ class SamplingParams:
     seed: int = -1                # -1: random seed
     n_probs: int = 0              # how many top probabilities to report (0: none)
     penalize_nl: bool = False     # llama.cpp's default: the newline token keeps its logit
+    ignore_eos: bool = False      # end-of-generation tokens never sampled (llama.cpp: their bias is -inf)
+    logit_bias: tuple = ()        # (token id, bias) pairs added to the logits first; bias -inf: banned
 
     def __post_init__(self) -> None:
         # Validate here too, so parameters built from CLI flags get the same checks as requests.
@@ -98,6 +100,13 @@ class SamplingParams:
                              f"got {self.seed!r}.")
         if self.n_probs < 0:
             raise ValueError(f"Sampling parameter 'n_probs' must be >= 0, got {self.n_probs!r}.")
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            raise ValueError(f"Sampling parameter 'ignore_eos' must be a boolean, got {self.ignore_eos!r}.")
+        self.ignore_eos = bool(self.ignore_eos)
+        try:
+            self.logit_bias = tuple((int(t), float(b)) for t, b in self.logit_bias)
+        except (TypeError, ValueError):
+            raise ValueError("Sampling parameter 'logit_bias' must be (token id, bias) pairs.") from None
 
     @classmethod
     def from_request(cls, body: dict) -> "SamplingParams":
@@ -224,11 +233,22 @@ class Sampler:
     # grown 8x until the cumulative probability reaches p, which avoids sorting the vocab
     _TOP_P_FIRST = 256
 
-    def __init__(self, params: SamplingParams, n_vocab: int, nl_token: int | None = None) -> None:
+    def __init__(self, params: SamplingParams, n_vocab: int, nl_token: int | None = None,
+                 eog_ids: Sequence[int] = ()) -> None:
+        """eog_ids: the end-of-generation tokens, which params.ignore_eos bans."""
         if int(n_vocab) <= 0:
             raise ValueError(f"n_vocab must be positive, got {n_vocab!r}.")
         self.params = params
         self.n_vocab = int(n_vocab)
+        # logit bias first in the chain, as llama.cpp's: ignore_eos is a -inf bias on every EOG token
+        bias = dict(params.logit_bias)
+        if params.ignore_eos:
+            bias.update({int(t): -math.inf for t in eog_ids})
+        bad = [t for t in bias if not 0 <= t < self.n_vocab]
+        if bad:
+            raise ValueError(f"Sampling parameter 'logit_bias': token id {bad[0]} out of range [0, {self.n_vocab}).")
+        self.bias_ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
+        self.bias_vals = np.fromiter(bias.values(), dtype=np.float32, count=len(bias))
         self.nl_token = nl_token      # newline token (not penalized unless params.penalize_nl)
         self.seed: int = params.seed if params.seed != -1 else secrets.randbits(32)
         self.rng = np.random.default_rng(self.seed)
@@ -248,6 +268,9 @@ class Sampler:
         arr = np.asarray(logits)
         if arr.ndim != 1 or arr.shape[0] != self.n_vocab:
             raise ValueError(f"logits must have shape ({self.n_vocab},), got {arr.shape}.")
+        if self.bias_ids.size:
+            arr = np.array(arr, dtype=np.float32)
+            arr[self.bias_ids] += self.bias_vals
         return _sanitize(apply_penalties(arr, history, self.params, self.nl_token))
 
     def _filter(self, x: np.ndarray, ordered_out: bool) -> tuple[np.ndarray, np.ndarray]:

@@ -216,7 +216,8 @@ class ServingEngine:
 
     def _assign(self, s: _Slot, job: Job) -> None:
         s.job, job.id_slot = job, s.id
-        s.sampler = Sampler(job.params, self.model.n_vocab, self._nl_token())
+        s.sampler = Sampler(job.params, self.model.n_vocab, self._nl_token(),
+                            getattr(self.model.tokenizer, "eog_ids", ()))
         keep = self._reusable(s, job.prompt) if job.cache_prompt else 0
         if keep:
             s.cache.seq_rm(keep)

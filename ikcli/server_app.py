@@ -197,8 +197,6 @@ def check_text(body: Any, raw_text: str = "") -> None:
 # the test for its "off" value: a request that turns one on is refused (400) rather than answered as
 # if it had not asked (clients routinely send the off values, and JSON null, which stay accepted)
 _UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
-    "ignore_eos": lambda v: v is False,
-    "logit_bias": lambda v: v == {} or v == [],
     "grammar": lambda v: v == "",
     "json_schema": lambda v: v == {},
     "response_format": lambda v: isinstance(v, dict) and v.get("type", "text") == "text",
@@ -616,6 +614,8 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
                 data["n_probs"] = 20 if top is None else top
         elif data.get("logprobs") not in (None, False, 0) or data.get("top_logprobs") not in (None, 0):
             raise bad_request("'logprobs' / 'top_logprobs' are OpenAI fields: use 'n_probs' here")
+        if "logit_bias" in data:
+            data["logit_bias"] = logit_bias_pairs(data["logit_bias"])
         check_unsupported(data)
         data = {**default_sampling, **data}
         try:
@@ -706,6 +706,8 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
             sp = dataclasses.asdict(params)
         else:
             sp = {k: v for k, v in vars(params).items() if not k.startswith("_")} if hasattr(params, "__dict__") else {}
+        if "logit_bias" in sp:     # as llama-server reports it; a ban (-inf) is false, JSON has no infinity
+            sp["logit_bias"] = [{"token": t, "bias": b if math.isfinite(b) else False} for t, b in sp["logit_bias"]]
         return {"n_ctx": n_ctx_slot, "n_predict": default_n_predict, "model": alias, **sp, "stop": stop,
                 "max_tokens": n_predict, "stream": stream}
 
@@ -743,6 +745,35 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         tokens with their probabilities (softmax of the raw logits)."""
         return [{"content": token_text(p.token), "probs": [{"tok_str": token_text(t), "prob": q} for t, q in p.top]}
                 for p in probs or []]
+
+    def logit_bias_pairs(v) -> list:
+        """llama-server's logit_bias forms as (token id, bias) pairs: [[id or "text", bias or false], ...]
+        or OpenAI's {"id": bias}; a text gives every one of its tokens the bias, false bans."""
+        items = list(v.items()) if isinstance(v, dict) else v
+        if not isinstance(items, list):
+            raise bad_request("'logit_bias' must be an array of [token, bias] pairs or an object")
+        out = []
+        for it in items:
+            if not isinstance(it, (list, tuple)) or len(it) != 2:
+                raise bad_request("'logit_bias' entries must be [token, bias] pairs")
+            t, b = it
+            if b is False:
+                b = -math.inf
+            elif isinstance(b, bool) or not isinstance(b, (int, float)):
+                raise bad_request("a 'logit_bias' bias must be a number or false")
+            if isinstance(t, str) and t.lstrip("-").isdigit() and isinstance(v, dict):
+                t = int(t)                                  # OpenAI's object keys are token ids
+            if isinstance(t, str):
+                ids = engine.tokenize(t, False)
+            elif isinstance(t, int) and not isinstance(t, bool):
+                ids = [t]
+            else:
+                raise bad_request("a 'logit_bias' token must be an id or a string")
+            for i in ids:
+                if not 0 <= i < n_vocab:
+                    raise bad_request(f"'logit_bias': token id {i} out of range [0, {n_vocab})")
+                out.append((i, float(b)))
+        return out
 
     def oai_logprobs(params, probs):
         """OpenAI's logprobs object as llama-server writes it (None where none were asked for):

@@ -390,3 +390,22 @@ def test_newline_token_is_not_penalized_by_default():
     assert SamplingParams.from_request({"penalize_nl": True}).penalize_nl is True
     with pytest.raises(ValueError, match="penalize_nl"):
         SamplingParams.from_request({"penalize_nl": "yes"})
+
+
+def test_logit_bias_and_ignore_eos_come_first_in_the_chain():
+    """logit_bias is added before everything else (a -inf bans); ignore_eos bans every EOG token
+    even when it has the largest logit; ids out of range are refused."""
+    from engine.sampling import Sampler, SamplingParams
+    logits = np.array([0.0, 5.0, 1.0, 4.0], dtype=np.float32)
+    greedy = SamplingParams(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)
+    assert Sampler(greedy, 4).sample(logits, []) == 1
+    biased = SamplingParams(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, logit_bias=((1, -np.inf), (2, 3.5)))
+    assert Sampler(biased, 4).sample(logits, []) == 2
+    no_eos = SamplingParams(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, ignore_eos=True)
+    assert Sampler(no_eos, 4, eog_ids=(1,)).sample(logits, []) == 3
+    assert Sampler(greedy, 4, eog_ids=(1,)).sample(logits, []) == 1          # only with ignore_eos
+    hot = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, ignore_eos=True, seed=3)
+    s = Sampler(hot, 4, eog_ids=(1, 3))
+    assert all(s.sample(logits, []) in (0, 2) for _ in range(200))
+    with pytest.raises(ValueError, match="token id 7 out of range"):
+        Sampler(SamplingParams(logit_bias=((7, 1.0),)), 4)

@@ -384,13 +384,14 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "logprobs": True}, "'logprobs' must be a non-negative integer"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
      "top_logprobs requires logprobs to be set to true"),
+    ("/completion", {"prompt": "x", "logit_bias": [[5]]}, "'logit_bias' entries must be [token, bias] pairs"),
+    ("/completion", {"prompt": "x", "logit_bias": [[10 ** 9, 1.0]]}, "out of range"),
+    ("/completion", {"prompt": "x", "logit_bias": [[5, "a"]]}, "bias must be a number or false"),
+    ("/completion", {"prompt": "x", "ignore_eos": "yes"}, "ignore_eos"),
     # output-changing llama.cpp fields this server does not implement: refused, not silently dropped
-    ("/completion", {"prompt": "x", "ignore_eos": True}, "ignore_eos"),
-    ("/completion", {"prompt": "x", "logit_bias": [[5, -100]]}, "logit_bias"),
     ("/completion", {"prompt": "x", "grammar": "root ::= \"a\""}, "grammar"),
     ("/completion", {"prompt": "x", "mirostat": 2}, "mirostat"),
     ("/completion", {"prompt": "x", "typical_p": 0.5, "tfs_z": 0.9}, "'typical_p', 'tfs_z'"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": -100}}, "logit_bias"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": "9"},
@@ -1088,3 +1089,22 @@ def test_openai_logprobs(server):
     plain = httpx.post(server.base + "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 4,
                                                               "temperature": 0}, timeout=60).json()
     assert plain["choices"][0]["logprobs"] is None and plain["choices"][0]["text"] == d["choices"][0]["text"]
+
+
+@real
+def test_logit_bias_and_ignore_eos(server):
+    """logit_bias in llama-server's forms changes the greedy output (a banned token never comes);
+    the OpenAI object form too; ignore_eos is accepted."""
+    body = {"prompt": "ROMEO:", "n_predict": 8, "temperature": 0}
+    base = httpx.post(server.base + "/completion", json=body, timeout=60).json()
+    toks = httpx.post(server.base + "/tokenize", json={"content": base["content"]}).json()["tokens"]
+    first = toks[0]
+    banned = httpx.post(server.base + "/completion", json={**body, "logit_bias": [[first, False]], "n_probs": 1},
+                        timeout=60).json()
+    got = httpx.post(server.base + "/tokenize", json={"content": banned["content"]}).json()["tokens"]
+    assert banned["content"] != base["content"] and first not in got
+    oai = httpx.post(server.base + "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 8, "temperature": 0,
+                                                            "logit_bias": {str(first): -100}}, timeout=60).json()
+    assert oai["choices"][0]["text"] == banned["content"]
+    r = httpx.post(server.base + "/completion", json={**body, "ignore_eos": True}, timeout=60)
+    assert r.status_code == 200 and r.json()["tokens_predicted"] == 8
