@@ -109,6 +109,9 @@ class ServingEngine:
         self.n_ubatch = ctx.n_ubatch
         self.slots = [_Slot(i, c) for i, c in enumerate(ctx.caches)]
         self.queue: collections.deque[Job] = collections.deque()
+        # llama-server's /metrics counters: totals, and a bucket since the last metrics() call
+        self.totals = {"n_prompt": 0, "t_prompt_ms": 0.0, "n_predicted": 0, "t_predicted_ms": 0.0}
+        self.bucket = dict(self.totals)
         self.cv = threading.Condition()
         self.thread: threading.Thread | None = None
         self.running = False
@@ -153,6 +156,16 @@ class ServingEngine:
 
     def slots_info(self) -> list[dict]:
         return [{"id": s.id, "is_processing": s.job is not None, "n_ctx": self.n_ctx_slot} for s in self.slots]
+
+    def metrics(self, reset_bucket: bool = True) -> dict:
+        """The counters of llama-server's /metrics: totals, the bucket since the previous call (for
+        its throughput gauges), the KV cells in use, requests processing and waiting."""
+        out = {"totals": dict(self.totals), "bucket": dict(self.bucket),
+               "kv_cells_used": sum(sl.cache.n for sl in self.slots),
+               "processing": sum(1 for sl in self.slots if sl.job is not None), "deferred": self.queued()}
+        if reset_bucket:
+            self.bucket = {k: 0 for k in self.bucket}
+        return out
 
     def queued(self) -> int:
         return len(self.queue)
@@ -348,6 +361,11 @@ class ServingEngine:
         t_p = ((s.t_prompt_done or now) - s.t_start) * 1e3
         t_g = (now - s.t_prompt_done) * 1e3 if s.t_prompt_done else 0.0
         n_p, n_g = s.n_fed - s.n_reused, len(s.generated)
+        for acc in (self.totals, self.bucket):
+            acc["n_prompt"] += n_p
+            acc["t_prompt_ms"] += t_p
+            acc["n_predicted"] += n_g
+            acc["t_predicted_ms"] += t_g
         if reason != "stop" or not word:
             text = s.text + bytes(s.tail).decode("utf-8", errors="replace")
             rest = text[s.n_sent:] if reason != "cancelled" else ""

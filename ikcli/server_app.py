@@ -490,7 +490,8 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
                params_from_request: Optional[Callable[[dict], Any]] = None,
                render_chat: Optional[Callable] = None, chat_template: Optional[str] = None,
                api_key: Optional[str] = None, default_n_predict: int = -1,
-               default_sampling: Optional[dict] = None, log_requests: bool = True, verbose: bool = False) -> FastAPI:
+               default_sampling: Optional[dict] = None, log_requests: bool = True, verbose: bool = False,
+               metrics: bool = False) -> FastAPI:
     """The FastAPI app serving `engine` (a started ServingEngine or anything with its interface).
 
     model: the loaded model (tokenizer, GGUF metadata); default `engine.model`.
@@ -501,6 +502,7 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
     default_sampling: the command line's sampling values (--temp, --top-k, -s ...), used where a request
     gives none, as llama-server does.
     verbose: also log each request's body and response body (ik's `VERB ... request` lines).
+    metrics: serve /metrics (--metrics).
     """
     default_sampling = dict(default_sampling or {})
     if model is None:
@@ -682,7 +684,8 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         raw = split_prompts(_field(body, "prompt"))
         return raw, [await tokenize_prompt(p) for p in raw]
 
-    async def chat_prompt(body: dict) -> list[int]:
+    async def render_prompt(body: dict) -> str:
+        """The chat request's messages through the template (what /apply-template answers)."""
         messages = _field(body, "messages")
         if messages is _MISSING:
             raise bad_request("'messages' is required")
@@ -696,6 +699,10 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
             prompt, _kind = await asyncio.to_thread(render_chat, messages, template, bos_token, eos_token, True)
         except ValueError as e:
             raise bad_request(f"cannot apply the chat template: {e}") from None
+        return prompt
+
+    async def chat_prompt(body: dict) -> list[int]:
+        prompt = await render_prompt(body)
         tokens = await tokenize(prompt, True)
         if add_bos and bos_id is not None and len(tokens) >= 2 and tokens[0] == tokens[1] == bos_id:
             tokens = tokens[1:]   # the template wrote the BOS and the tokenizer added one too
@@ -806,6 +813,35 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
             if "fail_on_no_slot" in request.query_params:
                 return JSONResponse(out, status_code=503)
         return out
+
+    @app.get("/metrics")
+    async def metrics_endpoint():
+        if not metrics or not hasattr(engine, "metrics"):
+            raise ApiError(501, "This server does not support metrics endpoint.", "not_supported_error")
+        m = engine.metrics()
+        tot, b = m["totals"], m["bucket"]
+        defs = [("counter", "prompt_tokens_total", "Number of prompt tokens processed.", tot["n_prompt"]),
+                ("counter", "prompt_seconds_total", "Prompt process time", int(tot["t_prompt_ms"]) / 1e3),
+                ("counter", "tokens_predicted_total", "Number of generation tokens processed.", tot["n_predicted"]),
+                ("counter", "tokens_predicted_seconds_total", "Predict process time",
+                 int(tot["t_predicted_ms"]) / 1e3),
+                ("gauge", "prompt_tokens_seconds", "Average prompt throughput in tokens/s.",
+                 1e3 / int(b["t_prompt_ms"]) * b["n_prompt"] if b["n_prompt"] and int(b["t_prompt_ms"]) else 0.0),
+                ("gauge", "predicted_tokens_seconds", "Average generation throughput in tokens/s.",
+                 1e3 / int(b["t_predicted_ms"]) * b["n_predicted"] if b["n_predicted"] and int(b["t_predicted_ms"])
+                 else 0.0),
+                ("gauge", "kv_cache_usage_ratio", "KV-cache usage. 1 means 100 percent usage.",
+                 m["kv_cells_used"] / max(1, n_ctx_slot * n_parallel)),
+                ("gauge", "kv_cache_tokens", "KV-cache tokens.", m["kv_cells_used"]),
+                ("gauge", "requests_processing", "Number of request processing.", m["processing"]),
+                ("gauge", "requests_deferred", "Number of request deferred.", m["deferred"])]
+        text = "".join(f"# HELP llamacpp:{n} {h}\n# TYPE llamacpp:{n} {t}\nllamacpp:{n} {v:g}\n"
+                       for t, n, h, v in defs)
+        return Response(text, media_type="text/plain; version=0.0.4")
+
+    @app.post("/apply-template")
+    async def apply_template(request: Request):
+        return {"prompt": await render_prompt(await read_json(request))}
 
     @app.get("/version")
     async def version():

@@ -64,6 +64,7 @@ def server(
     verbose: bool = typer.Option(False, "-v", "--verbose", help="log every request's body and response (as --verbosity 1)"),
     verbosity: int = typer.Option(0, "--verbosity", help="> 0: log every request's body and response (VERB lines)"),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="require this key (Authorization: Bearer KEY) on all endpoints but /health and /v1/models"),
+    metrics: bool = typer.Option(False, "--metrics", help="enable the Prometheus-compatible /metrics endpoint"),
     jinja: bool = typer.Option(False, "--jinja", help="use the Jinja chat template (ikcli always does: the GGUF's, or --chat-template-file)"),
     chat_template_file: Optional[str] = typer.Option(None, "--chat-template-file", help="Jinja chat template to use instead of the GGUF's tokenizer.chat_template"),
     cont_batching: bool = typer.Option(True, "-cb/-nocb", "--cont-batching/--no-cont-batching", help="continuous batching: the slots' tokens decode together (always on in ikcli; -nocb is refused)"),
@@ -118,7 +119,7 @@ def server(
         engine.start()
         app = create_app(engine, m, model_path=path, alias=alias or os.path.basename(path), chat_template=template,
                          api_key=api_key, default_n_predict=n_predict, default_sampling=sampling,
-                         verbose=verbose or verbosity > 0)
+                         verbose=verbose or verbosity > 0, metrics=metrics)
         server_log("INFO", "main", "model loaded")
         bound_host, bound_port = sock.getsockname()[:2]
         info = {"hostname": host, "port": str(bound_port), "n_threads_http": "1"}

@@ -1108,3 +1108,40 @@ def test_logit_bias_and_ignore_eos(server):
     assert oai["choices"][0]["text"] == banned["content"]
     r = httpx.post(server.base + "/completion", json={**body, "ignore_eos": True}, timeout=60)
     assert r.status_code == 200 and r.json()["tokens_predicted"] == 8
+
+
+def test_metrics_and_apply_template(make_model):
+    """/metrics (with metrics on) in llama-server's Prometheus names, counting what ran; 501
+    without; /apply-template returns the rendered prompt."""
+    from engine.config import EngineConfig
+    from engine.model import load_model, quiet_log
+    from engine.serving import ServingEngine
+    from ikcli.defaults import demo_model
+    m = load_model(demo_model(), quiet_log)
+    eng = ServingEngine(m, EngineConfig(demo_model(), n_ctx=256, n_threads=2), 2, quiet_log)
+    eng.start()
+    on = ServerThread(create_app(eng, m, model_path=demo_model(), log_requests=False, metrics=True))
+    off = ServerThread(create_app(eng, m, model_path=demo_model(), log_requests=False))
+    try:
+        assert_error(httpx.get(off.base + "/metrics"), 501, "not_supported_error")
+        d = httpx.post(on.base + "/completion", json={"prompt": "ROMEO:", "n_predict": 5, "temperature": 0}).json()
+        text = httpx.get(on.base + "/metrics").text
+        values = dict(re.findall(r"^llamacpp:(\w+) (\S+)$", text, re.M))
+        assert "# TYPE llamacpp:prompt_tokens_total counter" in text
+        assert "# HELP llamacpp:kv_cache_usage_ratio KV-cache usage. 1 means 100 percent usage." in text
+        assert int(values["prompt_tokens_total"]) == d["tokens_evaluated"]
+        assert int(values["tokens_predicted_total"]) == d["tokens_predicted"] == 5
+        assert float(values["predicted_tokens_seconds"]) > 0 and values["requests_processing"] == "0"
+        again = dict(re.findall(r"^llamacpp:(\w+) (\S+)$", httpx.get(on.base + "/metrics").text, re.M))
+        assert again["predicted_tokens_seconds"] == "0" and again["tokens_predicted_total"] == "5"   # bucket reset
+        msgs = [{"role": "user", "content": "hi there"}]
+        r = httpx.post(on.base + "/apply-template", json={"messages": msgs}).json()
+        from engine.chat_template import render_chat
+        tok = m.tokenizer
+        want = render_chat(msgs, m.file.meta.get("tokenizer.chat_template"), tok.token_to_piece(tok.bos_id, True),
+                           tok.token_to_piece(tok.eos_id, True), True)[0]
+        assert r == {"prompt": want} and "hi there" in want
+    finally:
+        on.stop()
+        off.stop()
+        eng.shutdown()
