@@ -1087,4 +1087,104 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
 
         return stream_response(gen, chunks())
 
+    # ------------------------------------------------------------------- Anthropic Messages API
+    def anthropic_chat(body: dict) -> dict:
+        """An Anthropic Messages request as the OpenAI chat body the chat path reads (text blocks
+        only: images, tools and documents are refused)."""
+        def text_of(v: Any, what: str) -> str:
+            if isinstance(v, str):
+                return v
+            if isinstance(v, list):
+                parts = []
+                for b in v:
+                    if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
+                        kind = b.get("type") if isinstance(b, dict) else type(b).__name__
+                        raise bad_request(f"{what}: content blocks of type '{kind}' are not supported by this server")
+                    parts.append(b["text"])
+                return "".join(parts)
+            raise bad_request(f"{what} must be a string or an array of content blocks")
+
+        messages = _field(body, "messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad_request("'messages' must be a non-empty array")
+        if _field(body, "tools") not in (_MISSING, [], None):
+            raise bad_request("'tools' are not supported by this server")
+        out = []
+        system = _field(body, "system")
+        if system not in (_MISSING, None):
+            out.append({"role": "system", "content": text_of(system, "'system'")})
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+                raise bad_request(f"messages[{i}]: 'role' must be 'user' or 'assistant'")
+            out.append({"role": m["role"], "content": text_of(m.get("content", ""), f"messages[{i}].content")})
+        chat = {"messages": out, "stream": _field(body, "stream", False)}
+        for src, dst in (("max_tokens", "max_tokens"), ("stop_sequences", "stop"), ("temperature", "temperature"),
+                         ("top_p", "top_p"), ("top_k", "top_k")):
+            if _field(body, src) is not _MISSING:
+                chat[dst] = body[src]
+        return chat
+
+    def anthropic_usage(gen: Generation, ev) -> dict:
+        n_prompt, n_gen = counts(gen, 0, ev)
+        fed = ev.timings.prompt_n if ev.timings is not None else n_prompt
+        return {"cache_read_input_tokens": n_prompt - fed, "input_tokens": fed, "output_tokens": n_gen}
+
+    def anthropic_stop(ev) -> tuple[str, Optional[str]]:
+        kind = stop_type(ev)
+        return ("end_turn" if kind in ("eos", "word") else "max_tokens"), (ev.stopping_word or None)
+
+    def asse(event: str, data: dict) -> str:
+        return f"event: {event}\n" + sse(data)
+
+    @app.post("/v1/messages")
+    async def anthropic_messages(request: Request):
+        chat = anthropic_chat(await read_json(request))
+        stream, stop, n_predict = request_basics(chat)
+        params = sampling_params(chat, "chat")
+        prompt = await chat_prompt(chat)
+        gen = Generation()
+        gen.submit(engine, [prompt], params, n_predict, stop, True)
+        msg_id = _rand_id("msg_")
+        if not stream:
+            results = await collect(request, gen)
+            ev = results[0]["final"]
+            text = "".join(results[0]["text"])
+            reason, word = anthropic_stop(ev)
+            return {"id": msg_id, "type": "message", "role": "assistant",
+                    "content": [{"type": "text", "text": text}] if text else [], "model": alias,
+                    "stop_reason": reason, "stop_sequence": word, "usage": anthropic_usage(gen, ev)}
+
+        async def chunks() -> AsyncIterator[str]:
+            yield asse("message_start", {"type": "message_start", "message": {
+                "id": msg_id, "type": "message", "role": "assistant", "content": [], "model": alias,
+                "stop_reason": None, "stop_sequence": None,
+                "usage": {"cache_read_input_tokens": 0, "input_tokens": len(prompt), "output_tokens": 0}}})
+            started = False
+            async for _i, ev in gen.events():
+                if ev.text:
+                    if not started:
+                        yield asse("content_block_start", {"type": "content_block_start", "index": 0,
+                                                           "content_block": {"type": "text", "text": ""}})
+                        started = True
+                    yield asse("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                       "delta": {"type": "text_delta", "text": ev.text}})
+                if gen.engine_failed(ev):
+                    yield asse("error", {"type": "error", "error": {"type": "api_error",
+                                                                    "message": engine_failed_error().message}})
+                    return
+                if ev.done:
+                    if started:
+                        yield asse("content_block_stop", {"type": "content_block_stop", "index": 0})
+                    reason, word = anthropic_stop(ev)
+                    yield asse("message_delta", {"type": "message_delta",
+                                                 "delta": {"stop_reason": reason, "stop_sequence": word},
+                                                 "usage": {"output_tokens": counts(gen, 0, ev)[1]}})
+                    yield asse("message_stop", {"type": "message_stop"})
+
+        return stream_response(gen, chunks())
+
+    @app.post("/v1/messages/count_tokens")
+    async def anthropic_count_tokens(request: Request):
+        return {"input_tokens": len(await chat_prompt(anthropic_chat(await read_json(request))))}
+
     return app

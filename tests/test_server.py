@@ -1145,3 +1145,31 @@ def test_metrics_and_apply_template(make_model):
         on.stop()
         off.stop()
         eng.shutdown()
+
+
+@real
+def test_anthropic_messages(server):
+    """/v1/messages as llama-server answers it (text blocks): the same greedy text as the OpenAI chat
+    endpoint for the same conversation, stop_reason / usage, the streamed event sequence, and
+    /v1/messages/count_tokens; other block types are a 400."""
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hi"}]}]
+    body = {"model": "demo", "max_tokens": 6, "temperature": 0, "system": "Go.", "messages": msgs}   # slots: 64 cells
+    d = httpx.post(server.base + "/v1/messages", json=body, timeout=60).json()
+    oai = httpx.post(server.base + "/v1/chat/completions", json={"messages": [
+        {"role": "system", "content": "Go."}, {"role": "user", "content": "Say hi"}],
+        "max_tokens": 6, "temperature": 0}, timeout=60).json()
+    assert d["type"] == "message" and d["role"] == "assistant" and d["id"].startswith("msg_")
+    assert d["content"] == [{"type": "text", "text": oai["choices"][0]["message"]["content"]}]
+    assert d["stop_reason"] in ("end_turn", "max_tokens") and d["usage"]["output_tokens"] <= 6
+    n_in = httpx.post(server.base + "/v1/messages/count_tokens", json=body).json()["input_tokens"]
+    assert n_in == d["usage"]["input_tokens"] + d["usage"]["cache_read_input_tokens"] == oai["usage"]["prompt_tokens"]
+    with httpx.stream("POST", server.base + "/v1/messages", json={**body, "stream": True}, timeout=60) as r:
+        lines = [ln for ln in r.iter_lines() if ln]
+    names = [ln[7:] for ln in lines if ln.startswith("event: ")]
+    assert names[0] == "message_start" and names[1] == "content_block_start" and names[-3:] == [
+        "content_block_stop", "message_delta", "message_stop"]
+    deltas = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: ")]
+    assert "".join(e["delta"]["text"] for e in deltas if e["type"] == "content_block_delta") == d["content"][0]["text"]
+    r = httpx.post(server.base + "/v1/messages", json={**body, "messages": [
+        {"role": "user", "content": [{"type": "image", "source": {}}]}]})
+    assert r.status_code == 400 and "content blocks of type 'image' are not supported" in r.text
