@@ -417,8 +417,10 @@ class _AccessLogAndAuth:
 
     PUBLIC = {"/health", "/v1/health", "/models", "/v1/models"}
 
-    def __init__(self, app, api_key: Optional[str], log_requests: bool, verbose: bool = False) -> None:
-        self.app, self.api_key, self.log_requests, self.verbose = app, api_key, log_requests, verbose
+    def __init__(self, app, api_key, log_requests: bool, verbose: bool = False) -> None:
+        # api_key: one key or a list of keys (any of them is accepted), None: no check
+        keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+        self.app, self.api_key, self.log_requests, self.verbose = app, keys, log_requests, verbose
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -459,7 +461,10 @@ class _AccessLogAndAuth:
                 headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
                 auth = headers.get("authorization", "")
                 given = auth[7:].strip() if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
-                if not secrets.compare_digest(given.encode(), self.api_key.encode()):
+                ok = False
+                for k in self.api_key:          # every key compared: no early exit to time
+                    ok |= secrets.compare_digest(given.encode(), k.encode())
+                if not ok:
                     await error_response(401, "Invalid API Key", "authentication_error")(scope, receive, send_wrapper)
                     return
             try:
@@ -489,7 +494,7 @@ class _AccessLogAndAuth:
 def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str] = None,
                params_from_request: Optional[Callable[[dict], Any]] = None,
                render_chat: Optional[Callable] = None, chat_template: Optional[str] = None,
-               api_key: Optional[str] = None, default_n_predict: int = -1,
+               api_key: Optional[str | list[str]] = None, default_n_predict: int = -1,
                default_sampling: Optional[dict] = None, log_requests: bool = True, verbose: bool = False,
                metrics: bool = False) -> FastAPI:
     """The FastAPI app serving `engine` (a started ServingEngine or anything with its interface).

@@ -10,7 +10,7 @@ import os
 import signal
 import socket
 import sys
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -63,7 +63,8 @@ def server(
     penalize_nl: bool = typer.Option(False, "--penalize-nl", help="penalize the newline token too"),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="log every request's body and response (as --verbosity 1)"),
     verbosity: int = typer.Option(0, "--verbosity", help="> 0: log every request's body and response (VERB lines)"),
-    api_key: Optional[str] = typer.Option(None, "--api-key", help="require this key (Authorization: Bearer KEY) on all endpoints but /health and /v1/models"),
+    api_key: List[str] = typer.Option([], "--api-key", help="require this key (Authorization: Bearer KEY) on all endpoints but /health and /v1/models; repeatable"),
+    api_key_file: Optional[str] = typer.Option(None, "--api-key-file", help="a file of API keys, one per line (added to --api-key's)"),
     metrics: bool = typer.Option(False, "--metrics", help="enable the Prometheus-compatible /metrics endpoint"),
     jinja: bool = typer.Option(False, "--jinja", help="use the Jinja chat template (ikcli always does: the GGUF's, or --chat-template-file)"),
     chat_template_file: Optional[str] = typer.Option(None, "--chat-template-file", help="Jinja chat template to use instead of the GGUF's tokenizer.chat_template"),
@@ -88,6 +89,13 @@ def server(
                                  repeat_last_n=repeat_last_n, repeat_penalty=repeat_penalty,
                                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                  penalize_nl=penalize_nl)
+    keys = [k for k in api_key]
+    if api_key_file is not None:
+        try:
+            with open(api_key_file, encoding="utf-8") as fh:
+                keys += [ln.rstrip("\r\n") for ln in fh if ln.rstrip("\r\n")]
+        except OSError as e:
+            raise CliError(f"failed to open file '{api_key_file}': {e.strerror}") from None
     template = None
     if chat_template_file is not None:
         try:
@@ -118,13 +126,15 @@ def server(
         engine = ServingEngine(m, cfg, parallel, common.log, common.new_context(m, cfg, flags, n_seq=parallel))
         engine.start()
         app = create_app(engine, m, model_path=path, alias=alias or os.path.basename(path), chat_template=template,
-                         api_key=api_key, default_n_predict=n_predict, default_sampling=sampling,
+                         api_key=keys or None, default_n_predict=n_predict, default_sampling=sampling,
                          verbose=verbose or verbosity > 0, metrics=metrics)
         server_log("INFO", "main", "model loaded")
         bound_host, bound_port = sock.getsockname()[:2]
         info = {"hostname": host, "port": str(bound_port), "n_threads_http": "1"}
-        if api_key:
-            info["api_key"] = "api_key: ****" + api_key[-4:]
+        if len(keys) == 1:      # as llama-server logs them
+            info["api_key"] = "api_key: ****" + keys[0][-4:]
+        elif keys:
+            info["api_key"] = f"api_key: {len(keys)} keys loaded"
         server_log("INFO", "main", "HTTP server listening", info)
         prev_term = signal.getsignal(signal.SIGTERM)
 

@@ -540,6 +540,7 @@ def test_cli_errors_before_loading(capsys):
                           (["-np", "0"], "--parallel must be >= 1"),
                           (["--port", "70000"], "--port must be between 0 and 65535"),
                           (["--chat-template-file", "/no/such/file.jinja"], "cannot read chat template file"),
+                          (["--api-key-file", "/no/such/keys.txt"], "failed to open file '/no/such/keys.txt'"),
                           (["--top-p", "1.5"], "--top-p: Sampling parameter 'top_p' must be between 0 and 1"),
                           (["--repeat-penalty", "0"], "--repeat-penalty: Sampling parameter 'repeat_penalty' must be > 0")):
             with pytest.raises(SystemExit) as e:
@@ -1173,3 +1174,15 @@ def test_anthropic_messages(server):
     r = httpx.post(server.base + "/v1/messages", json={**body, "messages": [
         {"role": "user", "content": [{"type": "image", "source": {}}]}]})
     assert r.status_code == 400 and "content blocks of type 'image' are not supported" in r.text
+
+
+def test_several_api_keys():
+    """--api-key repeated and --api-key-file: any of the keys opens the endpoints, others do not."""
+    srv = ServerThread(_fake_app(FakeEngine(), api_key=["key-one", "key-two"], log_requests=False))
+    try:
+        for key, code in (("key-one", 200), ("key-two", 200), ("key-three", 401), (None, 401)):
+            r = httpx.post(srv.base + "/completion", json={"prompt": "x", "n_predict": 1},
+                           headers={"Authorization": f"Bearer {key}"} if key else {})
+            assert r.status_code == code, key
+    finally:
+        srv.stop()
