@@ -226,6 +226,10 @@ def _attend_range(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, 
     rl = rlo[r0:r1]
     maxpos = rp.max()
     minlo = rl.min()
+    # row r sees cell position c iff rl < c <= rp: one unsigned compare, (rp - c) < (rp - rl)
+    span = np.empty(R, dtype=np.uint64)
+    for r in range(R):
+        span[r] = np.uint64(rp[r] - rl[r])
     for g in range(hkv):
         m[g, s, r0:r1] = -np.inf
         l[g, s, r0:r1] = 0.0
@@ -233,7 +237,7 @@ def _attend_range(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, 
     for j0 in range(c0, c1, B):
         nb = min(B, c1 - j0)
         cp = cell_pos[j0:j0 + nb]
-        if cp.min() > maxpos or cp.max() <= minlo:
+        if cp.min() > maxpos or (minlo > NO_WINDOW and cp.max() <= minlo):
             continue                      # no row sees any of these cells
         if hkv > 1:                       # the heads' slices of a row are read far apart in
             nn = min(B, c1 - j0 - B)      # time, which the hardware prefetchers miss (~15 %)
@@ -264,7 +268,7 @@ def _attend_range(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, 
                 sb = S[b]
                 cb = cp[b]
                 for r in range(R):
-                    if cb <= rp[r] and cb > rl[r]:
+                    if np.uint64(rp[r] - cb) < span[r]:
                         mnew[r] = max(mnew[r], sb[r])
             for r in range(R):
                 if mnew[r] > mg[r]:       # rescale only when the running max moved (rare)
@@ -278,7 +282,8 @@ def _attend_range(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, 
                 sb = S[b]
                 cb = cp[b]
                 for r in range(R):        # rows that saw nothing yet (m = -inf) add nothing
-                    p = _exp2(sb[r] - mg[r]) if cb <= rp[r] and cb > rl[r] and mg[r] > -np.inf else np.float32(0.0)
+                    p = _exp2(sb[r] - mg[r]) if np.uint64(rp[r] - cb) < span[r] and mg[r] > -np.inf \
+                        else np.float32(0.0)
                     sb[r] = p
                     lg[r] += p
             S[nb:] = 0.0

@@ -55,12 +55,6 @@ def _read_file_into(path: str, mem: np.ndarray) -> None:
             done += n
 
 
-def _libc():
-    import ctypes
-    import ctypes.util
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-
-
 _KV_TYPES = {bool: "bool", int: "int", float: "float", str: "str"}
 
 
@@ -240,10 +234,11 @@ class ModelFile:
         """mlock every file's memory (--mlock); where the limit is too low, llama.cpp's warning
         and the run goes on unlocked."""
         import ctypes
-        libc = _libc()
+
+        from .numa import libc
         done = 0
         for m in self.maps:
-            if libc.mlock(ctypes.c_void_p(m.ctypes.data), ctypes.c_size_t(m.size)) != 0:
+            if libc().mlock(ctypes.c_void_p(m.ctypes.data), ctypes.c_size_t(m.size)) != 0:
                 err = ctypes.get_errno()
                 log(f"warning: failed to mlock {m.size}-byte buffer (after previously locking {done} bytes): "
                     f"{os.strerror(err)}\nTry increasing RLIMIT_MEMLOCK ('ulimit -l' as root).")

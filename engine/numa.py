@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import glob
 import os
 import re
@@ -32,7 +33,7 @@ def topology() -> list[list[int]]:
 
 
 def current_node(nodes: list[list[int]]) -> int:
-    cpu = _libc().sched_getcpu()
+    cpu = libc().sched_getcpu()
     return next((i for i, cpus in enumerate(nodes) if cpu in cpus), 0)
 
 
@@ -49,13 +50,15 @@ def thread_cpus(strategy: str, n_threads: int, nodes: list[list[int]], node_now:
     return [set(nodes[i % len(nodes)]) for i in range(n_threads)]
 
 
-def _libc():
+@functools.lru_cache(maxsize=1)
+def libc():
+    """The C library through ctypes (errno kept), for the calls Python's os module lacks."""
     lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    lib.sched_getcpu.restype = ctypes.c_int
+    lib.sched_getcpu.restype, lib.sched_getcpu.argtypes = ctypes.c_int, ()
     return lib
 
 
-_setaffinity = _libc().sched_setaffinity
+_setaffinity = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").sched_setaffinity   # own handle: Numba calls it
 _setaffinity.argtypes = (ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t)   # the mask by address
 _setaffinity.restype = ctypes.c_int
 

@@ -82,8 +82,8 @@ def _is_value_like(a: str) -> bool:
 
 def numa_nodes() -> int:
     """NUMA nodes of this machine (1 where the kernel does not say)."""
-    import glob
-    return max(1, len(glob.glob("/sys/devices/system/node/node[0-9]*")))
+    from engine.numa import topology
+    return max(1, len(topology()))
 
 
 def parse_numa(mode: Optional[str]) -> str:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import cli
+from engine.numa import libc
 
 NODES = [[0, 1, 2, 3], [4, 5, 6, 7]]
 
@@ -22,15 +23,7 @@ def test_thread_cpus_follow_ggml():
         thread_cpus("spread", 2, NODES, 0, {0})
 
 
-def _libc_getcpu():
-    import ctypes
-    import ctypes.util
-    f = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").sched_getcpu
-    f.restype, f.argtypes = ctypes.c_int, ()
-    return f
-
-
-_getcpu = _libc_getcpu()
+_getcpu = libc().sched_getcpu   # a ctypes function Numba can call
 
 
 @numba.njit(parallel=True)

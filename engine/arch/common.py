@@ -8,6 +8,7 @@ import numpy as np
 from quant.matmul import get_rows
 from quant.tensor import QTensor
 
+from ..attention import standard_attention
 from ..hparams import HParams
 from ..linear import matmul      # observed: imatrix --process-output / -lsim record the output tensor
 from ..ops import rms_norm
@@ -61,6 +62,24 @@ class Head:
         if not np.isfinite(h).all():     # else quantizing the activations for the output would hide it
             raise FloatingPointError("the hidden state reached the output layer with NaN or infinite values")
         return matmul(self.output, h)
+
+
+def cached_attention(ub: UBatch, cache, il: int, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                     kq_scale: float, opts: RunOptions, window: int = 0,
+                     sinks: np.ndarray | None = None) -> np.ndarray:
+    """Layer il of a standard (K rows, V rows) cache: this micro-batch's k (T, Hkv, dk) and
+    v (T, Hkv, dv) written into the cache of each sequence segment, then q (T, H, dk) attends over
+    it (window: a sliding window; sinks: gpt-oss's per-head sink logits).  Returns (T, H, dv)."""
+    T, H, dk = q.shape
+    hkv, dv = v.shape[1], v.shape[2]
+    a = np.empty((T, H, dv), dtype=np.float32)
+    for sg in ub.segs(cache):
+        lc, sl = sg.cache.layers[il], slice(sg.t0, sg.t1)
+        lc.k.write(sg.cell0, k[sl].reshape(sg.t1 - sg.t0, -1))
+        lc.v.write(sg.cell0, v[sl].reshape(sg.t1 - sg.t0, -1))
+        a[sl] = standard_attention(np.ascontiguousarray(q[sl]), lc, sg.cache.n, hkv, dk, dv, sg.cache.pos,
+                                   ub.pos[sl], kq_scale, opts.flash_attn, opts.amb_bytes, window=window, sinks=sinks)
+    return a
 
 
 def rope_tables(hp: HParams, pos: np.ndarray, attn_factor: float, freq_factors: np.ndarray | None = None):

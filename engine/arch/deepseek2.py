@@ -24,7 +24,7 @@ from quant.matmul import dequantize, quantize_tensor
 from quant.tensor import QTensor, f32_qtensor
 from quant.types import BF16, F16, F32, Q8_0, type_info
 
-from ..attention import causal_attention, split_heads_for_decompression, standard_attention
+from ..attention import causal_attention, split_heads_for_decompression
 from ..ffn import MoEWeights, ffn_silu, moe_ffn
 from ..gguf_file import ModelFileError
 from ..hparams import HParams, rope_attn_factor, yarn_kq_scale
@@ -32,7 +32,7 @@ from ..kv_cache import KVCache, LayerCache, RowStore
 from ..linear import matmul, matmul_id
 from ..ops import rms_norm
 from ..rope import apply_rope
-from .common import Head, RunOptions, UBatch, check_moe_shapes, rope_tables
+from .common import Head, RunOptions, UBatch, cached_attention, check_moe_shapes, rope_tables
 
 PP_DECOMPRESS_MIN_TOKENS = 128   # ik_llama.cpp's threshold for decompressed prompt processing (-mla 2/3)
 
@@ -190,13 +190,7 @@ class DeepSeek2Arch:
             k = np.empty((T, H, dk), dtype=np.float32)
             k[:, :, :nope] = kv[:, :, :nope]
             k[:, :, nope:] = k_pe
-            v = kv[:, :, nope:].reshape(T, -1)
-            for sg in ub.segs(cache):
-                lc, sl = sg.cache.layers[il], slice(sg.t0, sg.t1)
-                lc.k.write(sg.cell0, k[sl].reshape(sg.t1 - sg.t0, -1))
-                lc.v.write(sg.cell0, v[sl])
-                a[sl] = standard_attention(np.ascontiguousarray(q[sl]), lc, sg.cache.n, H, dk, dv, sg.cache.pos,
-                                           ub.pos[sl], self.kq_scale, opts.flash_attn, opts.amb_bytes)
+            a = cached_attention(ub, cache, il, q, k, kv[:, :, nope:], self.kq_scale, opts)
         else:
             row = np.empty((T, lora + rope), dtype=np.float32)
             row[:, :lora] = c

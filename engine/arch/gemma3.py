@@ -8,13 +8,12 @@ import math
 
 import numpy as np
 
-from ..attention import standard_attention
 from ..hparams import HParams, rope_attn_factor
 from ..kv_cache import KVCache
 from ..linear import matmul
 from ..ops import gelu, rms_norm
 from ..rope import apply_rope, rope_cos_sin
-from .common import Head, RunOptions, UBatch, rope_tables
+from .common import Head, RunOptions, UBatch, cached_attention, rope_tables
 
 SWA_PATTERN = 6            # layer il slides unless (il + 1) % 6 == 0
 LOCAL_ROPE_BASE = 10000.0
@@ -70,15 +69,7 @@ class Gemma3Arch:
             v = matmul(L["wv"], h).reshape(T, hp.n_head_kv, hp.n_embd_head_v)
             apply_rope(q, cos, sin, hp.rope_neox)
             apply_rope(k, cos, sin, hp.rope_neox)
-            a = np.empty((T, hp.n_head, hp.n_embd_head_v), dtype=np.float32)
-            for sg in ub.segs(cache):
-                lc, sl = sg.cache.layers[il], slice(sg.t0, sg.t1)
-                lc.k.write(sg.cell0, k[sl].reshape(sg.t1 - sg.t0, -1))
-                lc.v.write(sg.cell0, v[sl].reshape(sg.t1 - sg.t0, -1))
-                a[sl] = standard_attention(np.ascontiguousarray(q[sl]), lc, sg.cache.n, hp.n_head_kv,
-                                           hp.n_embd_head_k, hp.n_embd_head_v, sg.cache.pos, ub.pos[sl],
-                                           self.kq_scale, opts.flash_attn, opts.amb_bytes,
-                                           window=hp.n_swa if sliding else 0)
+            a = cached_attention(ub, cache, il, q, k, v, self.kq_scale, opts, hp.n_swa if sliding else 0)
             x = x + rms_norm(matmul(L["wo"], a.reshape(T, -1)), L["attn_post_norm"], eps)
             h = rms_norm(x, L["ffn_norm"], eps)
             y = gelu(matmul(L["gate"], h))

@@ -7,7 +7,6 @@ import numpy as np
 
 from quant.tensor import f32_qtensor
 
-from ..attention import standard_attention
 from ..ffn import MoEWeights, ffn_silu, moe_ffn
 from ..gguf_file import ModelFileError
 from ..hparams import GATING_SOFTMAX, HParams, yarn_kq_scale, rope_attn_factor
@@ -15,7 +14,7 @@ from ..kv_cache import KVCache
 from ..linear import matmul
 from ..ops import rms_norm, sigmoid
 from ..rope import apply_rope
-from .common import Head, RunOptions, UBatch, check_moe_shapes, rope_tables
+from .common import Head, RunOptions, UBatch, cached_attention, check_moe_shapes, rope_tables
 
 
 class LlamaArch:
@@ -101,15 +100,7 @@ class LlamaArch:
             q, k = self.qk_norm(L, q, k)
             apply_rope(q[..., :hp.n_rot], cos, sin, hp.rope_neox)     # partial RoPE (glm4moe): the first n_rot
             apply_rope(k[..., :hp.n_rot], cos, sin, hp.rope_neox)     # values of each head, in place
-            a = np.empty((T, hp.n_head, hp.n_embd_head_v), dtype=np.float32)
-            for sg in ub.segs(cache):
-                lc, sl = sg.cache.layers[il], slice(sg.t0, sg.t1)
-                lc.k.write(sg.cell0, k[sl].reshape(sg.t1 - sg.t0, -1))
-                lc.v.write(sg.cell0, v[sl].reshape(sg.t1 - sg.t0, -1))
-                a[sl] = standard_attention(np.ascontiguousarray(q[sl]), lc, sg.cache.n, hp.n_head_kv, hp.n_embd_head_k,
-                                           hp.n_embd_head_v, sg.cache.pos, ub.pos[sl], self.kq_scale,
-                                           opts.flash_attn, opts.amb_bytes, window=self.layer_window(il),
-                                           sinks=L["sinks"])
+            a = cached_attention(ub, cache, il, q, k, v, self.kq_scale, opts, self.layer_window(il), L["sinks"])
             x = x + _biased(matmul(L["wo"], a.reshape(T, -1)), L["bo"])
             h = rms_norm(x, L["ffn_norm"], hp.rms_eps)
             if "moe" in L:
