@@ -183,6 +183,39 @@ def _embedding_and_head(w: _Writer, s: Shape, n_vocab: int) -> None:
     w.mat("output.weight", n_vocab, s.n_embd, scale=2.0)
 
 
+def _attention(w: _Writer, p: str, s: Shape, hd: int, E: int, biases: bool = False, qk_norm: bool = False) -> None:
+    """q / k / v / output projections of heads of hd values (then q/k/v biases, per-head q/k
+    norms where the family has them), drawn in this order by every builder that uses it."""
+    w.mat(p + "attn_q.weight", s.n_head * hd, E, scale=2.0)
+    w.mat(p + "attn_k.weight", s.n_head_kv * hd, E, scale=2.0)
+    w.mat(p + "attn_v.weight", s.n_head_kv * hd, E)
+    if biases:
+        for n, rows in (("q", s.n_head * hd), ("k", s.n_head_kv * hd), ("v", s.n_head_kv * hd)):
+            w.vec(p + f"attn_{n}.bias", rows, base=0.0, noise=0.5)
+    if qk_norm:
+        w.vec(p + "attn_q_norm.weight", hd, noise=0.3)
+        w.vec(p + "attn_k_norm.weight", hd, noise=0.3)
+    w.mat(p + "attn_output.weight", E, s.n_head * hd, scale=0.5)
+
+
+def _ffn(w: _Writer, p: str, E: int, F: int, suffix: str = "") -> None:
+    """A SiLU-gated FFN of width F (suffix "_shexp": a shared expert)."""
+    w.mat(p + f"ffn_gate{suffix}.weight", F, E)
+    w.mat(p + f"ffn_up{suffix}.weight", F, E)
+    w.mat(p + f"ffn_down{suffix}.weight", E, F, scale=0.5)
+
+
+def _experts(w: _Writer, p: str, X: int, E: int, F: int, probs_b: float = 0.0) -> None:
+    """The router and X routed experts of width F (probs_b > 0: the selection bias exp_probs_b,
+    of that spread)."""
+    w.mat(p + "ffn_gate_inp.weight", X, E, scale=3.0, keep_f32=True)
+    if probs_b:
+        w.vec(p + "exp_probs_b.bias", X, base=0.0, noise=probs_b)
+    w.mat(p + "ffn_gate_exps.weight", X, F, E)
+    w.mat(p + "ffn_up_exps.weight", X, F, E)
+    w.mat(p + "ffn_down_exps.weight", X, E, F, scale=0.5)
+
+
 def build_llama(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int) -> None:
     a = "llama"
     _common_kv(gw, a, s, n_vocab, 1e-5)
@@ -196,21 +229,12 @@ def build_llama(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int) -> None
     for i in range(s.n_layer):
         p = f"blk.{i}."
         w.vec(p + "attn_norm.weight", E)
-        w.mat(p + "attn_q.weight", s.n_head * s.head_dim, E, scale=2.0)
-        w.mat(p + "attn_k.weight", s.n_head_kv * s.head_dim, E, scale=2.0)
-        w.mat(p + "attn_v.weight", s.n_head_kv * s.head_dim, E)
-        w.mat(p + "attn_output.weight", E, s.n_head * s.head_dim, scale=0.5)
+        _attention(w, p, s, s.head_dim, E)
         w.vec(p + "ffn_norm.weight", E)
-        if s.llama_moe:
-            w.mat(p + "ffn_gate_inp.weight", s.n_expert, E, scale=3.0, keep_f32=True)
-            # llama's experts are feed_forward_length wide (no separate expert length key)
-            w.mat(p + "ffn_gate_exps.weight", s.n_expert, s.n_ff, E)
-            w.mat(p + "ffn_up_exps.weight", s.n_expert, s.n_ff, E)
-            w.mat(p + "ffn_down_exps.weight", s.n_expert, E, s.n_ff, scale=0.5)
+        if s.llama_moe:      # llama's experts are feed_forward_length wide (no separate expert length key)
+            _experts(w, p, s.n_expert, E, s.n_ff)
         else:
-            w.mat(p + "ffn_gate.weight", s.n_ff, E)
-            w.mat(p + "ffn_up.weight", s.n_ff, E)
-            w.mat(p + "ffn_down.weight", E, s.n_ff, scale=0.5)
+            _ffn(w, p, E, s.n_ff)
 
 
 def build_qwen3(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int, moe: bool) -> None:
@@ -230,22 +254,12 @@ def build_qwen3(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int, moe: bo
     for i in range(s.n_layer):
         p = f"blk.{i}."
         w.vec(p + "attn_norm.weight", E)
-        w.mat(p + "attn_q.weight", s.n_head * hd, E, scale=2.0)
-        w.mat(p + "attn_k.weight", s.n_head_kv * hd, E, scale=2.0)
-        w.mat(p + "attn_v.weight", s.n_head_kv * hd, E)
-        w.vec(p + "attn_q_norm.weight", hd, noise=0.3)
-        w.vec(p + "attn_k_norm.weight", hd, noise=0.3)
-        w.mat(p + "attn_output.weight", E, s.n_head * hd, scale=0.5)
+        _attention(w, p, s, hd, E, qk_norm=True)
         w.vec(p + "ffn_norm.weight", E)
         if moe:
-            w.mat(p + "ffn_gate_inp.weight", s.n_expert, E, scale=3.0, keep_f32=True)
-            w.mat(p + "ffn_gate_exps.weight", s.n_expert, s.n_ff_exp, E)
-            w.mat(p + "ffn_up_exps.weight", s.n_expert, s.n_ff_exp, E)
-            w.mat(p + "ffn_down_exps.weight", s.n_expert, E, s.n_ff_exp, scale=0.5)
+            _experts(w, p, s.n_expert, E, s.n_ff_exp)
         else:
-            w.mat(p + "ffn_gate.weight", s.n_ff, E)
-            w.mat(p + "ffn_up.weight", s.n_ff, E)
-            w.mat(p + "ffn_down.weight", E, s.n_ff, scale=0.5)
+            _ffn(w, p, E, s.n_ff)
 
 
 def build_qwen2(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int, moe: bool) -> None:
@@ -265,26 +279,14 @@ def build_qwen2(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int, moe: bo
     for i in range(s.n_layer):
         p = f"blk.{i}."
         w.vec(p + "attn_norm.weight", E)
-        w.mat(p + "attn_q.weight", s.n_head * hd, E, scale=2.0)
-        w.mat(p + "attn_k.weight", s.n_head_kv * hd, E, scale=2.0)
-        w.mat(p + "attn_v.weight", s.n_head_kv * hd, E)
-        for n, rows in (("q", s.n_head * hd), ("k", s.n_head_kv * hd), ("v", s.n_head_kv * hd)):
-            w.vec(p + f"attn_{n}.bias", rows, base=0.0, noise=0.5)
-        w.mat(p + "attn_output.weight", E, s.n_head * hd, scale=0.5)
+        _attention(w, p, s, hd, E, biases=True)
         w.vec(p + "ffn_norm.weight", E)
         if moe:
-            w.mat(p + "ffn_gate_inp.weight", s.n_expert, E, scale=3.0, keep_f32=True)
-            w.mat(p + "ffn_gate_exps.weight", s.n_expert, s.n_ff_exp, E)
-            w.mat(p + "ffn_up_exps.weight", s.n_expert, s.n_ff_exp, E)
-            w.mat(p + "ffn_down_exps.weight", s.n_expert, E, s.n_ff_exp, scale=0.5)
+            _experts(w, p, s.n_expert, E, s.n_ff_exp)
             w.vec(p + "ffn_gate_inp_shexp.weight", E, base=0.0, noise=0.3)
-            w.mat(p + "ffn_gate_shexp.weight", 2 * s.n_ff_exp, E)
-            w.mat(p + "ffn_up_shexp.weight", 2 * s.n_ff_exp, E)
-            w.mat(p + "ffn_down_shexp.weight", E, 2 * s.n_ff_exp, scale=0.5)
+            _ffn(w, p, E, 2 * s.n_ff_exp, "_shexp")
         else:
-            w.mat(p + "ffn_gate.weight", s.n_ff, E)
-            w.mat(p + "ffn_up.weight", s.n_ff, E)
-            w.mat(p + "ffn_down.weight", E, s.n_ff, scale=0.5)
+            _ffn(w, p, E, s.n_ff)
 
 
 def build_gemma3(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int) -> None:
@@ -304,17 +306,10 @@ def build_gemma3(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int) -> Non
     for i in range(s.n_layer):
         p = f"blk.{i}."
         w.vec(p + "attn_norm.weight", E)
-        w.mat(p + "attn_q.weight", s.n_head * hd, E, scale=2.0)
-        w.mat(p + "attn_k.weight", s.n_head_kv * hd, E, scale=2.0)
-        w.mat(p + "attn_v.weight", s.n_head_kv * hd, E)
-        w.vec(p + "attn_q_norm.weight", hd, noise=0.3)
-        w.vec(p + "attn_k_norm.weight", hd, noise=0.3)
-        w.mat(p + "attn_output.weight", E, s.n_head * hd, scale=0.5)
+        _attention(w, p, s, hd, E, qk_norm=True)
         w.vec(p + "post_attention_norm.weight", E, base=0.5)
         w.vec(p + "ffn_norm.weight", E)
-        w.mat(p + "ffn_gate.weight", s.n_ff, E)
-        w.mat(p + "ffn_up.weight", s.n_ff, E)
-        w.mat(p + "ffn_down.weight", E, s.n_ff, scale=0.5)
+        _ffn(w, p, E, s.n_ff)
         w.vec(p + "post_ffw_norm.weight", E, base=0.5)
 
 
@@ -384,26 +379,13 @@ def build_glm4moe(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int) -> No
     for i in range(n_layer):
         p = f"blk.{i}."
         w.vec(p + "attn_norm.weight", E)
-        w.mat(p + "attn_q.weight", s.n_head * hd, E, scale=2.0)
-        w.mat(p + "attn_k.weight", s.n_head_kv * hd, E, scale=2.0)
-        w.mat(p + "attn_v.weight", s.n_head_kv * hd, E)
-        for n, rows in (("q", s.n_head * hd), ("k", s.n_head_kv * hd), ("v", s.n_head_kv * hd)):
-            w.vec(p + f"attn_{n}.bias", rows, base=0.0, noise=0.5)
-        w.mat(p + "attn_output.weight", E, s.n_head * hd, scale=0.5)
+        _attention(w, p, s, hd, E, biases=True)
         w.vec(p + "post_attention_norm.weight", E)
         if i < s.n_dense_lead:
-            w.mat(p + "ffn_gate.weight", s.n_ff, E)
-            w.mat(p + "ffn_up.weight", s.n_ff, E)
-            w.mat(p + "ffn_down.weight", E, s.n_ff, scale=0.5)
+            _ffn(w, p, E, s.n_ff)
             continue
-        w.mat(p + "ffn_gate_inp.weight", s.n_expert, E, scale=3.0, keep_f32=True)
-        w.vec(p + "exp_probs_b.bias", s.n_expert, base=0.0, noise=0.3)
-        w.mat(p + "ffn_gate_exps.weight", s.n_expert, s.n_ff_exp, E)
-        w.mat(p + "ffn_up_exps.weight", s.n_expert, s.n_ff_exp, E)
-        w.mat(p + "ffn_down_exps.weight", s.n_expert, E, s.n_ff_exp, scale=0.5)
-        w.mat(p + "ffn_gate_shexp.weight", s.n_ff_exp, E)
-        w.mat(p + "ffn_up_shexp.weight", s.n_ff_exp, E)
-        w.mat(p + "ffn_down_shexp.weight", E, s.n_ff_exp, scale=0.5)
+        _experts(w, p, s.n_expert, E, s.n_ff_exp, probs_b=0.3)
+        _ffn(w, p, E, s.n_ff_exp, "_shexp")
         if i == n_layer - 1:                                     # the NextN layer's own tensors
             w.vec(p + "nextn.enorm.weight", E)
             w.vec(p + "nextn.hnorm.weight", E)
@@ -472,21 +454,11 @@ def build_deepseek2(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int, lay
         w.mat(p + "attn_output.weight", E, H * dv, scale=0.5)
         w.vec(p + "ffn_norm.weight", E)
         if i < s.n_dense_lead:
-            w.mat(p + "ffn_gate.weight", s.n_ff, E)
-            w.mat(p + "ffn_up.weight", s.n_ff, E)
-            w.mat(p + "ffn_down.weight", E, s.n_ff, scale=0.5)
+            _ffn(w, p, E, s.n_ff)
         else:
-            w.mat(p + "ffn_gate_inp.weight", s.n_expert, E, scale=3.0, keep_f32=True)
-            if s.gating == 2:
-                w.vec(p + "exp_probs_b.bias", s.n_expert, base=0.0, noise=0.05)
-            w.mat(p + "ffn_gate_exps.weight", s.n_expert, s.n_ff_exp, E)
-            w.mat(p + "ffn_up_exps.weight", s.n_expert, s.n_ff_exp, E)
-            w.mat(p + "ffn_down_exps.weight", s.n_expert, E, s.n_ff_exp, scale=0.5)
+            _experts(w, p, s.n_expert, E, s.n_ff_exp, probs_b=0.05 if s.gating == 2 else 0.0)
             if s.n_expert_shared:
-                f = s.n_ff_exp * s.n_expert_shared
-                w.mat(p + "ffn_gate_shexp.weight", f, E)
-                w.mat(p + "ffn_up_shexp.weight", f, E)
-                w.mat(p + "ffn_down_shexp.weight", E, f, scale=0.5)
+                _ffn(w, p, E, s.n_ff_exp * s.n_expert_shared, "_shexp")
 
 
 def write_model(path: str, arch: str = "deepseek2", layout: str = "ik", qtype: str = "f16",
