@@ -213,18 +213,23 @@ def test_requantize_needs_flag(make_model, tmp_path, capsys):
     assert types_of(str(out))[0]["blk.0.attn_q.weight"] == 2
 
 
+def _fail_on_write(monkeypatch, k: int, exc: BaseException) -> None:
+    """The k-th tensor written by quantize raises exc (an interrupt, a full disk)."""
+    calls = []
+
+    def emit(writer, data):
+        calls.append(1)
+        if len(calls) == k:
+            raise exc
+        writer.write_tensor_data(data)
+
+    monkeypatch.setattr(quantize_cmd, "_emit", emit)
+
+
 def test_interrupt_leaves_no_file(make_model, tmp_path, capsys, monkeypatch):
     src = make_model(arch="llama", qtype="f16")
     out = tmp_path / "i.gguf"
-    calls = []
-
-    def boom(writer, data):
-        calls.append(1)
-        if len(calls) == 5:
-            raise KeyboardInterrupt
-        writer.write_tensor_data(data)
-
-    monkeypatch.setattr(quantize_cmd, "_emit", boom)
+    _fail_on_write(monkeypatch, 5, KeyboardInterrupt())
     code, _, err = cli(capsys, "quantize", src, str(out), "q8_0")
     assert code == 130
     assert os.listdir(tmp_path) == []
@@ -343,15 +348,7 @@ def test_full_disk_names_the_output_and_removes_the_temp_file(make_model, tmp_pa
                                                                reason):
     src = make_model(arch="llama", qtype="f16")
     out = tmp_path / "full.gguf"
-    calls = []
-
-    def full(writer, data):
-        calls.append(1)
-        if len(calls) == 3:
-            raise exc
-        writer.write_tensor_data(data)
-
-    monkeypatch.setattr(quantize_cmd, "_emit", full)
+    _fail_on_write(monkeypatch, 3, exc)
     code, _, err = cli(capsys, "quantize", src, str(out), "q8_0")
     assert code == 1
     lines = [ln for ln in err.strip().splitlines() if ln.startswith("ikcli: error:")]

@@ -51,9 +51,13 @@ def test_warm_up_leaves_an_empty_cache_and_records_types(record_dir, make_model)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "IQ2_K_R4", "Q8_0", "F16"])
-def test_compile_kernels_runs_every_path(qtype):
-    """compile_kernels on a 3-D (expert) tensor of each family: no error, w untouched."""
-    from quant.matmul import compile_kernels
+def test_compile_kernels_runs_every_path(qtype, monkeypatch):
+    """compile_kernels on a 3-D (expert) tensor of each family: w untouched, and the plain, the
+    per-expert and the fused up/gate products each run at one token, at the count from which the
+    integer GEMM (or the tile path) takes over, and past the threaded-BLAS threshold."""
+    import quant.matmul as M
+    from quant import gemm as G
+    from quant import kernels as K
     from quant.reference import quantize
     from quant.tensor import QTensor
     from quant.types import type_info
@@ -62,8 +66,18 @@ def test_compile_kernels_runs_every_path(qtype):
     raw = quantize(w, ti.id)
     q = QTensor.from_raw(raw, ti.id, (2, 32, 256))
     before = q.data.copy()
-    compile_kernels(q)
+    seen: dict[str, set[int]] = {"matmul": set(), "matmul_id": set(), "moe_up_gate": set()}
+    for name in seen:
+        real = getattr(M, name)
+        x_at = 2 if name == "moe_up_gate" else 1          # the activations' argument
+        monkeypatch.setattr(M, name, lambda *a, _f=real, _n=name, _i=x_at: seen[_n].add(a[_i].shape[0]) or _f(*a))
+    M.compile_kernels(q)
     assert np.array_equal(q.data, before)
+    many = M.many_tokens(ti.id)
+    want = {1, min(K.GEMM_MIN, 64)} | ({many} if many < 1 << 20 else set())
+    for name, counts in seen.items():
+        assert want <= counts, (name, counts)
+        assert max(counts) * 16 * 256 >= G.SMALL_WORK, (name, counts)
 
 
 def test_results_do_not_depend_on_the_warm_up(capsys):
