@@ -17,10 +17,24 @@ Plain values in, a plan out (no flags, no I/O).  Follows src/llama-quantize.cpp 
   never row-interleaved, and the interleaved (_R4/_R8) types' fallback to their plain type when the
   tensor's rows are not a multiple of the interleaving.
 
-Checked tensor for tensor against ik's llama-quantize (tests/test_quantize_mixtures.py).  Not
-implemented: the per-tensor-class flags (--attn-q-type …, ikcli has none).  Our own addition: a
-tensor whose rows still do not fit the block size after ik's fallback gets F16 (mainline's rule)
-instead of ik's "Unsupported tensor size" error.
+* the per-tensor-class types (--attn-q-type, --attn-k-type, --attn-v-type, --attn-qkv-type,
+  --attn-output-type, --ffn-gate-type, --ffn-down-type, --ffn-up-type; `class_types`) where ik
+  applies them: inside llama_tensor_get_type's branches, so they lose to the output.weight /
+  token_embd rules and, in the IQ1_S_R4 / IQ1_M_R4 / IQ2_KT and IQ1 / IQ2 group branches, apply
+  only where ik checks them there (ffn_down in the former, attn_output in the latter); a matching
+  --custom-q rule still wins.  The substring tests decide the class as in ik: attn_q covers
+  attn_qkv, attn_q_a and attn_q_b (so --attn-qkv-type never takes effect), attn_k covers attn_kv_b,
+  attn_k_b and attn_kv_a_mqa, ffn_gate covers ffn_gate_exps / _shexp and ffn_gate_inp.  ik's main
+  loop compares them once more with whole names such as "attn_q.weight", which no tensor has
+  ("blk.0.attn_q.weight"): no effect, so nothing here either;
+* --ffn-gate-inp-type (`ffn_gate_inp_type`): ffn_gate_inp tensors are quantized only when it is
+  given and differs from their type; they then go through llama_tensor_get_type like any other
+  tensor (the ffn_gate branch: counters, fallback notes) and get the type after it, unchecked.
+
+Checked tensor for tensor against ik's llama-quantize (tests/test_quantize_mixtures.py).  Our
+own additions: a tensor whose rows still do not fit the block size after ik's fallback gets F16
+(mainline's rule) instead of ik's "Unsupported tensor size" error, and an --ffn-gate-inp-type
+whose blocks do not fit the rows is a PlanError (ik aborts in ggml_row_size).
 """
 from __future__ import annotations
 
@@ -44,7 +58,7 @@ _GGML = [
     ("iq3_xxs_r4", 218), ("iq1_s_r4", 219), ("iq4_nl_r4", 220), ("iq3_s_r4", 221), ("iq2_s_r4", 222),
     ("iq4_xs_r8", 223), ("iq1_m_r4", 229), ("bf16_r16", 230), ("q6_0_r4", 233), ("iq2_bn_r4", 335),
     ("iq2_k_r4", 337), ("iq3_k_r4", 338), ("iq4_k_r4", 339), ("iq5_k_r4", 340), ("iq4_ks_r4", 344),
-    ("iq5_ks_r4", 352), ("q8_KV_r8", 398), ("q8_k_r8", 399),
+    ("iq5_ks_r4", 352), ("mxfp4_r8", 353), ("q8_KV_r8", 398), ("q8_k_r8", 399),
 ]
 TYPE_ID: dict[str, int] = {n.lower(): i for n, i in _GGML}
 TYPE_NAME: dict[int, str] = {i: n for n, i in _GGML}
@@ -85,7 +99,7 @@ _UNQUANTIZED = {F32, F16, BF16, 28, 230} | _INT_TYPES
 # examples/quantize/quantize.cpp QUANT_OPTIONS: name, llama_ftype, base ggml type (name)
 FTYPES: list[tuple[str, int, str]] = [
     ("Q4_0", 2, "q4_0"), ("Q4_1", 3, "q4_1"), ("Q5_0", 8, "q5_0"), ("Q5_1", 9, "q5_1"), ("Q6_0", 135, "q6_0"),
-    ("MXFP4", 38, "mxfp4"), ("MXFP4_R8", -1, ""),
+    ("MXFP4", 38, "mxfp4"), ("MXFP4_R8", 351, "mxfp4_r8"),
     ("IQ2_XXS", 19, "iq2_xxs"), ("IQ2_XXS_R4", 219, "iq2_xxs_r4"), ("IQ2_XS", 20, "iq2_xs"),
     ("IQ2_XS_R4", 220, "iq2_xs_r4"), ("IQ2_S", 28, "iq2_xs"), ("IQ2_M", 29, "iq2_s"), ("IQ2_M_R4", 229, "iq2_s_r4"),
     ("IQ1_S", 24, "iq1_s"), ("IQ1_S_R4", 224, "iq1_s_r4"), ("IQ1_M_R4", 231, "iq1_m_r4"), ("IQ1_M", 31, "iq1_m"),
@@ -109,6 +123,9 @@ FTYPES: list[tuple[str, int, str]] = [
     ("F16", 1, "f16"), ("BF16", 32, "bf16"), ("BF16_R16", 232, "bf16_r16"), ("F32", 0, "f32"), ("COPY", 0, ""),
 ]
 
+# --attn-q-type … --ffn-up-type: the keys of plan_tensors' class_types (ik's params->X_type)
+CLASS_TYPE_KEYS = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_down", "ffn_up")
+
 # change_type_if_necessary: 256-wide block types and where they fall back to
 _FALLBACK: dict[str, str] = {}
 for _n in ("iq2_xxs iq2_xxs_r4 iq2_xs iq2_xs_r4 iq2_ks iq2_s iq2_s_r4 iq3_xxs iq3_xxs_r4 iq3_s iq3_s_r4 iq1_s "
@@ -126,7 +143,7 @@ QK_K = 256
 
 # ggml types by upper-case name (G.Q4_K, G.IQ4_K_R4 …) and llama_ftype ids (include/llama.h) by the
 # LLAMA_FTYPE_MOSTLY_ suffix (L.Q4_K_M …): the names llama_tensor_get_type is written in
-G = SimpleNamespace(**{"MXFP4_R8": 353, **{n.upper(): i for n, i in _GGML}})
+G = SimpleNamespace(**{n.upper(): i for n, i in _GGML})
 L = SimpleNamespace(
     F32=0, F16=1, Q4_0=2, Q4_1=3, Q8_0=7, Q5_0=8, Q5_1=9, Q2_K=10, Q3_K_S=11, Q3_K_M=12, Q3_K_L=13,
     Q4_K_S=14, Q4_K_M=15, Q5_K_S=16, Q5_K_M=17, Q6_K=18, IQ2_XXS=19, IQ2_XS=20, Q2_K_S=21, IQ3_XS=22,
@@ -328,12 +345,12 @@ def is_quantized_type(t: int) -> bool:
     return t not in _UNQUANTIZED
 
 
-def _should_quantize(name: str, ne: tuple, src: int, leave_output: bool) -> bool:
+def _should_quantize(name: str, ne: tuple, src: int, leave_output: bool, ffn_gate_inp_type: int | None = None) -> bool:
     if src in _INT_TYPES or not name.endswith("weight") or _n_dims(ne) < 2:
         return False
     if "_norm.weight" in name or (leave_output and name == "output.weight"):
         return False
-    if "ffn_gate_inp.weight" in name:       # ik: only with --ffn-gate-inp-type (not supported here)
+    if "ffn_gate_inp.weight" in name and ffn_gate_inp_type in (None, src):   # the routers: only on request
         return False
     if name in ("position_embd.weight", "token_types.weight"):
         return False
@@ -400,7 +417,7 @@ def _token_embd_type(new_type: int, F: int) -> int:
     return new_type
 
 
-def _iq1_r4_or_iq2_kt(new_type: int, name: str, F: int, mi: ModelInfo, st: dict) -> int:
+def _iq1_r4_or_iq2_kt(new_type: int, name: str, F: int, mi: ModelInfo, st: dict, ov: dict) -> int:
     """The IQ1_S_R4 / IQ1_M_R4 and IQ2_KT mixtures (same shape, different types)."""
     r4 = F != L.IQ2_KT
     hi, mid, lo = (G.IQ4_K_R4, G.IQ3_K_R4, G.Q2_K_R4) if r4 else (G.IQ4_K, G.IQ3_K, G.Q2_K)
@@ -421,7 +438,9 @@ def _iq1_r4_or_iq2_kt(new_type: int, name: str, F: int, mi: ModelInfo, st: dict)
         new_type = hi
     elif "ffn_down" in name:
         i, n = _layer_info(st["i_ffn_down"], mi.n_layer, max(1, nx), name)
-        if i < n // 8:
+        if "ffn_down" in ov:
+            new_type = ov["ffn_down"]
+        elif i < n // 8:
             new_type = lo if r4 else G.IQ3_K
         st["i_ffn_down"] += 1
     elif "attn_output.weight" in name:
@@ -429,8 +448,9 @@ def _iq1_r4_or_iq2_kt(new_type: int, name: str, F: int, mi: ModelInfo, st: dict)
     return new_type
 
 
-def _iq2_group(new_type: int, name: str, F: int, mi: ModelInfo, st: dict) -> int:
-    """The IQ1_S / IQ1_M / IQ2_XXS / IQ2_XS / IQ2_S / IQ2_M / IQ2_KS mixtures (+ their _R4)."""
+def _iq2_group(new_type: int, name: str, F: int, mi: ModelInfo, st: dict, ov: dict) -> int:
+    """The IQ1_S / IQ1_M / IQ2_XXS / IQ2_XS / IQ2_S / IQ2_M / IQ2_KS mixtures (+ their _R4); of the
+    class types ik looks only at attn_output's here."""
     more = F in (L.IQ2_S, L.IQ2_M, L.IQ2_M_R4)      # IQ2_S and IQ2_M get IQ3_S where the others get Q2_K
     nx, gqa = mi.n_expert, mi.n_gqa
     if "attn_v.weight" in name:
@@ -447,7 +467,9 @@ def _iq2_group(new_type: int, name: str, F: int, mi: ModelInfo, st: dict) -> int
             new_type = G.IQ3_S if more else G.Q2_K
         st["i_ffn_down"] += 1
     elif "attn_output.weight" in name:
-        if nx >= 4:
+        if "attn_output" in ov:
+            new_type = ov["attn_output"]
+        elif nx >= 4:
             new_type = G.Q5_K
         elif F in (L.IQ1_S, L.IQ1_M):
             new_type = G.IQ2_K
@@ -456,10 +478,12 @@ def _iq2_group(new_type: int, name: str, F: int, mi: ModelInfo, st: dict) -> int
     return new_type
 
 
-def _attn_v_type(new_type: int, F: int, mi: ModelInfo, st: dict, has_imatrix: bool) -> int:
+def _attn_v_type(new_type: int, F: int, mi: ModelInfo, st: dict, has_imatrix: bool, ov: dict) -> int:
     gqa, big = mi.n_gqa, mi.model_type in ("8B", "70B") and mi.n_vocab >= 127999
     i = st["i_attention_wv"]
-    if mi.n_expert >= 4:
+    if "attn_v" in ov:
+        new_type = ov["attn_v"]                # the counter still advances
+    elif mi.n_expert >= 4:
         new_type = G.Q8_0
     elif mi.model_type == "70B":
         # 8 heads share attn_v: more bits cost little
@@ -517,10 +541,12 @@ def _attn_v_type(new_type: int, F: int, mi: ModelInfo, st: dict, has_imatrix: bo
     return new_type
 
 
-def _ffn_down_type(new_type: int, name: str, F: int, mi: ModelInfo, st: dict, has_imatrix: bool) -> int:
-    i, n = _layer_info(st["i_ffn_down"], mi.n_layer, max(1, mi.n_expert), name)
+def _ffn_down_type(new_type: int, name: str, F: int, mi: ModelInfo, st: dict, has_imatrix: bool, ov: dict) -> int:
+    i, n = _layer_info(st["i_ffn_down"], mi.n_layer, max(1, mi.n_expert), name)   # checked also with ov
     falcon, first = mi.arch == "falcon", i < n // 8
-    if F == L.Q2_K:
+    if "ffn_down" in ov:
+        new_type = ov["ffn_down"]
+    elif F == L.Q2_K:
         new_type = G.Q3_K
     elif F == L.Q2_K_S:
         if first:
@@ -564,7 +590,9 @@ def _ffn_down_type(new_type: int, name: str, F: int, mi: ModelInfo, st: dict, ha
     return new_type
 
 
-def _attn_output_type(new_type: int, F: int, mi: ModelInfo) -> int:
+def _attn_output_type(new_type: int, F: int, mi: ModelInfo, ov: dict) -> int:
+    if "attn_output" in ov:
+        return ov["attn_output"]
     if mi.arch == "falcon":
         return G.Q4_K if F == L.Q3_K_L else new_type
     if mi.n_expert >= 4:
@@ -576,10 +604,12 @@ def _attn_output_type(new_type: int, F: int, mi: ModelInfo) -> int:
     return _AO_DENSE.get(F, new_type)
 
 
-def _gate_up_type(new_type: int, name: str, key: str, F: int, mi: ModelInfo, st: dict) -> int:
-    """ffn_gate / ffn_up (key: the state counter)."""
+def _gate_up_type(new_type: int, name: str, key: str, F: int, mi: ModelInfo, st: dict, ov: dict) -> int:
+    """ffn_gate / ffn_up (key: the state counter, "i_" + the class_types key)."""
     i, n = _layer_info(st[key], mi.n_layer, max(1, mi.n_expert), name)
-    if F == L.IQ3_XS and n // 8 <= i < 7 * n // 8:
+    if key[2:] in ov:
+        new_type = ov[key[2:]]
+    elif F == L.IQ3_XS and n // 8 <= i < 7 * n // 8:
         new_type = G.IQ3_XXS
     elif F == L.IQ3_KL and _use_more_bits(i, n):
         new_type = G.IQ4_KS
@@ -589,11 +619,14 @@ def _gate_up_type(new_type: int, name: str, key: str, F: int, mi: ModelInfo, st:
 
 def _get_type(new_type: int, name: str, ne: tuple, ft: FType, mi: ModelInfo, has_output: bool,
               output_type: int | None, rules: list[CustomRule], notes: list[str],
-              has_imatrix: bool = False, state: dict | None = None, token_embd_type: int | None = None) -> int:
+              has_imatrix: bool = False, state: dict | None = None, token_embd_type: int | None = None,
+              class_types: dict | None = None) -> int:
     """llama_tensor_get_type: the type of one tensor for ftype `ft` (all of ik's mixtures).
 
     state: ik's quantize_state_internal counters, kept across the tensors of one model in file order
-    (plan_tensors sets n_attention_wv); has_imatrix: an importance matrix was given at all."""
+    (plan_tensors sets n_attention_wv); has_imatrix: an importance matrix was given at all;
+    class_types: the --attn-q-type … --ffn-up-type types by CLASS_TYPE_KEYS key."""
+    ov = class_types or {}
     st = state if state is not None else {}
     for k in ("i_attention_wv", "i_ffn_down", "i_ffn_gate", "i_ffn_up", "n_attention_wv"):
         st.setdefault(k, 0)
@@ -607,13 +640,15 @@ def _get_type(new_type: int, name: str, ne: tuple, ft: FType, mi: ModelInfo, has
         else:
             new_type = _token_embd_type(new_type, F)
     elif F in (L.IQ1_S_R4, L.IQ1_M_R4, L.IQ2_KT):
-        new_type = _iq1_r4_or_iq2_kt(new_type, name, F, mi, st)
+        new_type = _iq1_r4_or_iq2_kt(new_type, name, F, mi, st, ov)
     elif F in _IQ2_GROUP:
-        new_type = _iq2_group(new_type, name, F, mi, st)
+        new_type = _iq2_group(new_type, name, F, mi, st, ov)
     elif "attn_v.weight" in name:
-        new_type = _attn_v_type(new_type, F, mi, st, has_imatrix)
+        new_type = _attn_v_type(new_type, F, mi, st, has_imatrix, ov)
     elif "attn_k" in name:                     # also attn_kv_a_mqa, attn_kv_b, attn_k_b
-        if mi.n_expert >= 4:
+        if "attn_k" in ov:
+            new_type = ov["attn_k"]
+        elif mi.n_expert >= 4:
             new_type = G.Q8_0                  # cheap for MoE models
         elif F == L.IQ3_XS:
             new_type = G.IQ3_XXS
@@ -621,7 +656,9 @@ def _get_type(new_type: int, name: str, ne: tuple, ft: FType, mi: ModelInfo, has
             new_type = G.IQ2_S
     elif "attn_q" in name:                     # also attn_q_a, attn_q_b and (shadowing ik's own branch) attn_qkv
         big = mi.model_type in ("8B", "70B") and mi.n_vocab >= 127999
-        if F == L.IQ3_XS:
+        if "attn_q" in ov:
+            new_type = ov["attn_q"]
+        elif F == L.IQ3_XS:
             new_type = G.IQ3_XXS
         elif F in (L.IQ3_XXS, L.IQ3_XXS_R4):
             new_type = G.IQ2_S
@@ -632,15 +669,15 @@ def _get_type(new_type: int, name: str, ne: tuple, ft: FType, mi: ModelInfo, has
         elif F == L.IQ5_KS:
             new_type = G.IQ4_KS if big else new_type
     elif "ffn_down" in name:                   # also ffn_down_exps, ffn_down_shexp
-        new_type = _ffn_down_type(new_type, name, F, mi, st, has_imatrix)
+        new_type = _ffn_down_type(new_type, name, F, mi, st, has_imatrix, ov)
     elif "attn_output.weight" in name:
-        new_type = _attn_output_type(new_type, F, mi)
+        new_type = _attn_output_type(new_type, F, mi, ov)
     elif "attn_qkv.weight" in name:            # unreachable in ik too ("attn_q" matches first); kept as ik has it
-        new_type = _QKV.get(F, new_type)
-    elif "ffn_gate" in name:
-        new_type = _gate_up_type(new_type, name, "i_ffn_gate", F, mi, st)
+        new_type = ov.get("attn_qkv", _QKV.get(F, new_type))
+    elif "ffn_gate" in name:                   # also ffn_gate_inp (quantized only with --ffn-gate-inp-type)
+        new_type = _gate_up_type(new_type, name, "i_ffn_gate", F, mi, st, ov)
     elif "ffn_up" in name:
-        new_type = _gate_up_type(new_type, name, "i_ffn_up", F, mi, st)
+        new_type = _gate_up_type(new_type, name, "i_ffn_up", F, mi, st, ov)
     if custom is not None:
         new_type = custom
         notes.append(f"Using custom type {TYPE_NAME[new_type]} for tensor {name}")
@@ -659,13 +696,18 @@ def _not_interleaved(t: int, notes: list[str]) -> int:
 def plan_tensors(tensors: list[tuple[str, tuple, int]], ft: FType, mi: ModelInfo, *, pure: bool = False,
                  leave_output: bool = False, output_type: int | None = None, token_embd_type: int | None = None,
                  rules: list[CustomRule] | None = None, block_size=None,
-                 has_imatrix: bool = False) -> tuple[list[TensorPlan], int]:
+                 has_imatrix: bool = False, class_types: dict | None = None,
+                 ffn_gate_inp_type: int | None = None) -> tuple[list[TensorPlan], int]:
     """The per-tensor types of llama_model_quantize_internal; returns (plans, number of fallbacks).
 
     tensors: (name, ne in GGML order, source type id) in file order.  block_size(type id) -> int or
     None gives the block size of a type (None: unknown, no check).  has_imatrix: an importance
-    matrix is given (ik's rules differ for a few types).
+    matrix is given (ik's rules differ for a few types).  class_types: --attn-q-type … --ffn-up-type
+    by CLASS_TYPE_KEYS key (type ids); ffn_gate_inp_type: --ffn-gate-inp-type.
     """
+    unknown = set(class_types or {}) - set(CLASS_TYPE_KEYS)
+    if unknown:
+        raise PlanError(f"unknown tensor class {sorted(unknown)[0]!r}; known: {', '.join(CLASS_TYPE_KEYS)}")
     rules = rules or []
     block_size = block_size or (lambda t: None)
     has_output = any(n == "output.weight" for n, _, _ in tensors)
@@ -675,7 +717,7 @@ def plan_tensors(tensors: list[tuple[str, tuple, int]], ft: FType, mi: ModelInfo
     state: dict = {"n_attention_wv": sum("attn_v.weight" in n or "attn_qkv.weight" in n for n, _, _ in tensors)}
     for name, ne, src in tensors:
         notes: list[str] = []
-        q = ft.base >= 0 and ft.name != "COPY" and _should_quantize(name, ne, src, leave_output)
+        q = ft.base >= 0 and ft.name != "COPY" and _should_quantize(name, ne, src, leave_output, ffn_gate_inp_type)
         new_type = src
         if q:
             new_type = ft.base
@@ -684,7 +726,7 @@ def plan_tensors(tensors: list[tuple[str, tuple, int]], ft: FType, mi: ModelInfo
                 new_type = _change_type_if_necessary(new_type, ne[0], ny, notes, block_size)
             elif is_quantized_type(ft.base):
                 new_type = _get_type(new_type, name, ne, ft, mi, has_output, output_type, rules, notes,
-                                     has_imatrix, state, token_embd_type)
+                                     has_imatrix, state, token_embd_type, class_types)
                 new_type = _change_type_if_necessary(new_type, ne[0], ny, notes, block_size)
                 if name in ("token_embd.weight", "per_layer_token_embd.weight"):
                     new_type = _not_interleaved(new_type, notes)
@@ -692,6 +734,12 @@ def plan_tensors(tensors: list[tuple[str, tuple, int]], ft: FType, mi: ModelInfo
                 new_type = token_embd_type
             if output_type is not None and name == "output.weight":
                 new_type = output_type
+            if ffn_gate_inp_type is not None and "ffn_gate_inp.weight" in name:
+                new_type = ffn_gate_inp_type          # after the rules and their fallback: not re-checked
+                bs = block_size(new_type)
+                if bs and ne[0] % bs:
+                    raise PlanError(f"--ffn-gate-inp-type {TYPE_NAME[new_type]}: tensor {name} has rows of "
+                                    f"{ne[0]}, not a multiple of its block size {bs}")
             if name == "token_embd.weight":
                 new_type = _not_interleaved(new_type, notes)
             if any(n.startswith("change_type") for n in notes):

@@ -9,6 +9,16 @@ SIGTERM or SIGHUP, and one left by a killed run (SIGKILL: its process is gone) i
 next run writing the same output.  --imatrix: a legacy .dat file
 (engine.imatrix), looked up per tensor with llama-quantize's fallbacks; each expert of a 3-D
 tensor gets its own block of weights.
+
+The per-class flags (--attn-q-type … --ffn-up-type, --ffn-gate-inp-type) go to the plan, which
+applies them where ik's llama_tensor_get_type does; their type names are ggml's, any case (ik
+compares them case-sensitively and silently ignores a name it does not know; ikcli stops with one
+line).  --override-kv KEY=TYPE:VALUE (engine.gguf_file.parse_kv_override, as for the run tools)
+applies to the hparams the rules read, as ik's model loader does, and is written into the output
+as llama-quantize writes it: int as INT32, float as FLOAT32, bool, str, replacing a key in place,
+before general.file_type (so that one cannot be overridden).  -h/--help and a missing or bad
+TYPE print llama-quantize's list of ftypes ("  %2d  or  %-7s : …", its order; the descriptions
+are ikcli's: base type and its bits per weight).
 """
 from __future__ import annotations
 
@@ -39,13 +49,14 @@ def _can_produce(t: int) -> bool:
     """Whether quant.reference can write type t (NotImplementedError: not yet); asked per tensor,
     answered once per type."""
     import numpy as np  # here, not at import: `ikcli --help` must stay light
-    from quant import reference
+    from quant import reference, registry
     from quant.types import type_info
     try:
         ti = type_info(t)
         bs = ti.block_size
         n = max(bs, 1) * (256 // bs if bs and 256 % bs == 0 else 1)
-        reference.quantize(np.zeros((max(1, ti.interleave), n), np.float32), t)   # _R4/_R8: whole groups
+        x = np.random.default_rng(0).standard_normal((max(1, ti.interleave), n)).astype(np.float32)  # _R4/_R8: groups
+        reference.quantize(x, t, np.ones(n, np.float32) if registry.traits(t).needs_imatrix else None)
         return True
     except (NotImplementedError, KeyError, ValueError):
         return False
@@ -127,21 +138,54 @@ def _emit(writer, data) -> None:
     writer.write_tensor_data(data)
 
 
-def _copy_kv(writer, reader, ftype_value: int, skip: frozenset | set = frozenset()) -> None:
+def _copy_kv(writer, reader, ftype_value: int, extra_kv: Optional[list] = None) -> None:
+    """The input's metadata, then (as llama-quantize sets them) general.quantization_version, the
+    --override-kv and quantize.imatrix.* values (extra_kv: (key, value, GGUFValueType)) and
+    general.file_type; a key set again keeps its place, as gguf_set_val_* does."""
     from gguf import GGUFValueType
     from engine.gguf_meta import field_value
+    kv: dict = {}
     for name, f in reader.fields.items():
         if name.startswith("GGUF.") or name in ("general.architecture", "split.no", "split.count", "split.tensors.count"):
-            continue
-        if name in skip:              # replaced by this run's value (e.g. quantize.imatrix.*)
             continue
         if not f.types:
             continue
         vt = f.types[0]
         sub = f.types[-1] if vt == GGUFValueType.ARRAY else None
-        writer.add_key_value(name, field_value(f), vt, sub)
-    writer.add_key_value("general.quantization_version", 2, GGUFValueType.UINT32)
-    writer.add_key_value("general.file_type", ftype_value, GGUFValueType.UINT32)
+        kv[name] = (field_value(f), vt, sub)
+    kv["general.quantization_version"] = (2, GGUFValueType.UINT32, None)
+    for k, v, vt in extra_kv or []:
+        kv[k] = (v, vt, None)
+    kv["general.file_type"] = (ftype_value, GGUFValueType.UINT32, None)
+    for name, (v, vt, sub) in kv.items():
+        writer.add_key_value(name, v, vt, sub)
+
+
+def _override_kv_values(overrides: list) -> list:
+    """--override-kv (key, kind, value) triples as llama-quantize writes them: int as int32 (the
+    value cast as C does), float as float32, bool, str."""
+    from gguf import GGUFValueType
+    out = []
+    for key, kind, value in overrides:
+        if kind == "int":
+            out.append((key, (int(value) + 2 ** 31) % 2 ** 32 - 2 ** 31, GGUFValueType.INT32))
+        elif kind == "float":
+            out.append((key, float(value), GGUFValueType.FLOAT32))
+        elif kind == "bool":
+            out.append((key, bool(value), GGUFValueType.BOOL))
+        else:
+            out.append((key, str(value), GGUFValueType.STRING))
+    return out
+
+
+def _parse_flag_type(key: str, name: str) -> int:
+    """A per-class type flag's ggml type name (any case); ik ignores a name it does not know
+    without a word, ikcli stops with one line."""
+    from engine.quantize_plan import PlanError, parse_type
+    try:
+        return parse_type(name)
+    except PlanError as e:
+        raise PlanError(f"--{key.replace('_', '-')}-type: {e}") from None
 
 
 def _read_rules(specs: List[str]):
@@ -191,11 +235,13 @@ def _prepare_imatrix(path: str, include: List[str], exclude: List[str]) -> "_Ima
     return _Imatrix(data, dat.dataset, dat.last_call)
 
 
-def _tensor_weights(plans, entries, im: Optional["_Imatrix"], ft, ignore_rules: bool) -> Optional[dict]:
+def _tensor_weights(plans, entries, im: Optional["_Imatrix"], ft, ignore_rules: bool,
+                    dry_run: bool = False) -> Optional[dict]:
     """Per quantized tensor, the imatrix values its quantizer gets (ik's lookup and checks); None
     when no imatrix was given.  Errors (wrong size, missing data for a very low-bit type) are raised
     before anything is written."""
     from engine import quantize_plan as qp
+    from quant import registry
     data = im.data if im is not None else {}
     if data:
         common.log(f"================================ Have weights data with {len(data)} entries")
@@ -219,6 +265,9 @@ def _tensor_weights(plans, entries, im: Optional["_Imatrix"], ft, ignore_rules: 
                 p.new_type in qp.VERY_LOW_BIT or (p.new_type == qp.TYPE_ID["q2_k"] and ft.name == "Q2_K_S")):
             raise CliError(f"Missing importance matrix for tensor {p.name} in a very low-bit quantization "
                            f"(the result would be garbage)")
+        if w is None and not dry_run and registry.traits(p.new_type).needs_imatrix:   # even with --ignore-imatrix-rules
+            raise CliError(f"{qp.TYPE_NAME.get(p.new_type, p.new_type)} cannot be quantized without an importance "
+                           f"matrix (ik_llama.cpp aborts here); there is none for {p.name}")
         if w is not None:
             out[p.name] = w
     return out if data else None
@@ -236,6 +285,70 @@ def _imatrix_kv(im: Optional["_Imatrix"], path: Optional[str], hide: bool) -> li
     if im.last_call > 0:
         kv.append(("quantize.imatrix.chunks_count", 0 if hide else im.last_call, GGUFValueType.INT32))
     return kv
+
+
+def _ftype_description(name: str, ftype: int, base: str) -> str:
+    """One line about an ftype, from ikcli's own tables: its base ggml type and that type's bits
+    per weight (the mixtures give some tensors more)."""
+    from engine import quantize_plan as qp
+    from quant.types import type_info
+    if name == "COPY":
+        return "copy every tensor as it is, quantize nothing"
+    if not base:
+        return "a layout ikcli does not produce"
+    alias = next((n for n, f, _ in qp.FTYPES if f == ftype and n.startswith(name + "_")), None)
+    if alias is not None:
+        return f"same as {alias}"
+    tid = qp.TYPE_ID[base.lower()]
+    plain, rows = qp.INTERLEAVED.get(tid, (tid, 0))
+    plain_name = qp.TYPE_NAME[plain]
+    bpw = None
+    try:
+        ti = type_info(tid)
+        bpw = ti.bpw
+        if ti.interleave:                # Q8_K_R8 holds q8_K blocks (ik falls back to q8_0 for it)
+            plain_name, rows = qp.TYPE_NAME[type_info(ti.base).id], ti.interleave
+    except KeyError:
+        try:
+            bpw = type_info(plain).bpw
+        except KeyError:
+            pass
+    what = base if name.lower() == base.lower() or rows else f"{base} mix"
+    if rows:
+        what += f" ({plain_name} in groups of {rows} rows)"
+    return what if bpw is None else f"{what}, {bpw:g} bpw"
+
+
+def ftype_listing() -> str:
+    """The ftypes llama-quantize accepts, in its order and layout (number, name, description)."""
+    from engine import quantize_plan as qp
+    lines = ["", "Allowed quantization types:"]
+    for name, ftype, base in qp.FTYPES:
+        head = f"  {ftype:2d}  or  " if name != "COPY" else " " * 10
+        lines.append(f"{head}{name:<7s} : {_ftype_description(name, ftype, base)}")
+    return "\n".join(lines) + "\n"
+
+
+def _show_help(ctx: typer.Context, value: bool) -> None:
+    """-h/--help: Typer's help for the options, then the ftype list as llama-quantize prints it."""
+    if not value or ctx.resilient_parsing:
+        return
+    text = ctx.get_help()            # Typer's rich help prints itself and returns ""
+    if text:
+        typer.echo(text)
+    typer.echo(ftype_listing(), nl=False)
+    raise typer.Exit(0)
+
+
+def _usage_error(msg: str) -> CliError:
+    """A missing or bad TYPE: the ftype list (on stdout, as llama-quantize's usage) and one error line."""
+    sys.stdout.write(ftype_listing())
+    sys.stdout.flush()
+    return CliError(msg)
+
+
+def _type_opt(flag: str, what: str):
+    return typer.Option(None, flag, metavar="TYPE", help=f"use this ggml type for {what}")
 
 
 def quantize(
@@ -271,6 +384,22 @@ def quantize(
                                      "(TYPE is then ignored)"),
     repack_pattern: List[str] = typer.Option([], "--repack-pattern", metavar="REGEX,...",
                                              help="with --repack: only tensors whose name one of these regexes finds"),
+    attn_q_type: Optional[str] = _type_opt("--attn-q-type", "attn_q (also attn_qkv, attn_q_a, attn_q_b, as in ik)"),
+    attn_k_type: Optional[str] = _type_opt("--attn-k-type", "attn_k (also attn_kv_b, attn_k_b, attn_kv_a_mqa)"),
+    attn_v_type: Optional[str] = _type_opt("--attn-v-type", "attn_v"),
+    attn_qkv_type: Optional[str] = _type_opt("--attn-qkv-type",
+                                             "attn_qkv (accepted, but as in ik attn_q's rule comes first: no effect)"),
+    attn_output_type: Optional[str] = _type_opt("--attn-output-type", "attn_output"),
+    ffn_gate_type: Optional[str] = _type_opt("--ffn-gate-type", "ffn_gate (also ffn_gate_exps / _shexp)"),
+    ffn_down_type: Optional[str] = _type_opt("--ffn-down-type", "ffn_down (also ffn_down_exps / _shexp)"),
+    ffn_up_type: Optional[str] = _type_opt("--ffn-up-type", "ffn_up (also ffn_up_exps / _shexp)"),
+    ffn_gate_inp_type: Optional[str] = _type_opt("--ffn-gate-inp-type",
+                                                 "the expert routers ffn_gate_inp (else they are not quantized)"),
+    override_kv: List[str] = typer.Option([], "--override-kv", metavar="KEY=TYPE:VALUE",
+                                          help="set a metadata value in the output (types int, float, bool, str); "
+                                               "repeatable"),
+    _help: bool = typer.Option(False, "-h", "--help", is_eager=True, callback=_show_help,
+                               help="Show this message and the quantization types, and exit."),
 ) -> None:
     from engine import quantize_plan as qp
 
@@ -283,7 +412,7 @@ def quantize(
         raise CliError("--include-weights and --exclude-weights cannot be used together")
     # positional arguments as llama-quantize reads them: IN [OUT] TYPE [NTHREADS]
     if len(args) < 2:
-        raise CliError("bad arguments: expected IN.gguf [OUT.gguf] TYPE [NTHREADS]")
+        raise _usage_error("bad arguments: expected IN.gguf [OUT.gguf] TYPE [NTHREADS]")
     fname_inp = args[0]
     rest = args[1:]
     try:
@@ -293,11 +422,11 @@ def quantize(
     except qp.PlanError:
         fname_out = rest[0]
         if len(rest) < 2:
-            raise CliError("missing ftype (expected IN.gguf OUT.gguf TYPE [NTHREADS])") from None
+            raise _usage_error("missing ftype (expected IN.gguf OUT.gguf TYPE [NTHREADS])") from None
         try:
             ft = qp.parse_ftype(rest[1])
         except qp.PlanError as e:
-            raise CliError(str(e)) from None
+            raise _usage_error(str(e)) from None
         rest = rest[2:]
     nthread = 0
     if rest:
@@ -311,9 +440,14 @@ def quantize(
     if not dry_run:
         check_output_path(fname_out)       # before any work (--keep-split's shards: in _write)
     im = _prepare_imatrix(imatrix, include_weights, exclude_weights) if imatrix else None
+    kv_overrides = common.parse_kv_overrides(override_kv)
     try:
         out_type = qp.parse_type(output_tensor_type) if output_tensor_type is not None else None
         emb_type = qp.parse_type(token_embedding_type) if token_embedding_type is not None else None
+        given = dict(zip(qp.CLASS_TYPE_KEYS, (attn_q_type, attn_k_type, attn_v_type, attn_qkv_type, attn_output_type,
+                                              ffn_gate_type, ffn_down_type, ffn_up_type)))
+        class_types = {k: _parse_flag_type(k, v) for k, v in given.items() if v is not None}
+        gate_inp_type = _parse_flag_type("ffn_gate_inp", ffn_gate_inp_type) if ffn_gate_inp_type is not None else None
         rules = _read_rules(custom_q)
     except qp.PlanError as e:
         raise CliError(str(e)) from None
@@ -321,25 +455,31 @@ def quantize(
         common.log(f"Adding custom rule {r.pattern} -> {qp.TYPE_NAME[r.qtype]}")
     if pure and rules:
         common.log("quantize: note: --custom-q rules are not applied with --pure (as in ik_llama.cpp)")
+    if class_types and (pure or ft.base < 0 or not qp.is_quantized_type(ft.base)):
+        common.log("quantize: note: the --attn-*-type / --ffn-*-type flags are applied only by the mixture rules, "
+                   "not with --pure, COPY or an unquantized TYPE (as in ik_llama.cpp)")
     if not ignore_imatrix_rules and (im is None or not im.data) and ft.name in qp.NEED_IMATRIX_FTYPES:
         raise CliError("Please do not use IQ1_S, IQ1_M, IQ2_S, IQ2_XXS, IQ2_XS or Q2_K_S quantization without an "
                        "importance matrix")
-    if ft.name in ("MXFP4_R8", "Q4_0_4_4", "Q4_0_4_8", "Q4_0_8_8") or (ft.base < 0 and ft.name != "COPY"):
+    if ft.name in ("Q4_0_4_4", "Q4_0_4_8", "Q4_0_8_8") or (ft.base < 0 and ft.name != "COPY"):
         raise CliError(f"type {ft.name} cannot be produced by ikcli")
 
     from engine.gguf_file import _open_one, open_model_file
     mf = open_model_file(fname_inp)
+    if kv_overrides:               # ik's model loader reads the hparams with the overrides applied
+        mf.override_kv(kv_overrides, common.log)
     mi = qp.ModelInfo.from_meta(mf.meta)
     entries = list(mf.tensors.values())
     if repack:
         _repack_only(fname_inp, fname_out, mf, _open_one, entries, [p for v in repack_pattern for p in v.split(",") if p],
-                     dry_run, keep_split)
+                     dry_run, keep_split, _override_kv_values(kv_overrides))
         return
     try:
         plans, n_fallback = qp.plan_tensors([(e.name, e.ne, e.qtype) for e in entries], ft, mi, pure=pure,
                                             leave_output=leave_output_tensor, output_type=out_type,
                                             token_embd_type=emb_type, rules=rules, block_size=_block_size,
-                                            has_imatrix=im is not None and bool(im.data))
+                                            has_imatrix=im is not None and bool(im.data), class_types=class_types,
+                                            ffn_gate_inp_type=gate_inp_type)
     except qp.PlanError as e:          # e.g. an expert model's tensor without a blk.N. layer
         raise CliError(str(e)) from None
     cannot = {}
@@ -356,7 +496,7 @@ def quantize(
                 raise CliError(f"requantizing from type {qp.TYPE_NAME.get(p.src_type, p.src_type)} is disabled "
                                f"(tensor {p.name}); use --allow-requantize")
     file_type = ft.ftype if ft.name != "COPY" else int(mf.meta.get("general.file_type", 0) or 0)
-    weights = _tensor_weights(plans, entries, im, ft, ignore_imatrix_rules)
+    weights = _tensor_weights(plans, entries, im, ft, ignore_imatrix_rules, dry_run)
 
     common.log(f"main: quantizing '{fname_inp}' to '{fname_out}' as {ft.name}"
                + (f" using {nthread} threads" if nthread > 0 else ""))
@@ -366,8 +506,8 @@ def quantize(
         return
     t0 = time.time()
     _write(fname_out, mf, _open_one(mf.paths[0]), entries, plans, file_type, n_fallback,
-           nthread if nthread > 0 else (os.cpu_count() or 1), weights, _imatrix_kv(im, imatrix, hide_imatrix),
-           keep_split=keep_split)
+           nthread if nthread > 0 else (os.cpu_count() or 1), weights,
+           _override_kv_values(kv_overrides) + _imatrix_kv(im, imatrix, hide_imatrix), keep_split=keep_split)
     t1 = time.time()
     print()
     print(f"main: quantize time = {1000 * (t1 - t0):8.2f} ms")
@@ -406,7 +546,7 @@ def _print_plan(plans, entries, cannot) -> None:
 
 
 def _repack_only(fname_inp, fname_out, mf, open_one, entries, patterns: List[str], dry_run: bool,
-                 keep_split: bool) -> None:
+                 keep_split: bool, extra_kv: Optional[list] = None) -> None:
     """llama-quantize --repack: the same blocks, rows regrouped into the _R4/_R8 layouts."""
     from engine import quantize_plan as qp
     try:
@@ -427,7 +567,7 @@ def _repack_only(fname_inp, fname_out, mf, open_one, entries, patterns: List[str
         return
     t0 = time.time()
     _write(fname_out, mf, open_one(mf.paths[0]), entries, plans, new_ft.ftype if new_ft else src_ft, 0,
-           keep_split=keep_split)
+           extra_kv=extra_kv, keep_split=keep_split)
     t1 = time.time()
     print()
     print(f"main: quantize time = {1000 * (t1 - t0):8.2f} ms")
@@ -499,9 +639,7 @@ def _write_outputs(outputs, mf, reader, entries, plans, file_type, n_fallback, n
             align = mf.meta.get("general.alignment")
             if isinstance(align, int) and align > 0:
                 writer.data_alignment = align
-            _copy_kv(writer, reader, file_type, {k for k, _, _ in extra_kv or []})
-            for k, v, vt in extra_kv or []:
-                writer.add_key_value(k, v, vt)
+            _copy_kv(writer, reader, file_type, extra_kv)
             if len(outputs) > 1:
                 writer.add_key_value("split.no", i_split, gguf.GGUFValueType.UINT16)
                 writer.add_key_value("split.count", len(outputs), gguf.GGUFValueType.UINT16)

@@ -7,10 +7,22 @@ I rows at once.  A group is therefore
 
     [row meta of rows 0..I-1]  R block 0 | R block 1 | ...     (I * row_bytes bytes)
 
-(row meta: only IQ4_KS_R4, the f32 row scales of its 4 rows).  Except for Q8_K_R8 every R
-block is a pure bit permutation of the I plain blocks: nothing is recomputed, so repacking and
-unpacking are exact inverses and ik's dequantize_row_<type>_r4/_r8 gives the same f32 as the
-plain decoder of the unpacked rows (checked in tests/test_interleaved.py against ik's bytes).
+(row meta: only IQ4_KS_R4 and IQ5_KS_R4, the f32 row scales of their 4 rows).  Except for
+Q8_K_R8 every R block is a bit permutation of the I plain blocks, up to the sign bytes below:
+nothing is recomputed, so repacking and unpacking are exact inverses and ik's
+dequantize_row_<type>_r4/_r8 gives the same f32 as the plain decoder of the unpacked rows
+(tests/test_interleaved.py and tests/test_interleaved_iq.py, against ik's bytes), with two
+exceptions in ik's decoders: Q5_0_R4 / Q6_0_R4 compute d*q - 16d (32d), which is +0 where the
+plain (q - 16)*d is -0 (`dequantize` returns ik's +0; the engine's decoders keep the -0, the
+same value), and ik's dequantize_row_mxfp4_r8 loops over 8x too many blocks (it overruns its
+buffers: only the first row of a call is right), so MXFP4_R8 is checked row by row.
+
+Scrambled signs (IQ2_XXS_R4, IQ2_XS_R4, IQ3_XXS_R4): where the plain block holds a group's 7
+sign bits s (ksigns_iq2xs index: the 8th sign is their parity), the R block holds t, the prefix
+XOR of s (t_j = s_0 ^ ... ^ s_j), in a byte (t << 1 | one other bit), so that SIMD code gets the
+8 signs as t ^ (t << 1).  A bijection but not a bit permutation: the builders below write s,
+repack then maps those bytes (_SCRAMBLE), and unpack takes s_j = t_j ^ t_(j-1), a second source
+bit XOR-ed into the first (the tables' fields are XOR-ed, which is an OR for all other types).
 
 How an R block is built from the I plain blocks (ik's repack_<type>), with L the per-value
 integer levels of a row (0..2^bits-1), k the row in the group, e a value index:
@@ -28,6 +40,16 @@ f16.  `unpack` turns it into Q8_0 rows (every 32-block gets the super-block's f1
 same values exactly, in a type ikcli already decodes.  `plain_type` says which type unpack
 gives.
 
+IQ1_S_R4 (219) and IQ1_M_R4 (229) are not repackings: ik
+quantizes them itself (quantize_iq1_s_r4 / _iq1_m_r4), with an f16 scale per row (the 4 of a
+group first, as row meta) and blocks of 32 values x 4 rows: IQ1_S_R4 24 bytes (qs[16], qh
+u16[4]: IQ1_S's fields per 32 values, 3-bit ls, value d (2 ls + 1)(g +- 1/8)), IQ1_M_R4 28
+(qs[16], qh[8], scales[4]: a 4-bit ls per 16 values, value d ls (g +- 1/8), not IQ1_M's
+2 ls + 1).  dequantize_iq1_s_r4 / dequantize_iq1_m_r4 decode them (bit-exact with ik);
+iq1_s_r4_to_iq1_s converts IQ1_S_R4 rows to IQ1_S with the same values (256 | n_per_row).
+IQ1_S_R4 is a quant.types type read this way (READ_ONLY: unpack / unpack_fast give IQ1_S rows,
+ikcli does not write it); IQ1_M_R4 has no IQ1_M equivalent and no types entry yet.
+
 The ik "online" repacking (+127 for Q8_0_R8 with AVX512, xor 0x88 on ARM, xor 0x80 for
 Q8_K_R8) only exists in memory; files hold the plain-order bytes implemented here.
 
@@ -37,13 +59,15 @@ Public:
     dequantize(raw_R, qtype_R, nrows, n_per_row, dequantize_plain)   R rows -> f32 (nrows, n_per_row)
     quantize(x, qtype_R, imatrix, quantize_plain)   f32 rows -> R bytes, as ggml_quantize_chunk
     unpack_group(buf, qtype, gbase, n_per_row, out)   Numba: one group -> plain rows
-unpack_group is one table-driven loop for all 15 types: each plain byte is the OR of a few bit
-fields of R bytes (4 plain bytes at a time where the layout moves 4 values together).  The
-tables come from the NumPy repack itself, run at import on bit-labelled probe blocks (about
-20 ms), so the reference and the Numba path cannot disagree on a layout.  Cost, measured on
-the shared 2-core dev box (n_per_row 4096, CPU time): 1.1 (Q4_0_R8) to 3.0 (IQ5_K_R4) ns per
-value, several times the plain decoders' 0.3-0.5 ns: fine for loading or converting, slow to
-redo for every matvec.
+    dequantize_iq1_s_r4 / dequantize_iq1_m_r4 / iq1_s_r4_to_iq1_s   (NumPy, see above)
+unpack_group is one table-driven loop for all 24 types: each plain byte is the XOR (in effect
+an OR) of a few bit fields of R bytes (4 plain bytes at a time where the layout moves 4 values
+together).  The tables come from the NumPy repack itself, run at import on bit-labelled probe
+blocks (about 30 ms), so the reference and the Numba path cannot disagree on a layout.  Cost,
+measured on the shared 2-core dev box (unpack_fast on one thread, 1024 x 4096, CPU time): 0.8
+(IQ2_S_R4) to 4.8 (Q5_0_R4, IQ3_S_R4: their high / sign bits move one at a time) ns per value,
+several times the plain decoders' 0.3-0.5 ns: fine for loading or converting, slow to redo for
+every matvec.
 """
 from __future__ import annotations
 
@@ -57,20 +81,35 @@ from .types import type_info
 
 # ids (quant.types)
 Q8_0, Q8_K = 8, 15
-Q4_0_R8, Q8_0_R8, Q2_K_R4, Q3_K_R4, Q4_K_R4, Q5_K_R4, Q6_K_R4 = 202, 208, 210, 211, 212, 213, 214
-IQ4_NL_R4, IQ4_XS_R8, IQ2_K_R4, IQ3_K_R4 = 220, 223, 337, 338
-IQ4_K_R4, IQ5_K_R4, IQ4_KS_R4, Q8_K_R8 = 339, 340, 344, 399
+Q4_0_R8, Q5_0_R4, Q8_0_R8, Q2_K_R4, Q3_K_R4, Q4_K_R4, Q5_K_R4, Q6_K_R4 = 202, 206, 208, 210, 211, 212, 213, 214
+IQ2_XXS_R4, IQ2_XS_R4, IQ3_XXS_R4, IQ4_NL_R4, IQ3_S_R4, IQ2_S_R4, IQ4_XS_R8 = 216, 217, 218, 220, 221, 222, 223
+Q6_0_R4, IQ2_K_R4, IQ3_K_R4, IQ4_K_R4, IQ5_K_R4, IQ4_KS_R4 = 233, 337, 338, 339, 340, 344
+IQ5_KS_R4, MXFP4_R8, Q8_K_R8 = 352, 353, 399
+# ik's other 4-row forms of mainline i-quants, not a repacking of their plain type (see
+# dequantize_iq1_s_r4 below); quant.types does not list them
+IQ1_S_R4, IQ1_M_R4 = 219, 229
 
+# the K-quant, IQK and legacy forms (tests/test_interleaved.py) and those of the mainline
+# i-quants, MXFP4, Q5_0 / Q6_0 and IQ5_KS (tests/test_interleaved_iq.py)
 R_TYPES = (Q4_0_R8, Q8_0_R8, Q2_K_R4, Q3_K_R4, Q4_K_R4, Q5_K_R4, Q6_K_R4, IQ4_NL_R4, IQ4_XS_R8,
            IQ2_K_R4, IQ3_K_R4, IQ4_K_R4, IQ5_K_R4, IQ4_KS_R4, Q8_K_R8)
+R_TYPES_IQ = (Q5_0_R4, Q6_0_R4, MXFP4_R8, IQ2_XXS_R4, IQ2_XS_R4, IQ3_XXS_R4, IQ3_S_R4, IQ2_S_R4, IQ5_KS_R4)
+ALL_R_TYPES = R_TYPES + R_TYPES_IQ
+READ_ONLY = frozenset({IQ1_S_R4})      # read and computed with (as IQ1_S rows), not written
 QK_K = 256
 _Q8_K_BYTES = 296          # ik's block_q8_K: f32 d, f32 sum, int8 qs[256], int16 bsums[16]
 
 # ik's quantize_<type>_r4/_r8 run the base quantizer through QHelper (per-row imatrix weights,
-# degenerate blocks of this many values get weights 1e-9) for these types; the IQK _R4 types call
-# the base quantizer directly
+# degenerate blocks of this many values get weights 1e-9) for these types; the IQK _R4 types,
+# Q5_0_R4 and IQ5_KS_R4 call the base quantizer directly
 _QHELPER_BLOCK = {Q4_0_R8: 32, IQ4_NL_R4: 32, IQ4_XS_R8: 32, Q4_K_R4: 32, Q5_K_R4: 32,
-                  Q6_K_R4: 16, Q3_K_R4: 16, Q2_K_R4: 16}
+                  Q6_K_R4: 16, Q3_K_R4: 16, Q2_K_R4: 16, Q6_0_R4: 32, IQ2_XXS_R4: 32, IQ3_XXS_R4: 32,
+                  IQ2_XS_R4: 16, IQ2_S_R4: 16, IQ3_S_R4: 16}
+# ik's dequantize_row_q5_0_r4 / _q6_0_r4 compute d*q + (-16 d) (-32 d), its plain decoders
+# (q - 16)*d: the same exact values but +0 where the plain form gives -0 (d < 0)
+_PLUS_ZERO = frozenset({Q5_0_R4, Q6_0_R4})
+# ik's quantize_mxfp4_r8 (like quantize_mxfp4) takes no importances
+_NO_IMATRIX = frozenset({MXFP4_R8, Q8_K_R8})
 
 
 def is_interleaved(qtype: int | str) -> bool:
@@ -298,10 +337,107 @@ def _r_q8_k(P):      # ik's Q8_K blocks -> Q8_K_R8: d[8] as f16 | qs[2048]  (d r
     return np.concatenate([d.view(np.uint8).reshape(P.shape[0], -1), qs], axis=1)
 
 
+def _r_q5_0(P):      # Q5_0 -> Q5_0_R4: d[4] | qh[16] | qs[64]
+    hi = np.unpackbits(P[:, :, 2:6], axis=-1, bitorder="little")      # value e: bit e of the u32
+    L = _nib_halves(P[:, :, 6:22]) | (hi << 4)
+    return np.concatenate([_rows_of(P, 0, 2), _weave(L >> 4, [(0, 16, 4, 20, 8, 24, 12, 28)], 1),
+                           _weave(L & 15, Q4_PAIRS, 4)], axis=1)
+
+
+# Q6_0: the two high bits of value e sit in byte e % 8 of qh, crumb 2 * ((e % 16) // 8) + e // 16
+_Q6_0_CRUMB = 4 * (np.arange(32) % 8) + 2 * ((np.arange(32) % 16) // 8) + np.arange(32) // 16
+
+
+def _r_q6_0(P):      # Q6_0 -> Q6_0_R4: d[4] | qh[32] | qs[64]
+    L = _nib_halves(P[:, :, 10:26]) | (_crumbs_of(P[:, :, 2:10])[..., _Q6_0_CRUMB] << 4)
+    return np.concatenate([_rows_of(P, 0, 2), _weave(L >> 4, CRUMBS, 2), _weave(L & 15, Q4_PAIRS, 4)], axis=1)
+
+
+def _r_mxfp4(P):     # MXFP4 -> MXFP4_R8: e[8] | qs[128], bytes moved in runs of 4
+    return np.concatenate([_rows_of(P, 0, 1), _weave(_nib_halves(P[:, :, 1:17]),
+                                                     ((0, 16), (4, 20), (8, 24), (12, 28)), 4)], axis=1)
+
+
+def _r_iq5_ks(P):    # IQ5_KS -> IQ5_KS_R4: scales[32] | qs[512] | qh[128] (row scales: group header)
+    L = _nib_k4(P[:, :, 8:136]) | (_bit_planes(P[:, :, 136:168]) << 4)
+    return np.concatenate([_place(P[:, :, 0:8], 32, 8), _weave(L & 15, Q4_PAIRS, 4),
+                           _weave(L >> 4, [(0, 8, 16, 24, 4, 12, 20, 28)], 1)], axis=1)
+
+
+def _by_sub(P, a: int, b: int, per: int) -> np.ndarray:
+    """Bytes [a, b) of every row's block in runs of `per` bytes per 32 values, ordered (sub-block,
+    row, byte): byte per*I*s + per*k + i = row k's byte a + per*s + i."""
+    n, nrow = P.shape[:2]
+    return P[:, :, a:b].reshape(n, nrow, -1, per).transpose(0, 2, 1, 3).reshape(n, -1)
+
+
+def _sas(w: np.ndarray) -> np.ndarray:
+    """IQ2_XXS / IQ3_XXS sign-and-scale words (n, I, 32: a u32 per 32 values, 4 x 7 sign bits and
+    the 4-bit scale on top) -> the _R4 sas bytes before the sign scrambling: byte 16*s + 4*k + i
+    holds bit i of row k's scale (bit 0) and its sign group i (bits 1..7)."""
+    n, nrow = w.shape[:2]
+    b = np.unpackbits(w, axis=-1, bitorder="little").reshape(n, nrow, 8, 32)
+    b = np.concatenate([b[..., 28:32, None], b[..., 0:28].reshape(n, nrow, 8, 4, 7)], axis=-1)
+    return np.packbits(b.transpose(0, 2, 1, 3, 4), axis=-1, bitorder="little").reshape(n, -1)
+
+
+def _r_iq2_xxs(P):   # IQ2_XXS -> IQ2_XXS_R4: d[4] | sas[128] | qs[128]
+    q = P[:, :, 2:66].reshape(*P.shape[:2], 8, 2, 4)          # per 32 values: 4 index bytes, a u32
+    grid, words = q[:, :, :, 0].reshape(*P.shape[:2], 32), q[:, :, :, 1].reshape(*P.shape[:2], 32)
+    return np.concatenate([_rows_of(P, 0, 2), _sas(words), _by_sub(grid, 0, 32, 4)], axis=1)
+
+
+def _r_iq3_xxs(P):   # IQ3_XXS -> IQ3_XXS_R4: d[4] | sas[128] | qs[256]
+    return np.concatenate([_rows_of(P, 0, 2), _sas(P[:, :, 66:98]), _by_sub(P, 2, 66, 8)], axis=1)
+
+
+def _r_iq2_xs(P):    # IQ2_XS -> IQ2_XS_R4: d[4] | qs u16[128] | scales[32]
+    return np.concatenate([_rows_of(P, 0, 2), _by_sub(P, 2, 66, 8), _place(P[:, :, 66:74], 32, 8)], axis=1)
+
+
+def _r_iq2_s(P):     # IQ2_S -> IQ2_S_R4: d[4] | qs[128] | qh[32] | signs[128] | scales[32]
+    return np.concatenate([_rows_of(P, 0, 2), _by_sub(P, 2, 34, 4), _place(P[:, :, 66:74], 32, 8),
+                           _by_sub(P, 34, 66, 4), _place(P[:, :, 74:82], 32, 8)], axis=1)
+
+
+def _r_iq3_s(P):     # IQ3_S -> IQ3_S_R4: d[4] | qs[256] | qh[32] | signs[128] | scales[16]
+    n, nrow = P.shape[:2]
+    # qs: byte 32*s + 8*i + 4*h + k = row k's index byte 8*s + 4*h + i
+    qs = P[:, :, 2:66].reshape(n, nrow, 8, 2, 4).transpose(0, 2, 4, 3, 1).reshape(n, -1)
+    # signs: bit 2*m + h of byte 16*s + 4*k + i = bit 4*h + i of row k's sign byte 4*s + m
+    sb = np.unpackbits(P[:, :, 74:106], axis=-1, bitorder="little").reshape(n, nrow, 8, 4, 2, 4)
+    signs = np.packbits(sb.transpose(0, 2, 1, 5, 3, 4).reshape(n, -1), axis=-1, bitorder="little")
+    return np.concatenate([_rows_of(P, 0, 2), qs, _place(P[:, :, 66:74], 32, 8), signs,
+                           _place(_nibbles(P[:, :, 106:110]), 16, 4)], axis=1)
+
+
 _BUILD = {Q4_0_R8: _r_q4_0, Q8_0_R8: _r_q8_0, IQ4_NL_R4: _r_iq4_nl, IQ4_XS_R8: _r_iq4_xs,
           IQ4_KS_R4: _r_iq4_ks, IQ4_K_R4: _r_iq4_k, IQ5_K_R4: _r_iq5_k, IQ2_K_R4: _r_iq2_k,
           IQ3_K_R4: _r_iq3_k, Q2_K_R4: _r_q2_k, Q3_K_R4: _r_q3_k, Q4_K_R4: _r_q4_k,
-          Q5_K_R4: _r_q5_k, Q6_K_R4: _r_q6_k, Q8_K_R8: _r_q8_k}
+          Q5_K_R4: _r_q5_k, Q6_K_R4: _r_q6_k, Q8_K_R8: _r_q8_k, Q5_0_R4: _r_q5_0, Q6_0_R4: _r_q6_0,
+          MXFP4_R8: _r_mxfp4, IQ5_KS_R4: _r_iq5_ks, IQ2_XXS_R4: _r_iq2_xxs, IQ2_XS_R4: _r_iq2_xs,
+          IQ3_XXS_R4: _r_iq3_xxs, IQ2_S_R4: _r_iq2_s, IQ3_S_R4: _r_iq3_s}
+
+
+# ----------------------------------------------------------------------------------------
+# the scrambled signs of IQ2_XXS_R4 / IQ2_XS_R4 / IQ3_XXS_R4
+# ----------------------------------------------------------------------------------------
+def _prefix_xor7(s: np.ndarray) -> np.ndarray:
+    """Bit j of the result = XOR of bits 0..j of s (7 bits)."""
+    t = s.astype(np.int64)
+    for sh in (1, 2, 4):
+        t ^= t << sh
+    return t & 127
+
+
+# a sign byte (7 sign bits << 1 | one other bit): the builders above write the plain sign bits s,
+# ik stores t = prefix XOR of s, so that its SIMD code gets the 8 signs as t ^ (t << 1)
+# (parity on top) with two shifts and no table: a bijection, but not a bit permutation
+_SCRAMBLE = ((_prefix_xor7(np.arange(256) >> 1) << 1) | (np.arange(256) & 1)).astype(np.uint8)
+_UNSCRAMBLE = np.argsort(_SCRAMBLE).astype(np.uint8)
+# R block bytes holding scrambled sign bytes (the probes and the gather tables see the plain s)
+_SIGN_BYTES = {IQ2_XXS_R4: np.arange(8, 136), IQ3_XXS_R4: np.arange(8, 136),
+               IQ2_XS_R4: 9 + 2 * np.arange(128)}                    # the high byte of each u16
 
 
 # ----------------------------------------------------------------------------------------
@@ -350,26 +486,47 @@ def _gather_map(qtype_r: int) -> np.ndarray:
     return _q8_k_r8_gather() if qtype_r == Q8_K_R8 else _probe_permutation(qtype_r)
 
 
+def _xor_map(qtype_r: int, G: np.ndarray) -> np.ndarray | None:
+    """The second source of each plain bit (-1: none) for the types with scrambled sign bytes:
+    sign bit j >= 1 of a plain group is t_j ^ t_(j-1), the R bit G[p] and the one below it."""
+    if qtype_r not in _SIGN_BYTES:
+        return None
+    scrambled = np.zeros(G.size // 8, dtype=bool)
+    scrambled[_SIGN_BYTES[qtype_r]] = True
+    return np.where(scrambled[G // 8] & (G % 8 >= 2), G - 1, -1)
+
+
 def _plain_block_bytes(qtype_r: int) -> int:
     """Bytes per row of one block column in the unpacked (plain_type) form."""
     return 8 * 34 if qtype_r == Q8_K_R8 else type_info(qtype_r).type_size
 
 
-def _gather_tables(G: np.ndarray, sp: int) -> tuple[np.ndarray, np.ndarray]:
-    """G as (entries, fields) for unpack_group.  A field (src byte, src shift, dst shift, mask)
-    is one bit run that lies within one R byte and one plain byte.  An entry (dst row, dst byte,
-    count, first field, end field) writes `count` plain bytes: byte dst + j is the OR of its
-    fields ((R[src + j] >> src shift) & mask) << dst shift.  count is 4 where 4 consecutive plain
-    bytes take the same fields from 4 consecutive R bytes (the woven layouts move 4 values at a
-    time), else 1."""
-    p = np.arange(G.size)
-    start = np.ones(G.size, dtype=bool)
-    start[1:] = (p[1:] % 8 == 0) | (G[1:] != G[:-1] + 1) | (G[1:] % 8 == 0)
+def _runs(p: np.ndarray, g: np.ndarray) -> list[tuple[int, int, int, int, int]]:
+    """Plain bits p (ascending) taken from R bits g as runs that stay within one byte of each:
+    (plain byte, R byte, R shift, plain shift, mask)."""
+    start = np.ones(p.size, dtype=bool)
+    start[1:] = (p[1:] % 8 == 0) | (p[1:] != p[:-1] + 1) | (g[1:] != g[:-1] + 1) | (g[1:] % 8 == 0)
     first = np.flatnonzero(start)
-    length = np.diff(np.append(first, G.size))
+    length = np.diff(np.append(first, p.size))
+    return [(int(a), int(b), int(c), int(d), int(m)) for a, b, c, d, m in
+            zip(p[first] // 8, g[first] // 8, g[first] % 8, p[first] % 8, (1 << length) - 1)]
+
+
+def _gather_tables(G: np.ndarray, X: np.ndarray | None, sp: int) -> tuple[np.ndarray, np.ndarray]:
+    """G (and the XOR sources X) as (entries, fields) for unpack_group.  A field (src byte, src
+    shift, dst shift, mask) is one bit run that lies within one R byte and one plain byte.  An
+    entry (dst row, dst byte, count, first field, end field) writes `count` plain bytes: byte
+    dst + j is the XOR of its fields ((R[src + j] >> src shift) & mask) << dst shift (an OR but
+    for the scrambled signs: the fields of G never overlap).  count is 4 where 4 consecutive
+    plain bytes take the same fields from 4 consecutive R bytes (the woven layouts move 4 values
+    at a time), else 1."""
     per_byte: list[list[tuple[int, int, int, int]]] = [[] for _ in range(G.size // 8)]
-    for pb, rb, ss, ds, m in zip(p[first] // 8, G[first] // 8, G[first] % 8, p[first] % 8, (1 << length) - 1):
-        per_byte[pb].append((int(rb), int(ss), int(ds), int(m)))
+    p = np.arange(G.size)
+    runs = _runs(p, G)
+    if X is not None:
+        runs += _runs(p[X >= 0], X[X >= 0])
+    for pb, rb, ss, ds, m in runs:
+        per_byte[pb].append((rb, ss, ds, m))
     ents, fields, b = [], [], 0
     while b < len(per_byte):
         fl = per_byte[b]
@@ -384,14 +541,15 @@ def _gather_tables(G: np.ndarray, sp: int) -> tuple[np.ndarray, np.ndarray]:
 def _build_tables():
     slot = np.full(400, -1, dtype=np.int32)
     # per type: interleave, R bytes and plain bytes per row per block, row meta, block size, entries [start, end)
-    info = np.zeros((len(R_TYPES), 7), dtype=np.int32)
+    info = np.zeros((len(ALL_R_TYPES), 7), dtype=np.int32)
     ents, fields, gathers, ne, nf = [], [], {}, 0, 0
-    for s, t in enumerate(R_TYPES):
+    for s, t in enumerate(ALL_R_TYPES):
         ti = type_info(t)
         G = _gather_map(t)
-        e, f = _gather_tables(G, _plain_block_bytes(t))
+        X = _xor_map(t, G)
+        e, f = _gather_tables(G, X, _plain_block_bytes(t))
         e[:, 3:] += nf
-        gathers[t] = G
+        gathers[t] = (G, X)
         slot[t] = s
         info[s] = (ti.interleave, ti.type_size, _plain_block_bytes(t), ti.row_meta, ti.block_size, ne, ne + len(e))
         ents.append(e)
@@ -429,7 +587,7 @@ def _r_type_of_plain(qtype_plain: int | str):
     ti = type_info(qtype_plain)
     if ti.id == Q8_K:
         return ti, type_info(Q8_K_R8), _Q8_K_BYTES
-    for t in R_TYPES:
+    for t in ALL_R_TYPES:
         tr = type_info(t)
         if tr.base == ti.name and t != Q8_K_R8:
             return ti, tr, ti.type_size
@@ -446,7 +604,11 @@ def repack(raw: np.ndarray, qtype_plain: int | str, nrows: int, n_per_row: int) 
     rows = _as_rows(raw, nrows, meta + nb * s, ti.name)
     ng = nrows // nrow
     P = rows[:, meta:].reshape(ng, nrow, nb, s).transpose(0, 2, 1, 3).reshape(ng * nb, nrow, s)
-    R = _BUILD[tr.id](np.ascontiguousarray(P)).reshape(ng, -1)
+    R = _BUILD[tr.id](np.ascontiguousarray(P))
+    if tr.id in _SIGN_BYTES:
+        pos = _SIGN_BYTES[tr.id]
+        R[:, pos] = _SCRAMBLE[R[:, pos]]
+    R = R.reshape(ng, -1)
     head = rows[:, :meta].reshape(ng, nrow * meta)
     return np.concatenate([head, R], axis=1).reshape(nrows, tr.row_bytes(n_per_row))
 
@@ -457,6 +619,8 @@ def unpack(raw_r: np.ndarray, qtype_r: int | str, nrows: int, n_per_row: int) ->
     tr = type_info(qtype_r)
     if not tr.interleave:
         raise ValueError(f"{tr.name} is not a row-interleaved (_R4/_R8) type")
+    if tr.id == IQ1_S_R4:
+        return iq1_s_r4_to_iq1_s(raw_r, nrows, n_per_row)
     _check_rows(tr, nrows, n_per_row)
     nb, nrow, meta, s = n_per_row // tr.block_size, tr.interleave, tr.row_meta, tr.type_size
     sp = _plain_block_bytes(tr.id)
@@ -465,10 +629,14 @@ def unpack(raw_r: np.ndarray, qtype_r: int | str, nrows: int, n_per_row: int) ->
     groups = rows.reshape(ng, nrow * tr.row_bytes(n_per_row))
     head = groups[:, :nrow * meta].reshape(ng, nrow, meta)
     R = groups[:, nrow * meta:].reshape(ng * nb, nrow * s)
-    G = _GATHER[tr.id]
+    G, X = _GATHER[tr.id]
     P = np.empty((ng * nb, nrow * sp), dtype=np.uint8)
     for c in range(0, ng * nb, 1024):            # bounded memory: 8 bytes per bit in flight
-        P[c:c + 1024] = np.packbits(_bits(R[c:c + 1024])[:, G], axis=-1, bitorder="little")
+        b = _bits(R[c:c + 1024])
+        pb = b[:, G]
+        if X is not None:
+            pb[:, X >= 0] ^= b[:, X[X >= 0]]
+        P[c:c + 1024] = np.packbits(pb, axis=-1, bitorder="little")
     P = P.reshape(ng, nb, nrow, sp).transpose(0, 2, 1, 3).reshape(ng, nrow, nb * sp)
     return np.concatenate([head, P], axis=2).reshape(nrows, meta + nb * sp)
 
@@ -478,10 +646,15 @@ def dequantize(raw_r: np.ndarray, qtype_r: int | str, nrows: int, n_per_row: int
     """R rows -> f32 (nrows, n_per_row), the values of ik's dequantize_row_<type>_r4/_r8.
     dequantize_plain(raw, qtype, n): the reference decoder of plain_type(qtype_r) (quant.registry
     passes it: this module does not know the other families)."""
+    if type_info(qtype_r).id == IQ1_S_R4:
+        return dequantize_iq1_s_r4(raw_r, nrows, n_per_row)
     plain = unpack(raw_r, qtype_r, nrows, n_per_row)
     pt = plain_type(qtype_r)
-    return np.stack([dequantize_plain(plain[r], pt, n_per_row) for r in range(nrows)]) if nrows else \
+    y = np.stack([dequantize_plain(plain[r], pt, n_per_row) for r in range(nrows)]) if nrows else \
         np.zeros((0, n_per_row), np.float32)
+    if type_info(qtype_r).id in _PLUS_ZERO:
+        y += np.float32(0)                       # -0 -> +0, nothing else changes
+    return y
 
 
 # ----------------------------------------------------------------------------------------
@@ -536,9 +709,11 @@ def quantize(x: np.ndarray, qtype_r: int | str, imatrix: np.ndarray | None,
              quantize_plain: Callable[[np.ndarray, int, np.ndarray | None], np.ndarray]) -> np.ndarray:
     """f32 rows (nrows, n_per_row) -> the flat bytes ik's ggml_quantize_chunk writes for the R type:
     the base type's quantizer (with QHelper's imatrix handling where ik uses it), then repack.
-    Q8_K_R8 ignores the imatrix, as ik does.  quantize_plain(rows, qtype, imatrix): the base
+    Q8_K_R8 and MXFP4_R8 ignore the imatrix, as ik does.  quantize_plain(rows, qtype, imatrix): the base
     type's ggml_quantize_chunk (quant.registry passes it)."""
     tr = type_info(qtype_r)
+    if tr.id in READ_ONLY:
+        raise NotImplementedError(f"quantize: ikcli reads {tr.name} but does not write it")
     x = np.ascontiguousarray(x, dtype=np.float32)
     x = x.reshape(-1, x.shape[-1]) if x.ndim >= 2 else x.reshape(1, -1)
     nrows, n = x.shape
@@ -547,6 +722,8 @@ def quantize(x: np.ndarray, qtype_r: int | str, imatrix: np.ndarray | None,
         return repack(quantize_q8_k(x), Q8_K, nrows, n).reshape(-1)
     base = type_info(tr.base).id
     rb = type_info(base).row_bytes(n)
+    if tr.id in _NO_IMATRIX:
+        imatrix = None
     if imatrix is None or tr.id not in _QHELPER_BLOCK:
         plain = quantize_plain(x, base, imatrix).reshape(nrows, rb)
     else:
@@ -557,6 +734,90 @@ def quantize(x: np.ndarray, qtype_r: int | str, imatrix: np.ndarray | None,
         for rows, w in _qhelper_groups(x, imatrix, _QHELPER_BLOCK[tr.id]):
             plain[rows] = quantize_plain(x[rows], base, w).reshape(len(rows), rb)
     return repack(plain, base, nrows, n).reshape(-1)
+
+
+# ----------------------------------------------------------------------------------------
+# IQ1_S_R4 / IQ1_M_R4: ik's own 4-row i-quants (not repackings: see the module docstring)
+# ----------------------------------------------------------------------------------------
+IQ1_ROW_META = 2                       # f16 row scale; a group starts with the 4 of its rows
+IQ1_BYTES = {IQ1_S_R4: 6, IQ1_M_R4: 7}  # bytes per row per 32 values (R blocks of 24 / 28 bytes)
+IQ1_DELTA = np.float32(0.125)          # IQ1S_DELTA = IQ1M_DELTA
+
+
+def iq1_r4_row_bytes(qtype_r: int, n_per_row: int) -> int:
+    if n_per_row % 32:
+        raise ValueError(f"IQ1_S_R4 / IQ1_M_R4 rows of {n_per_row} values are not a multiple of 32")
+    return IQ1_ROW_META + n_per_row // 32 * IQ1_BYTES[qtype_r]
+
+
+def _iq1_r4_groups(raw: np.ndarray, qtype_r: int, nrows: int, n_per_row: int):
+    """-> (d (ngroups, 4) f32 row scales, R blocks (ngroups, n_per_row / 32, 4 * bytes per 32))."""
+    if nrows % 4:
+        raise ValueError(f"{nrows} rows are not whole groups of 4 rows")
+    rb = iq1_r4_row_bytes(qtype_r, n_per_row)
+    g = _as_rows(raw, nrows, rb, "IQ1_R4").reshape(nrows // 4, 4 * rb)
+    d = np.ascontiguousarray(g[:, :8]).view(np.float16).astype(np.float32)
+    return d, g[:, 8:].reshape(nrows // 4, n_per_row // 32, 4 * IQ1_BYTES[qtype_r])
+
+
+def _iq1_grid() -> np.ndarray:
+    from .iquants import GRID_IQ1S       # the data table only (quant.iquants is the IQ1_S family)
+    return GRID_IQ1S.astype(np.float32)
+
+
+def dequantize_iq1_s_r4(raw: np.ndarray, nrows: int, n_per_row: int) -> np.ndarray:
+    """IQ1_S_R4 rows -> f32 (nrows, n_per_row), the values of ik's dequantize_row_iq1_s_r4.
+    R block (per 32 values of 4 rows): qs[16] (byte 4*i + k: low index byte of row k's group i
+    of 8), qh u16[4] (row k: bits 3i..3i+2 high index bits, 12..14 ls, 15 the delta sign).
+    Value d[k] (2 ls + 1) (grid + delta), every product exact in f32."""
+    d, B = _iq1_r4_groups(raw, IQ1_S_R4, nrows, n_per_row)
+    qs = B[..., 0:16].reshape(*B.shape[:2], 4, 4).astype(np.int64)                 # (g, b, i, k)
+    qh = np.ascontiguousarray(B[..., 16:24]).view("<u2").astype(np.int64)        # (g, b, k)
+    idx = qs | (((qh[:, :, None, :] >> (3 * np.arange(4))[:, None]) & 7) << 8)
+    dl = d[:, None, :] * (2 * ((qh >> 12) & 7) + 1).astype(np.float32)           # (g, b, k)
+    delta = np.where(qh & 0x8000, -IQ1_DELTA, IQ1_DELTA)
+    v = _iq1_grid()[idx.transpose(0, 3, 1, 2)] + delta.transpose(0, 2, 1)[..., None, None]
+    y = (dl.transpose(0, 2, 1)[..., None, None] * v).astype(np.float32)           # (g, k, b, i, 8)
+    return y.reshape(nrows, n_per_row)
+
+
+def dequantize_iq1_m_r4(raw: np.ndarray, nrows: int, n_per_row: int) -> np.ndarray:
+    """IQ1_M_R4 rows -> f32 (nrows, n_per_row), the values of ik's dequantize_row_iq1_m_r4.
+    R block: qs[16] (byte 8*h + 4*q + k: low index byte of row k's group 2h + q of 8 in half h of
+    16), qh[8] (byte 4*h + k: high index bits of groups 2h / 2h+1 in bits 0..2 / 4..6, their delta
+    signs in bits 3 / 7), scales[4] (row k: ls of half 0 / 1 in the low / high nibble).
+    Value d[k] ls (grid + delta): a 4-bit ls without the 2 ls + 1 of IQ1_M."""
+    d, B = _iq1_r4_groups(raw, IQ1_M_R4, nrows, n_per_row)
+    qs = B[..., 0:16].reshape(*B.shape[:2], 2, 2, 4).astype(np.int64)            # (g, b, h, q, k)
+    qh = B[..., 16:24].reshape(*B.shape[:2], 2, 1, 4).astype(np.int64)           # (g, b, h, 1, k)
+    sh = 4 * np.arange(2)[:, None]                                               # group q: nibble q
+    idx = qs | (((qh >> sh) & 7) << 8)
+    delta = np.where((qh >> sh) & 8, -IQ1_DELTA, IQ1_DELTA)                       # (g, b, h, q, k)
+    sc = B[..., 24:28].astype(np.int64)                                          # (g, b, k)
+    ls = np.stack([sc & 15, sc >> 4], axis=2).astype(np.float32)                 # (g, b, h, k)
+    dl = d[:, None, None, :] * ls
+    v = _iq1_grid()[idx] + delta[..., None]                                      # (g, b, h, q, k, 8)
+    y = (dl[:, :, :, None, :, None] * v).astype(np.float32)
+    return y.transpose(0, 4, 1, 2, 3, 5).reshape(nrows, n_per_row)
+
+
+def iq1_s_r4_to_iq1_s(raw: np.ndarray, nrows: int, n_per_row: int) -> np.ndarray:
+    """IQ1_S_R4 rows -> IQ1_S rows (nrows, n_per_row / 256 * 50) with the same values: every
+    IQ1_S super-block takes its row's f16 scale as d; qs and qh move unchanged (IQ1_S's qh word
+    per 32 values has the same fields).  Needs n_per_row % 256 == 0."""
+    if n_per_row % QK_K:
+        raise ValueError(f"IQ1_S rows of {n_per_row} values are not a multiple of 256")
+    _, B = _iq1_r4_groups(raw, IQ1_S_R4, nrows, n_per_row)
+    ng, nsb = nrows // 4, n_per_row // QK_K
+    head = _as_rows(raw, nrows, iq1_r4_row_bytes(IQ1_S_R4, n_per_row), "IQ1_S_R4").reshape(ng, -1)[:, :8]
+    out = np.empty((ng, 4, nsb, 50), dtype=np.uint8)
+    out[..., 0:2] = head.reshape(ng, 4, 1, 2)                 # the f16 bits, unchanged
+    B = B.reshape(ng, nsb, 8, 24)                                                # (g, sb, b, bytes)
+    qs = B[..., 0:16].reshape(ng, nsb, 8, 4, 4).transpose(0, 4, 1, 2, 3)         # (g, k, sb, b, i)
+    out[..., 2:34] = qs.reshape(ng, 4, nsb, 32)
+    qh = B[..., 16:24].reshape(ng, nsb, 8, 4, 2).transpose(0, 3, 1, 2, 4)        # (g, k, sb, b, 2)
+    out[..., 34:50] = qh.reshape(ng, 4, nsb, 16)
+    return out.reshape(nrows, nsb * 50)
 
 
 # ----------------------------------------------------------------------------------------
@@ -598,14 +859,14 @@ def unpack_group(buf, qtype, gbase, n_per_row, out):
                     a = src + _F_SRC[f]
                     w = (np.uint32(buf[a]) | (np.uint32(buf[a + 1]) << 8) | (np.uint32(buf[a + 2]) << 16)
                          | (np.uint32(buf[a + 3]) << 24))
-                    acc |= ((w >> _F_SSH[f]) & (np.uint32(_F_MASK[f]) * np.uint32(0x01010101))) << _F_DSH[f]
+                    acc ^= ((w >> _F_SSH[f]) & (np.uint32(_F_MASK[f]) * np.uint32(0x01010101))) << _F_DSH[f]
                 out[r, d] = acc & 255
                 out[r, d + 1] = (acc >> 8) & 255
                 out[r, d + 2] = (acc >> 16) & 255
                 out[r, d + 3] = acc >> 24
             else:
                 for f in range(_E_F0[e], _E_F1[e]):
-                    acc |= ((np.uint32(buf[src + _F_SRC[f]]) >> _F_SSH[f]) & _F_MASK[f]) << _F_DSH[f]
+                    acc ^= ((np.uint32(buf[src + _F_SRC[f]]) >> _F_SSH[f]) & _F_MASK[f]) << _F_DSH[f]
                 out[r, d] = acc
 
 
@@ -621,6 +882,8 @@ def unpack_fast(raw_r: np.ndarray, qtype_r: int | str, nrows: int, n_per_row: in
     tr = type_info(qtype_r)
     if not tr.interleave:
         raise ValueError(f"{tr.name} is not a row-interleaved (_R4/_R8) type")
+    if tr.id == IQ1_S_R4:
+        return iq1_s_r4_to_iq1_s(raw_r, nrows, n_per_row)
     _check_rows(tr, nrows, n_per_row)
     rb = tr.row_bytes(n_per_row)
     buf = _as_rows(raw_r, nrows, rb, tr.name).reshape(-1)

@@ -1,9 +1,9 @@
 """Decoding of ik_llama.cpp's IQK weight types, bit for bit like its dequantize_row_<type>.
 
 Types (ids from quant.types): IQ2_K, IQ3_K, IQ4_K, IQ5_K, IQ6_K (super-blocks of 256, each
-with its own f16 scale d), and IQ4_KS, IQ4_KSS, IQ2_KS (super-blocks of 256 without a d; one
-row scale d is stored in the first bytes of every row: an f32 for IQ4_KS / IQ4_KSS, an f16
-for IQ2_KS).
+with its own f16 scale d), and IQ4_KS, IQ4_KSS, IQ2_KS, IQ5_KS, IQ3_KS, IQ2_KL (super-blocks
+of 256 without a d; one row scale d is stored in the first bytes of every row: an f32 for
+IQ4_KS / IQ4_KSS / IQ5_KS, an f16 for IQ2_KS / IQ3_KS / IQ2_KL).
 
 Every type splits a super-block into sub-blocks of 16 or 32 values.  A sub-block has an
 integer scale ls and one "extra" bit that picks one of two non-linear level tables (the
@@ -11,7 +11,8 @@ second one is the first shifted by a small amount); a value is
 
     y = (d * ls) * level[extra][q]          (two f32 roundings, in that order)
 
-with q a 2..6-bit index.  Byte layouts, for element e of a super-block (0..255):
+with q a 2..6-bit index (IQ2_KL: a 5-bit index of a pair of levels, see below).  Byte
+layouts, for element e of a super-block (0..255):
 
 IQ2_K  (76 B)  f16 d | u16 extra | scales[8] | qs[64]
                sub-block g = e//16: ls = nibble g of scales (low nibble first) - 8,
@@ -37,6 +38,17 @@ IQ4_KSS        row: f32 d, then blocks (128 B) of 64 little-endian u16 words w, 
 IQ2_KS         row: f16 d, then blocks (70 B): u16 extra | scales[4] | qs[64]
                g = e//32: ls = (nibble g of scales | bit 8+g of extra << 4) - 16,
                extra bit g (bits 0..7); q as IQ2_K.
+IQ5_KS         row: f32 d, then blocks (168 B): scales[8] | qs[128] | qh[32]
+               g = e//32: ls, extra as IQ4_KS; q as IQ5_K (nibbles in pairs of 32, qh bit e//32).
+IQ3_KS         row: f16 d, then blocks (102 B): u16 extra | scales[4] | qs[64] | qh[32]
+               g = e//32: ls = (nibble g//4 of scales[g%4] | bit g of extra << 4) - 16,
+               extra bit 8+g picks the shifted table; q as IQ3_K -> IQ3NL.
+IQ2_KL         row: f16 d, then blocks (86 B): u16 scales_h | scales_l[4] | qs[64] | qh[16]
+               g = e//32: ls = (nibble g//4 of scales_l[g%4] | 2 bits 2g of scales_h << 4) - 32;
+               no extra bits.  Values come in pairs: pair p = e//2 (j = p%16 within its
+               sub-block) has the 5-bit index k = nibble g%2 of qs[16*(g//2) + j]
+               | bit g of qh[j] << 4, and its two values are the levels IQ2KL_PAIRS[k]
+               (ggml-common.h iq2kl_values: 32 pairs of IQ3NL's first-table levels).
 
 IQ6_K levels: dequantize_row_iq6_k computes them with a cubic in f32,
     level(q) = A + q*(B + q*(-C + q*D)) + m      (m = 1 when the extra bit is set),
@@ -57,7 +69,9 @@ from .types import type_info
 
 IQ2_K, IQ3_K, IQ4_K, IQ5_K, IQ6_K = 137, 138, 139, 140, 141
 IQ4_KS, IQ2_KS, IQ4_KSS = 144, 145, 146
-TYPES = IQK_TYPES = frozenset({IQ2_K, IQ3_K, IQ4_K, IQ5_K, IQ6_K, IQ4_KS, IQ2_KS, IQ4_KSS})
+IQ5_KS, IQ3_KS, IQ2_KL = 152, 156, 157
+TYPES = IQK_TYPES = frozenset({IQ2_K, IQ3_K, IQ4_K, IQ5_K, IQ6_K, IQ4_KS, IQ2_KS, IQ4_KSS,
+                               IQ5_KS, IQ3_KS, IQ2_KL})
 QK_K = 256
 
 # ---------------------------------------------------------------------------------------
@@ -82,6 +96,14 @@ IQ6NL_INT = np.array([
     -50, -46, -43, -39, -36, -33, -30, -27, -24, -21, -18, -15, -12, -10, -7, -4,
     -1, 1, 4, 7, 10, 13, 15, 18, 21, 24, 28, 31, 34, 37, 41, 45,
     48, 52, 56, 60, 64, 69, 73, 78, 83, 88, 93, 99, 104, 110, 116, 122], dtype=_f32)
+
+# IQ2_KL: ggml-common.h's iq2kl_values, 32 u16 words = two int8 levels each (low byte first)
+_IQ2KL_WORDS = np.array([
+    0xe9c1, 0x0dc1, 0xc1d8, 0xf6d8, 0x0dd8, 0x2fd8, 0xd8e9, 0xe9e9, 0x01e9, 0x0de9, 0x1ce9, 0xc1f6,
+    0x01f6, 0x0df6, 0x2ff6, 0xe901, 0xf601, 0x0101, 0x0d01, 0x1c01, 0xd80d, 0xe90d, 0xf60d, 0x010d,
+    0x0d0d, 0xc11c, 0xe91c, 0x011c, 0x1c1c, 0x2f1c, 0xe92f, 0x0d2f], dtype="<u2")
+IQ2KL_PAIRS = _IQ2KL_WORDS.view(np.int8).reshape(32, 2).astype(_f32)     # (32, 2) levels
+IQ2KL_FLAT = np.ascontiguousarray(IQ2KL_PAIRS.reshape(-1))                # pair k at 2k, 2k+1
 
 # IQ6_K's cubic (iqk_quantize.cpp: A_IQ6K .. S_IQ6K), all f32
 _A6, _B6, _C6, _D6, _S6 = _f32(-127.0), _f32(6.2568), _f32(0.11218), _f32(0.0011972), _f32(1.0)
@@ -219,8 +241,41 @@ def _ref_iq2_ks(b, meta):
     return _scaled(d, ls, 32, IQ2NL, q + 4 * _extra_bits(extra, 8)[:, _G32])
 
 
+def _ref_iq5_ks(b, meta):
+    d = np.full(b.shape[0], meta.view("<f4")[0], dtype=np.float32)
+    sc, qs, qh = b[:, 0:8].astype(np.int64), b[:, 8:136], b[:, 136:168]
+    q = _bits(qs[:, _Q4W_BYTE], _Q4W_SHIFT, 4) | _bits(qh[:, _QH_BYTE], _QH_SHIFT, 1) << 4
+    return _scaled(d, (sc & 254) - 127, 32, IQ5NL, q + 32 * (sc & 1)[:, _G32])
+
+
+_NIB8_BYTE, _NIB8_SHIFT = np.arange(8) % 4, 4 * (np.arange(8) // 4)   # nibble g//4 of byte g%4
+
+
+def _ref_iq3_ks(b, meta):
+    d = np.full(b.shape[0], _f16s(meta[None, 0:2])[0], dtype=np.float32)
+    extra, sc, qs, qh = _u16s(b[:, 0:2]), b[:, 2:6], b[:, 6:70], b[:, 70:102]
+    ls = (_bits(sc[:, _NIB8_BYTE], _NIB8_SHIFT, 4) | (_extra_bits(extra, 8) << 4)) - 16
+    q = _bits(qs[:, _Q2_BYTE], _Q2_SHIFT, 2) | _bits(qh[:, _QH_BYTE], _QH_SHIFT, 1) << 2
+    return _scaled(d, ls, 32, IQ3NL, q + 8 * _extra_bits(extra >> 8, 8)[:, _G32])
+
+
+_P = np.arange(QK_K // 2)                                   # pairs of a super-block
+_PG, _PJ = _P // 16, _P % 16                                # sub-block, pair within it
+
+
+def _ref_iq2_kl(b, meta):
+    d = np.full(b.shape[0], _f16s(meta[None, 0:2])[0], dtype=np.float32)
+    sh, sl, qs, qh = _u16s(b[:, 0:2]), b[:, 2:6], b[:, 6:70], b[:, 70:86]
+    g = np.arange(8)
+    ls = (_bits(sl[:, _NIB8_BYTE], _NIB8_SHIFT, 4) | (sh[:, None] >> (2 * g) & 3) << 4) - 32
+    k = _bits(qs[:, 16 * (_PG // 2) + _PJ], 4 * (_PG % 2), 4) | _bits(qh[:, _PJ], _PG, 1) << 4
+    idx = (2 * k[:, :, None] + np.arange(2)).reshape(b.shape[0], QK_K)    # level entry of each value
+    return _scaled(d, ls, 32, IQ2KL_FLAT, idx)
+
+
 _REF = {IQ2_K: _ref_iq2_k, IQ3_K: _ref_iq3_k, IQ4_K: _ref_iq4_k, IQ5_K: _ref_iq5_k, IQ6_K: _ref_iq6_k,
-        IQ4_KS: _ref_iq4_ks, IQ4_KSS: _ref_iq4_kss, IQ2_KS: _ref_iq2_ks}
+        IQ4_KS: _ref_iq4_ks, IQ4_KSS: _ref_iq4_kss, IQ2_KS: _ref_iq2_ks,
+        IQ5_KS: _ref_iq5_ks, IQ3_KS: _ref_iq3_ks, IQ2_KL: _ref_iq2_kl}
 
 
 def dequantize(raw: np.ndarray, qtype: int, n: int, n_per_row: int | None = None,
@@ -431,6 +486,57 @@ def _decode_iqk(buf, qtype, base, cols, lut, y, tab):
                 qv = buf[o + 6 + 32 * (g // 4):]
                 sh = np.uint32(2 * (g % 4))
                 _put_lo(yb[32 * g:32 * g + 32], 32, dl, tv, qv, sh, np.uint32(3))
+    elif qtype == IQ5_KS:
+        d = _f32_at(buf, base)
+        for b in range(nb):
+            o = base + 4 + b * 168
+            yb = y[b * 256:b * 256 + 256]
+            for g in range(8):
+                s = np.int32(buf[o + g])
+                dl = d * np.float32((s & 254) - 127)
+                tv = tab[32 * (s & 1):]
+                sh = np.uint32(4 * (g % 2))
+                hs = np.uint32(g)
+                for h in range(2):                                # halves of 16 (unrolled lookups)
+                    qv = buf[o + 8 + 32 * (g // 2) + 16 * h:]
+                    hv = buf[o + 136 + 16 * h:]
+                    _put_lohi(yb[32 * g + 16 * h:32 * g + 16 * h + 16], dl, tv, qv, sh, np.uint32(15),
+                              hv, hs, np.uint32(1), np.uint32(4))
+    elif qtype == IQ3_KS:
+        d = _f16_at(buf, base, lut)
+        for b in range(nb):
+            o = base + 2 + b * 102
+            yb = y[b * 256:b * 256 + 256]
+            extra = _u16_at(buf, o)
+            for g in range(8):
+                s = ((np.int32(buf[o + 2 + g % 4]) >> (4 * (g // 4))) & 15) | (((extra >> g) & 1) << 4)
+                dl = d * np.float32(s - 16)
+                tv = tab[8 * ((extra >> (8 + g)) & 1):]
+                sh = np.uint32(2 * (g % 4))
+                hs = np.uint32(g)
+                for h in range(2):
+                    qv = buf[o + 6 + 32 * (g // 4) + 16 * h:]
+                    hv = buf[o + 70 + 16 * h:]
+                    _put_lohi(yb[32 * g + 16 * h:32 * g + 16 * h + 16], dl, tv, qv, sh, np.uint32(3),
+                              hv, hs, np.uint32(1), np.uint32(2))
+    elif qtype == IQ2_KL:
+        d = _f16_at(buf, base, lut)
+        for b in range(nb):
+            o = base + 2 + b * 86
+            yb = y[b * 256:b * 256 + 256]
+            sc_h = _u16_at(buf, o)
+            for g in range(8):
+                s = ((np.int32(buf[o + 2 + g % 4]) >> (4 * (g // 4))) & 15) | (((sc_h >> (2 * g)) & 3) << 4)
+                dl = d * np.float32(s - 32)
+                qv = buf[o + 6 + 16 * (g // 2):]
+                hv = buf[o + 70:]
+                sh = np.uint32(4 * (g % 2))
+                hs = np.uint32(g)
+                for j in range(16):
+                    k = (((np.uint32(qv[j]) >> sh) & np.uint32(15))
+                         | (((np.uint32(hv[j]) >> hs) & np.uint32(1)) << np.uint32(4)))
+                    yb[32 * g + 2 * j] = dl * tab[2 * k]
+                    yb[32 * g + 2 * j + 1] = dl * tab[2 * k + 1]
     else:
         raise ValueError("decode_row_iqk: not an IQK type")
 
@@ -439,10 +545,12 @@ def _decode_iqk(buf, qtype, base, cols, lut, y, tab):
 def _table(qtype, iq6):
     if qtype == IQ2_K or qtype == IQ2_KS:
         return IQ2NL
-    if qtype == IQ3_K:
+    if qtype == IQ3_K or qtype == IQ3_KS:
         return IQ3NL
-    if qtype == IQ5_K:
+    if qtype == IQ5_K or qtype == IQ5_KS:
         return IQ5NL
+    if qtype == IQ2_KL:
+        return IQ2KL_FLAT
     if qtype == IQ6_K:
         return iq6
     return IQ4K
@@ -466,4 +574,5 @@ def decode_row_iqk_int6(buf, qtype, base, cols, lut, y):
 def is_iqk(qtype):
     """True for the type ids decode_row_iqk handles (usable inside other njit code)."""
     return (qtype == IQ2_K or qtype == IQ3_K or qtype == IQ4_K or qtype == IQ5_K or qtype == IQ6_K
-            or qtype == IQ4_KS or qtype == IQ2_KS or qtype == IQ4_KSS)
+            or qtype == IQ4_KS or qtype == IQ2_KS or qtype == IQ4_KSS
+            or qtype == IQ5_KS or qtype == IQ3_KS or qtype == IQ2_KL)

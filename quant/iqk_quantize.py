@@ -1,15 +1,21 @@
 """Quantizers for ik_llama.cpp's IQK types, byte for byte like its ggml_quantize_chunk.
 
-Types: IQ2_K, IQ3_K, IQ4_K, IQ5_K, IQ6_K, IQ4_KS, IQ4_KSS, IQ2_KS, without and with an
-importance matrix (checked identical to ik's bytes on every super-block of the golden data,
-and on 1024 random rows of 2048 per type, except one IQ2_KS row: its row-scale fit
-(make_qx_quants) has a candidate that wins by one ulp, so some f32 rounding still differs).  IQ4_KSS is IQ4_KS whose every group of four
-quants is pruned to an even number of set bits, then stored as 15 scrambled bits.
+Types: IQ2_K, IQ3_K, IQ4_K, IQ5_K, IQ6_K, IQ4_KS, IQ4_KSS, IQ2_KS, IQ3_KS, IQ5_KS, IQ2_KL,
+without and with an importance matrix (checked identical to ik's bytes on every super-block of
+the golden data, and on 1024 random rows of 2048 per type, except one IQ2_KS row: its
+row-scale fit (make_qx_quants) has a candidate that wins by one ulp, so some f32 rounding
+still differs; IQ3_KS / IQ5_KS / IQ2_KL: 2560 rows of 2048 from five distributions, each
+without and with an imatrix, all identical).  IQ4_KSS is IQ4_KS whose every group of four
+quants is pruned to an even number of set bits, then stored as 15 scrambled bits.  IQ3_KS and
+IQ5_KS are IQ3_K's / IQ5_K's scale search on sub-blocks of 32 under one row scale (IQ5_KS
+stores its scales as IQ4_KS does).  IQ2_KL quantizes pairs of values to 32 pairs of IQ3_K
+levels: the nearest level of each value, and when that pair is not one of the 32, the best of
+eight listed neighbour pairs by weighted squared error.
 
 The layouts are described in quant.iqk (which decodes them).  Each quantizer is a search:
 per sub-block of 16 or 32 values it tries candidate scales against the non-linear level
 table and its shifted twin (the "extra" bit), then fits 4-8 bit integer sub-block scales
-under one f16 super-block scale (or one row scale for IQ4_KS / IQ4_KSS / IQ2_KS).
+under one f16 super-block scale (or one row scale for the _KS / _KSS / _KL types).
 
 Bit-exactness with the C++ build: ik_llama.cpp is compiled with -O3 -march=native, so GCC
 fuses a product into the following addition (one rounding, FMA) wherever the product is
@@ -30,6 +36,11 @@ fused was read from the disassembly of ik_build's libggml.so (GCC 12, znver3 tun
 * IQ4_KSS (the same rules; confirmed by the identical bytes): prune_iq4ks's errors
   dl*v - x are fma(dl, v, -x) and its score w*(e1*e1 - e0*e0) is w * fma(e1, e1, -(e0*e0));
   the final mse's x - dl*q is fma(-dl, q, x).
+* IQ2_KL (the same rules, confirmed by the identical bytes): a pair's score
+  w1*e1*e1 + w2*e2*e2 is fma(w1*e1, e1, (w2*e2)*e2), its errors dl*g - x are fma(dl, g, -x),
+  and a pair's sums w1*q1*x1 + w2*q2*x2 are fma(w1*q1, x1, (w2*q2)*x2), added (unfused) to
+  the running sum.  IQ3_KS stores the row scale -0 (f16 0x8000) for an all-zero row: ik
+  writes -max_scale/16 before testing it.
 The best-index lookups use tables rebuilt from the level sets (equal to ik's iq3nl_index ..
 iq6nl_index).  IQ3_K's iterative refinement after its refit is dead code in ik (its result is
 never stored) and is left out.
@@ -43,7 +54,8 @@ Speed: the searches evaluate every candidate scale of a sub-block at once.  ik's
 lookup (table cell, then a compare) is replaced by the equal "count the thresholds x is at or
 above" form (see _thresholds), so the level picks of all (value, candidate) pairs are
 compares and selects in long loops that LLVM vectorizes (_pick_lanes); the per-candidate sums
-then run in ik's order, and the candidates are compared in ik's order.  IQ2_K / IQ2_KS's
+then run in ik's order, and the candidates are compared in ik's order (IQ2_KL: the level
+picks of its 24 candidates as lanes, then the pair lookups per lane).  IQ2_K / IQ2_KS's
 split search first finds, vectorized over i3, the first split of an (i1, i2) row that beats
 the current best, and scans the row in order from there only (usually there is none).
 Numba compiles a callee once per distinct constant argument, so the per-type parameters are
@@ -61,7 +73,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from . import iqk
-from .iqk import IQ2_K, IQ2_KS, IQ3_K, IQ4_K, IQ4_KS, IQ4_KSS, IQ5_K, IQ6_K, QK_K
+from .iqk import IQ2_K, IQ2_KL, IQ2_KS, IQ3_K, IQ3_KS, IQ4_K, IQ4_KS, IQ4_KSS, IQ5_K, IQ5_KS, IQ6_K, QK_K
 from .types import type_info
 
 _opts = dict(cache=True, nogil=True, error_model="numpy")   # IEEE division (no exceptions), no fastmath
@@ -1211,6 +1223,383 @@ def _quantize_iq2_ks_row(x, qw, has_qw, out):
 
 
 # ----------------------------------------------------------------------------------------
+# IQ3_KS (f16 row scale, 5-bit scales per 32) and IQ5_KS (f32 row scale, as IQ4_KS): the
+# scale search of IQ3_K / IQ5_K per sub-block of 32, then one row scale
+# ----------------------------------------------------------------------------------------
+@njit(**_opts)
+def _ks_params(qtype):
+    """(level set, levels, levels per half, ntry, step, first fit checked, refit) of IQ3_KS /
+    IQ5_KS.  Typed values, not literals: numba would compile a callee per literal argument
+    (see _kparams), and equal literals in both branches stay literals."""
+    no = np.bool_(False)
+    if qtype == IQ3_KS:
+        return np.int64(3), LV3, np.int64(8), np.int64(5), np.int64(1), np.bool_(True), no
+    return np.int64(5), LV5, np.int64(32), np.int64(5), np.int64(1), no, no
+
+
+@njit(**_opts)
+def _quantize_iq3_ks_row(x, qw, has_qw, out, lanes):
+    """One row -> f16 row scale + 102-byte blocks (u16 extra | scales[4] | qs[64] | qh[32])."""
+    nb = x.shape[0] // QK_K
+    bi, lv, n, ntry, step, first_checked, refit = _ks_params(IQ3_KS)
+    blv, bn, bcells, blim, brel = _lset(bi)
+    for k in range(out.shape[0]):
+        out[k] = 0
+    scales = np.empty(nb * 8, dtype=np.float32)
+    w = np.empty(32, dtype=np.float32)
+    amax_scale = f32(0.0)
+    max_scale = f32(0.0)
+    for ibl in range(nb):
+        xbl = x[QK_K * ibl:QK_K * ibl + QK_K]
+        sigma2 = _sum_sq(xbl) * f32(2.0 / 256)
+        o = 2 + 102 * ibl
+        extra = 0
+        for ib in range(8):
+            xb = xbl[32 * ib:32 * ib + 32]
+            _weights(xb, qw[QK_K * ibl + 32 * ib:QK_K * ibl + 32 * ib + 32], has_qw, sigma2, True, w)
+            amax = f32(0.0)
+            for j in range(32):
+                amax = max(amax, abs(xb[j]))
+            if amax < f32(1e-16):
+                scales[8 * ibl + ib] = f32(0.0)
+                continue
+            d, shifted = _search(bi, xb, w, lv, n, ntry, step, first_checked, refit, lanes)
+            if shifted:
+                extra |= 1 << (8 + ib)
+            scales[8 * ibl + ib] = d
+            if abs(d) > amax_scale:
+                amax_scale = abs(d)
+                max_scale = d
+        _put_u16(out, o, extra)
+    d = (-max_scale) * f32(1.0 / 16)
+    _put_u16(out, 0, _f16_bits(d))      # an all-zero row stores -0 (0x8000), as ik does
+    if d == 0:
+        return
+    idv = f32(1.0) / d
+    sumqx = f32(0.0)
+    sumq2 = f32(0.0)
+    for ibl in range(nb):
+        xbl = x[QK_K * ibl:QK_K * ibl + QK_K]
+        sigma2 = _sum_sq(xbl) * f32(2.0 / 256)
+        o = 2 + 102 * ibl
+        extra = np.int64(out[o]) | (np.int64(out[o + 1]) << 8)
+        for ib in range(8):
+            off = n if (extra >> (8 + ib)) & 1 else 0
+            l = max(-16, min(15, _nint_fma(idv, scales[8 * ibl + ib])))
+            ul = l + 16
+            out[o + 2 + ib % 4] |= np.uint8((ul & 15) << (4 * (ib // 4)))
+            extra |= (ul >> 4) << ib
+            dl = d * f32(l)
+            idl = f32(1.0) / dl if dl != 0 else f32(0.0)
+            xb = xbl[32 * ib:32 * ib + 32]
+            _weights(xb, qw[QK_K * ibl + 32 * ib:QK_K * ibl + 32 * ib + 32], has_qw, sigma2, True, w)
+            qo = o + 6 + 32 * (ib // 4)
+            sh = 2 * (ib % 4)
+            for j in range(32):       # (l = 0 still stores the indices of 0)
+                k = _best_index(blv, off, bn, bcells, blim, brel, idl * xb[j])
+                out[qo + j] |= np.uint8((k & 3) << sh)
+                out[o + 70 + j] |= np.uint8((k >> 2) << ib)
+                q = lv[off + k] * f32(l)
+                t = w[j] * q
+                sumqx = _fma(t, xb[j], sumqx)
+                sumq2 = _fma(t, q, sumq2)
+        _put_u16(out, o, extra)
+    if sumq2 > 0:
+        _put_u16(out, 0, _f16_bits(sumqx / sumq2))
+
+
+@njit(**_opts)
+def _quantize_iq5_ks_row(x, qw, has_qw, out, lanes):
+    """One row -> f32 row scale + 168-byte blocks (scales[8] | qs[128] | qh[32])."""
+    nb = x.shape[0] // QK_K
+    bi, lv, n, ntry, step, first_checked, refit = _ks_params(IQ5_KS)
+    blv, bn, bcells, blim, brel = _lset(bi)
+    for k in range(out.shape[0]):
+        out[k] = 0
+    scales = np.empty(nb * 8, dtype=np.float32)
+    w = np.empty(32, dtype=np.float32)
+    amax_scale = f32(0.0)
+    for ibl in range(nb):
+        xbl = x[QK_K * ibl:QK_K * ibl + QK_K]
+        sigma2 = _sum_sq(xbl) * f32(2.0 / 256)
+        o = 4 + 168 * ibl
+        for ib in range(8):
+            xb = xbl[32 * ib:32 * ib + 32]
+            _weights(xb, qw[QK_K * ibl + 32 * ib:QK_K * ibl + 32 * ib + 32], has_qw, sigma2, True, w)
+            amax = f32(0.0)
+            for j in range(32):
+                amax = max(amax, abs(xb[j]))
+            if amax < f32(1e-16):
+                scales[8 * ibl + ib] = f32(0.0)
+                continue
+            d, shifted = _search(bi, xb, w, lv, n, ntry, step, first_checked, refit, lanes)
+            if shifted:
+                out[o + ib] = 1
+            scales[8 * ibl + ib] = d
+            amax_scale = max(amax_scale, abs(d))
+    d = amax_scale / f32(127.0)
+    _put_f32(out, 0, d)
+    if d == 0:
+        return
+    idv = f32(1.0) / d
+    sumqx = f32(0.0)
+    sumq2 = f32(0.0)
+    for ibl in range(nb):
+        xbl = x[QK_K * ibl:QK_K * ibl + QK_K]
+        sigma2 = _sum_sq(xbl) * f32(2.0 / 256)
+        o = 4 + 168 * ibl
+        for ib in range(8):
+            off = n if out[o + ib] & 1 else 0
+            l = _nint_fma(f32(0.5), _fma(idv, scales[8 * ibl + ib], f32(127.0)))
+            l = max(0, min(127, l)) << 1
+            out[o + ib] |= np.uint8(l)
+            l -= 127
+            dl = d * f32(l)
+            idl = f32(1.0) / dl
+            xb = xbl[32 * ib:32 * ib + 32]
+            _weights(xb, qw[QK_K * ibl + 32 * ib:QK_K * ibl + 32 * ib + 32], has_qw, sigma2, True, w)
+            qo = o + 8 + 32 * (ib // 2)
+            sh = 4 * (ib % 2)
+            for j in range(32):
+                k = _best_index(blv, off, bn, bcells, blim, brel, idl * xb[j])
+                out[qo + j] |= np.uint8((k & 15) << sh)
+                out[o + 136 + j] |= np.uint8((k >> 4) << ib)
+                q = lv[off + k] * f32(l)
+                t = w[j] * q
+                sumqx = _fma(t, xb[j], sumqx)
+                sumq2 = _fma(t, q, sumq2)
+    if sumq2 > 0:
+        _put_f32(out, 0, sumqx / sumq2)
+
+
+# ----------------------------------------------------------------------------------------
+# IQ2_KL: pairs of values quantized together to one of 32 pairs of IQ3_K's first-table
+# levels (5 bits a pair), 6-bit scales per 32, an f16 row scale
+# ----------------------------------------------------------------------------------------
+# iqk_quantize.cpp's k_index: IQ3_K level pair (l1, l2) -> the grid entry holding it (8 l1 + l2),
+# or -(m + 1) for a pair not on the grid, whose eight candidate entries are KL_NEIGHBOURS[m]
+KL_INDEX = np.array([
+    -1, -2, 0, -3, -4, 1, -5, -6, 2, -7, -8, 3, -9, 4, -10, 5, -11, 6, 7, -12, 8, 9, 10, -13, 11, -14,
+    -15, -16, 12, 13, -17, 14, -18, -19, 15, 16, 17, 18, 19, -20, -21, 20, 21, 22, 23, 24, -22, -23,
+    25, -24, 26, -25, 27, -26, 28, 29, -27, -28, 30, -29, -30, 31, -31, -32], dtype=np.int32)
+KL_NEIGHBOURS = np.array([
+    [2, 0, 6, 11, 7, 3, 8, 15], [0, 2, 3, 6, 7, 1, 8, 4], [0, 1, 3, 4, 8, 7, 9, 6],
+    [1, 0, 3, 4, 8, 9, 7, 10], [1, 4, 5, 10, 9, 3, 8, 0], [5, 1, 4, 10, 9, 14, 8, 3],
+    [6, 2, 7, 0, 3, 11, 8, 15], [3, 7, 0, 6, 8, 4, 12, 9], [3, 4, 8, 9, 1, 7, 12, 10],
+    [4, 10, 5, 9, 1, 8, 13, 14], [11, 2, 6, 7, 20, 15, 25, 21], [8, 7, 3, 12, 9, 16, 17, 13],
+    [14, 5, 10, 19, 9, 13, 4, 18], [6, 15, 7, 11, 20, 21, 16, 2], [15, 7, 16, 6, 21, 12, 17, 22],
+    [12, 16, 17, 8, 15, 7, 13, 22], [19, 10, 13, 18, 14, 9, 12, 24], [11, 20, 25, 6, 15, 2, 21, 7],
+    [20, 15, 21, 6, 11, 7, 16, 26], [14, 19, 29, 10, 28, 18, 13, 24], [25, 11, 20, 21, 15, 6, 26, 30],
+    [19, 24, 28, 18, 29, 23, 13, 17], [29, 19, 14, 28, 24, 18, 10, 13], [20, 26, 21, 25, 30, 15, 22, 16],
+    [27, 26, 22, 23, 21, 30, 16, 24], [27, 24, 28, 31, 23, 18, 22, 17], [25, 30, 20, 26, 21, 11, 15, 22],
+    [30, 26, 25, 20, 21, 27, 22, 15], [30, 27, 31, 26, 22, 23, 21, 24], [31, 27, 30, 26, 28, 23, 22, 24],
+    [31, 28, 29, 27, 24, 23, 19, 18], [29, 28, 31, 24, 19, 27, 14, 18]], dtype=np.int32)
+KL_G1 = np.ascontiguousarray(iqk.IQ2KL_PAIRS[:, 0])      # first / second level of each grid pair
+KL_G2 = np.ascontiguousarray(iqk.IQ2KL_PAIRS[:, 1])
+assert all(KL_INDEX[8 * a + b] < 0 or (KL_G1[KL_INDEX[8 * a + b]], KL_G2[KL_INDEX[8 * a + b]]) == (LV3[a], LV3[b])
+           for a in range(8) for b in range(8)), "iq2kl grid and k_index disagree"
+
+
+@njit(**_inl)
+def _kl_index(idv, x1, x2, w1, w2, cells):
+    """ik's pair index: the grid entry of the nearest IQ3_K levels of (idv*x1, idv*x2) when
+    that pair is on the grid, else the one of its eight neighbours of least weighted error
+    w1 e1^2 + w2 e2^2 (first product fused with the second as addend; ties to the first)."""
+    s1 = idv * x1
+    s2 = idv * x2
+    l1 = _best_index(LV3, 0, 8, cells, 111, False, s1)
+    l2 = _best_index(LV3, 0, 8, cells, 111, False, s2)
+    i = KL_INDEX[8 * l1 + l2]
+    if i >= 0:
+        return i
+    m = -i - 1
+    best = _FLT_MAX
+    ibest = KL_NEIGHBOURS[m, 0]       # (ik asserts one is found: only NaN scores fail)
+    for k in range(8):
+        c = KL_NEIGHBOURS[m, k]
+        e1 = KL_G1[c] - s1
+        e2 = KL_G2[c] - s2
+        score = _fma(w1 * e1, e1, (w2 * e2) * e2)
+        if score < best:
+            best = score
+            ibest = c
+    return ibest
+
+
+@njit(**_opts)
+def _kl_weights(xb, qw, has_qw, sigma2, w):
+    for j in range(32):
+        if has_qw:
+            w[j] = qw[j] * f32(np.sqrt(_fma(xb[j], xb[j], sigma2)))
+        else:
+            w[j] = abs(xb[j])
+
+
+IDXP3 = np.tile(np.arange(1, 9, dtype=np.float32), 2)      # _pick_lanes entries: IQ3_K indices
+
+
+@njit(**_opts)
+def _kl_search(xb, w, mx, lanes):
+    """Best scale of one sub-block: a first fit at d = max/63, then the 11 inverse scales
+    (itry - 63)/max, each with both signs, compared in ik's order.  The 24 candidates are
+    lanes: their level picks come from _pick_lanes, then the pair lookup (and, off the grid,
+    the neighbour search) per pair and lane, then the sums per lane in ik's pair order."""
+    nl = 32
+    sidv = lanes[0, :nl]
+    sqx = lanes[1]
+    sq2 = lanes[2]
+    d0 = (-mx) / LV3[0]
+    idv = f32(1.0) / d0
+    sidv[0] = idv
+    sidv[1] = -idv
+    for t in range(11):
+        idv = f32(t - 5 + np.int32(LV3[0])) / mx
+        sidv[2 + 2 * t] = idv
+        sidv[3 + 2 * t] = -idv
+    for c in range(24, nl):
+        sidv[c] = f32(0.0)
+    al = lanes[3]                      # 32 values x 32 lanes
+    q = lanes[4]
+    _pick_lanes(xb, np.int64(0), TP3.size // 2, TP3, IDXP3, np.float32(0.0), XBIG3[0], sidv, al, q)
+    for jp in range(16):               # q <- grid entry of pair jp, lane c (at the pair's first row)
+        a = 2 * jp * nl
+        b = a + nl
+        w1 = w[2 * jp]
+        w2 = w[2 * jp + 1]
+        for c in range(24):
+            i = KL_INDEX[8 * np.int32(q[a + c]) + np.int32(q[b + c])]
+            if i < 0:
+                m = -i - 1
+                s1 = al[a + c]
+                s2 = al[b + c]
+                best = _FLT_MAX
+                i = KL_NEIGHBOURS[m, 0]
+                for k in range(8):
+                    g = KL_NEIGHBOURS[m, k]
+                    e1 = KL_G1[g] - s1
+                    e2 = KL_G2[g] - s2
+                    score = _fma(w1 * e1, e1, (w2 * e2) * e2)
+                    if score < best:
+                        best = score
+                        i = g
+            q[a + c] = f32(i)
+    for c in range(nl):
+        sqx[c] = f32(0.0)
+        sq2[c] = f32(0.0)
+    for jp in range(16):
+        a = 2 * jp * nl
+        w1 = w[2 * jp]
+        w2 = w[2 * jp + 1]
+        x1 = xb[2 * jp]
+        x2 = xb[2 * jp + 1]
+        for c in range(24):
+            g = np.int32(q[a + c])
+            q1 = KL_G1[g]
+            q2 = KL_G2[g]
+            sqx[c] += _fma(w1 * q1, x1, (w2 * q2) * x2)
+            sq2[c] += _fma(w1 * q1, q1, (w2 * q2) * q2)
+    d = sqx[0] / sq2[0]
+    best = d * sqx[0]
+    for c in range(1, 24):
+        if sq2[c] > 0 and sqx[c] * sqx[c] > best * sq2[c]:
+            d = sqx[c] / sq2[c]
+            best = d * sqx[c]
+    return d
+
+
+@njit(**_opts)
+def _quantize_iq2_kl_row(x, qw, has_qw, out, lanes):
+    """One row -> f16 row scale + 86-byte blocks (u16 scales_h | scales_l[4] | qs[64] | qh[16])."""
+    nb = x.shape[0] // QK_K
+    cells = CELLS3
+    for k in range(out.shape[0]):
+        out[k] = 0
+    scales = np.empty(nb * 8, dtype=np.float32)
+    w = np.empty(32, dtype=np.float32)
+    max_scale = f32(0.0)
+    amax_scale = f32(0.0)
+    for ibl in range(nb):
+        xbl = x[QK_K * ibl:QK_K * ibl + QK_K]
+        sigma2 = _sum_sq(xbl) * f32(2.25 / 256)
+        for ib in range(8):
+            xb = xbl[32 * ib:32 * ib + 32]
+            _kl_weights(xb, qw[QK_K * ibl + 32 * ib:QK_K * ibl + 32 * ib + 32], has_qw, sigma2, w)
+            amax = f32(0.0)
+            mx = f32(0.0)
+            for j in range(32):
+                ax = abs(xb[j])
+                if ax > amax:
+                    amax = ax
+                    mx = xb[j]
+            if amax < f32(1e-16):
+                scales[8 * ibl + ib] = f32(0.0)
+                continue
+            d = _kl_search(xb, w, mx, lanes)
+            scales[8 * ibl + ib] = d
+            if abs(d) > amax_scale:
+                amax_scale = abs(d)
+                max_scale = d
+    if amax_scale == 0:
+        return                                  # row scale 0, all blocks zero
+    d = (-max_scale) * f32(1.0 / 32)
+    idv = f32(1.0) / d
+    sumqx = f32(0.0)
+    sumq2 = f32(0.0)
+    for ibl in range(nb):
+        xbl = x[QK_K * ibl:QK_K * ibl + QK_K]
+        sigma2 = _sum_sq(xbl) * f32(2.25 / 256)
+        o = 2 + 86 * ibl
+        sc_h = 0
+        for ib in range(8):
+            xb = xbl[32 * ib:32 * ib + 32]
+            _kl_weights(xb, qw[QK_K * ibl + 32 * ib:QK_K * ibl + 32 * ib + 32], has_qw, sigma2, w)
+            ls = max(-32, min(31, _nint_fma(idv, scales[8 * ibl + ib])))
+            # the best of ls - 1, ls, ls + 1 by weighted squared error
+            best_score = _FLT_MAX
+            best_ls = ls
+            for ils in range(max(-32, ls - 1), min(31, ls + 1) + 1):
+                dl = d * f32(ils)
+                idl = f32(1.0) / dl if dl != 0 else f32(0.0)
+                score = f32(0.0)
+                for j in range(0, 32, 2):
+                    w1 = w[j]
+                    w2 = w[j + 1]
+                    c = _kl_index(idl, xb[j], xb[j + 1], w1, w2, cells)
+                    e1 = _fma(dl, KL_G1[c], -xb[j])
+                    e2 = _fma(dl, KL_G2[c], -xb[j + 1])
+                    score += _fma(w1 * e1, e1, (w2 * e2) * e2)
+                if score < best_score:
+                    best_score = score
+                    best_ls = ils
+            ls = best_ls
+            uls = ls + 32
+            out[o + 2 + ib % 4] |= np.uint8((uls & 15) << (4 * (ib // 4)))
+            sc_h |= (uls >> 4) << (2 * ib)
+            if ls == 0:
+                continue
+            dl = d * f32(ls)
+            idl = f32(1.0) / dl
+            qo = o + 6 + 16 * (ib // 2)
+            sh = 4 * (ib % 2)
+            for j in range(16):
+                w1 = w[2 * j]
+                w2 = w[2 * j + 1]
+                x1 = xb[2 * j]
+                x2 = xb[2 * j + 1]
+                c = _kl_index(idl, x1, x2, w1, w2, cells)
+                out[qo + j] |= np.uint8((c & 15) << sh)
+                out[o + 70 + j] |= np.uint8((c >> 4) << ib)
+                q1 = KL_G1[c] * f32(ls)
+                q2 = KL_G2[c] * f32(ls)
+                sumqx += _fma(w1 * q1, x1, (w2 * q2) * x2)
+                sumq2 += _fma(w1 * q1, q1, (w2 * q2) * q2)
+        _put_u16(out, o, sc_h)
+    if sumq2 > 0:
+        d = sumqx / sumq2
+    _put_u16(out, 0, _f16_bits(f32(1.025) * d))
+
+
+# ----------------------------------------------------------------------------------------
 # rows
 # ----------------------------------------------------------------------------------------
 @njit(**_opts)
@@ -1220,8 +1609,8 @@ def _quantize_rows(x, qtype, imat, has_imat, out, lanes):
     nrows, n = x.shape
     nb = n // QK_K
     w = np.zeros(n, dtype=np.float32)
-    block = 32 if qtype == IQ4_KS or qtype == IQ4_KSS or qtype == IQ2_KS else 16
-    bsize = (out.shape[1] - (4 if qtype == IQ4_KS or qtype == IQ4_KSS else 2 if qtype == IQ2_KS else 0)) // max(nb, 1)
+    block = 16 if qtype == IQ2_K or qtype == IQ3_K or qtype == IQ4_K or qtype == IQ5_K or qtype == IQ6_K else 32
+    bsize = out.shape[1] // max(nb, 1)            # (the types with a row scale return before)
     for r in range(nrows):
         xr = x[r]
         if has_imat:
@@ -1236,6 +1625,15 @@ def _quantize_rows(x, qtype, imat, has_imat, out, lanes):
         if qtype == IQ4_KSS:
             _quantize_iq4_kss_row(xr, w, has_imat, orow, lanes)
             continue
+        if qtype == IQ3_KS:
+            _quantize_iq3_ks_row(xr, w, has_imat, orow, lanes)
+            continue
+        if qtype == IQ5_KS:
+            _quantize_iq5_ks_row(xr, w, has_imat, orow, lanes)
+            continue
+        if qtype == IQ2_KL:
+            _quantize_iq2_kl_row(xr, w, has_imat, orow, lanes)
+            continue
         for ibl in range(nb):
             xs = xr[QK_K * ibl:QK_K * ibl + QK_K]
             ws = w[QK_K * ibl:QK_K * ibl + QK_K]
@@ -1245,7 +1643,7 @@ def _quantize_rows(x, qtype, imat, has_imat, out, lanes):
                 _quantize_kblock(qtype, xs, ws, has_imat, orow, bsize * ibl, lanes)
 
 
-QUANTIZE_TYPES = frozenset({IQ4_K, IQ2_K, IQ3_K, IQ5_K, IQ6_K, IQ4_KS, IQ4_KSS, IQ2_KS})
+QUANTIZE_TYPES = frozenset({IQ4_K, IQ2_K, IQ3_K, IQ5_K, IQ6_K, IQ4_KS, IQ4_KSS, IQ2_KS, IQ3_KS, IQ5_KS, IQ2_KL})
 
 
 def quantize(x: np.ndarray, qtype: int, imatrix: np.ndarray | None = None) -> np.ndarray:

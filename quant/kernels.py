@@ -72,6 +72,8 @@ from . import simd_blocks as _blocks  # noqa: E402  (integer row dots of the oth
 from . import simd_r4 as _r4  # noqa: E402  (integer dots of the _R4 K-quant / IQK layouts)
 from . import simd_gemm as _gemm  # noqa: E402  (integer GEMM of the simd_blocks types)
 from .iqk import decode_row_iqk  # noqa: E402
+from .iquants import decode_row_iquants  # noqa: E402
+from .ktquants import decode_row_kt_mm  # noqa: E402
 from .kquants import decode_row_kquants  # noqa: E402
 from .legacy import decode_row_legacy  # noqa: E402
 from .numeric import F16_TO_F32, f16_at as _f16_at  # noqa: E402,F401
@@ -84,8 +86,9 @@ INT_DOT_TYPES = _reg.INT_DOT_TYPES
 _R4_KERNEL = _reg.id_table(lambda r: r.dot == _reg.DOT_R4, np.bool_, False)   # type id -> simd_r4 group dot
 _GEMM_WEAVE = _reg.id_table(lambda r: r.gemm, np.int64, -1)      # type id -> simd_gemm's packing (-1: none)
 # type id -> the family decoder _decode_plain_rows calls for it (after the types it decodes inline)
-_DEC_LEGACY, _DEC_KQUANTS, _DEC_IQK = 1, 2, 3
-_DECODER = _reg.id_table(lambda r: {"legacy": _DEC_LEGACY, "kquants": _DEC_KQUANTS, "iqk": _DEC_IQK}.get(r.family, 0)
+_DEC_LEGACY, _DEC_KQUANTS, _DEC_IQK, _DEC_IQUANTS, _DEC_KT = 1, 2, 3, 4, 5
+_DECODER = _reg.id_table(lambda r: {"legacy": _DEC_LEGACY, "kquants": _DEC_KQUANTS, "iqk": _DEC_IQK,
+                                    "iquants": _DEC_IQUANTS, "ktquants": _DEC_KT}.get(r.family, 0)
                          if r.decodes and not r.info.interleave else 0, np.int64, 0)
 QK = 32            # weights per block (Q8_0, Q4_0, activation q8)
 
@@ -294,6 +297,12 @@ def _decode_plain_rows(buf, qtype, base, stride, n, cols, qk, lut, y):
     elif qtype < 400 and _DECODER[qtype] == _DEC_IQK:
         for i in range(n):
             decode_row_iqk(buf, qtype, base + i * stride, cols, lut, y[i])
+    elif qtype < 400 and _DECODER[qtype] == _DEC_IQUANTS:
+        for i in range(n):
+            decode_row_iquants(buf, qtype, base + i * stride, cols, lut, y[i])
+    elif qtype < 400 and _DECODER[qtype] == _DEC_KT:     # with the matmul scale (registry.matmul_scale)
+        for i in range(n):
+            decode_row_kt_mm(buf, qtype, base + i * stride, cols, lut, y[i])
     else:
         raise ValueError("decode_rows_at: unsupported type")
 

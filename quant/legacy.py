@@ -9,6 +9,8 @@ Layouts (ggml-common.h of ik_llama.cpp, same as mainline ggml; f16 little-endian
     Q5_1    24 bytes   f16 d, f16 m, qh[4], qs[16]     x = q*d + m,   q as Q5_0
     Q6_0    26 bytes   f16 d, qh[8], qs[16]            x = (q - 32)*d, two high bits per value in qh
     IQ4_NL  18 bytes   f16 d, qs[16]                   x = d * KVALUES_IQ4NL[nibble]
+    MXFP4   17 bytes   u8 e (E8M0), qs[16]             x = 2^(e - 128) * KVALUES_MXFP4[nibble]
+                                                       (the e2m1 values doubled, the scale halved)
 
 In every type weight j < 16 of a block takes the low nibble of qs[j], weight j + 16 the
 high nibble.  The 5th bits are the 32-bit little-endian word qh: bit j belongs to weight j.
@@ -38,12 +40,26 @@ from . import kquants as kq     # the fits (make_qx_quants ...) the legacy imatr
 from .types import type_info
 
 Q4_1_ID, Q5_0_ID, Q5_1_ID, IQ4_NL_ID = 3, 6, 7, 20
-Q4_0_ID, Q8_0_ID, Q6_0_ID = 2, 8, 133
-TYPES = frozenset({Q4_0_ID, Q4_1_ID, Q5_0_ID, Q5_1_ID, Q8_0_ID, Q6_0_ID, IQ4_NL_ID})
+Q4_0_ID, Q8_0_ID, Q6_0_ID, MXFP4_ID = 2, 8, 133, 39
+TYPES = frozenset({Q4_0_ID, Q4_1_ID, Q5_0_ID, Q5_1_ID, Q8_0_ID, Q6_0_ID, IQ4_NL_ID, MXFP4_ID})
 
 # the 16 non-linear levels of IQ4_NL (and IQ4_XS), kvalues_iq4nl in ggml-quants.c
 KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 _KV_F32 = KVALUES_IQ4NL.astype(np.float32)
+# MXFP4's 16 levels: the e2m1 values times 2 (kvalues_mxfp4)
+KVALUES_MXFP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
+_KVM_F32 = KVALUES_MXFP4.astype(np.float32)
+
+
+def e8m0_half(e: np.ndarray) -> np.ndarray:
+    """The f32 2^(e - 128) of E8M0 exponent bytes e (ggml's e8m0_to_fp32_half: e 0 and 1 give
+    the subnormals 2^-128 and 2^-127)."""
+    e = np.asarray(e).astype(np.uint32)
+    bits = np.where(e >= 2, (e - 1) << 23, np.uint32(0x00200000) << e)
+    return bits.astype(np.uint32).view(np.float32)
+
+
+_E8M0_HALF = e8m0_half(np.arange(256))
 
 
 # ----------------------------------------------------------------------------------------
@@ -66,6 +82,8 @@ def dequantize(raw: np.ndarray, qtype: int, n: int) -> np.ndarray:
     if ti.id not in TYPES:
         raise ValueError(f"{ti.name} is not a legacy type")
     b = raw_bytes(raw, qtype, n).reshape(-1, ti.type_size)
+    if ti.id == MXFP4_ID:
+        return (_KVM_F32[_nibbles(b[:, 1:])] * e8m0_half(b[:, 0:1])).reshape(-1)
     d = _f16(b[:, 0:2])
     if ti.id == Q8_0_ID:
         y = b[:, 2:].view(np.int8).astype(np.float32) * d
@@ -172,6 +190,18 @@ def decode_row_legacy(buf, qtype, base, cols, lut, y):
                 v = np.int32(wv[j])
                 lo[j] = d * kv[v & 15]
                 hi[j] = d * kv[v >> 4]
+    elif qtype == MXFP4_ID:
+        kv = _KVM_F32
+        for b in range(nb):
+            o = base + b * 17
+            d = _E8M0_HALF[buf[o]]
+            wv = buf[o + 1:o + 17]
+            lo = y[b * 32:b * 32 + 16]
+            hi = y[b * 32 + 16:b * 32 + 32]
+            for j in range(16):
+                v = np.int32(wv[j])
+                lo[j] = d * kv[v & 15]
+                hi[j] = d * kv[v >> 4]
     else:
         raise ValueError("decode_row_legacy: unsupported type")
 
@@ -217,6 +247,8 @@ def quantize(x: np.ndarray, qtype: int, imatrix: np.ndarray | None = None) -> np
     x = _rows(x)
     if ti.id == IQ4_NL_ID:
         return kq.quantize_iq4(x, imatrix, False)
+    if ti.id == MXFP4_ID:
+        return quantize_row(x, ti.id)
     if ti.id == Q8_0_ID or (imatrix is None and ti.id != Q6_0_ID):
         return quantize_row(x, ti.id)
     b = _blocks(x)
@@ -270,6 +302,8 @@ def quantize_row(x: np.ndarray, qtype: int) -> np.ndarray:
         return np.concatenate([d.astype(np.float16).view(np.uint8), q[:, :16] | (q[:, 16:] << 4)], axis=1).reshape(-1)
     if ti.id == Q6_0_ID:
         return _quantize_q6_0(b)
+    if ti.id == MXFP4_ID:
+        return _quantize_mxfp4(b).reshape(-1)
     if ti.id == IQ4_NL_ID:                                   # quantize_row_iq4_nl_ref is ntry -1
         raise NotImplementedError("quantize_row: IQ4_NL's row reference (ntry -1) is not implemented")
     if ti.id in (Q4_1_ID, Q5_1_ID):
@@ -316,3 +350,17 @@ def _quantize_q6_0(b: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
         dd = np.where(sumq2 > 0, sumqx / np.where(sumq2 > 0, sumq2, 1), d).astype(np.float32)
     return _pack_qx_0(q, dd, 6).reshape(-1)
+
+
+def _quantize_mxfp4(b: np.ndarray) -> np.ndarray:
+    """MXFP4 blocks (ik ignores an imatrix): e = floor(log2 amax) - 2 + 127, each value to the
+    nearest of d * KVALUES_MXFP4 (the first on ties, so 0 is nibble 0)."""
+    amax = np.abs(b).max(axis=1)
+    with np.errstate(divide="ignore"):
+        lg = np.floor(np.log2(np.where(amax > 0, amax, np.float32(1)).astype(np.float32)))
+    e = np.where(amax > 0, lg - 2 + 127, 0).astype(np.int64).astype(np.uint8)
+    d = e8m0_half(e)
+    err = np.abs(b[:, :, None] - (d[:, None, None] * _KVM_F32[None, None, :]).astype(np.float32))
+    q = err.argmin(axis=2).astype(np.uint8)
+    q[amax == 0] = 0
+    return np.concatenate([e[:, None], q[:, :16] | (q[:, 16:] << 4)], axis=1)

@@ -53,7 +53,7 @@ from . import gemm as G
 from . import kernels as K
 from .blas_threads import get_blas_threads, set_blas_threads
 from . import reference
-from .tensor import QTensor
+from .tensor import QTensor, f32_qtensor
 from . import registry
 from .types import BF16, F16, F32, type_info
 
@@ -174,7 +174,10 @@ def plain_if_no_kernel(w: QTensor) -> QTensor:
     if not ti.interleave or has_interleaved_kernel(w.qtype) or w.data.ndim not in (2, 3):
         return w
     nrows = w.data.size // w.data.shape[-1]
-    raw = unpack_fast(np.ascontiguousarray(w.data).reshape(nrows, -1), w.qtype, nrows, w.cols)
+    raw = np.ascontiguousarray(w.data).reshape(nrows, -1)
+    if w.cols % type_info(plain_type(w.qtype)).block_size:   # IQ1_S_R4 rows not whole IQ1_S blocks: f32
+        return f32_qtensor(registry.traits(w.qtype).dequantize(raw, nrows * w.cols, w.cols).reshape(w.shape))
+    raw = unpack_fast(raw, w.qtype, nrows, w.cols)
     return QTensor(raw.reshape(*w.data.shape[:-1], raw.shape[-1]), plain_type(w.qtype), w.shape)
 
 
@@ -466,7 +469,12 @@ def get_rows(w: QTensor, ids: np.ndarray) -> np.ndarray:
     if flat.size and (flat.min() < 0 or flat.max() >= rows):
         raise IndexError(f"row id out of range 0..{rows - 1}")
     out = np.empty((flat.size, cols), dtype=np.float32)
-    if flat.size:
+    tr = registry.traits(qtype)
+    if flat.size and tr.matmul_scale != 1.0:
+        # the kernels' decoders carry ik's matmul factor; a lookup is ik's dequantize_row (get_rows)
+        for i, r in enumerate(flat):
+            out[i] = tr.dequantize(buf[r * stride:r * stride + tr.info.row_bytes(cols)], cols)
+    elif flat.size:
         K.dequant_rows(buf, qtype, stride, flat, cols, K.QK, K.F16_TO_F32, out)
     return out.reshape(*ids.shape, cols)
 
@@ -480,8 +488,9 @@ def dequantize(w: QTensor) -> np.ndarray:
     return get_rows(flat, np.arange(data.shape[0])).reshape(w.shape)
 
 
-def quantize_tensor(x: np.ndarray, qtype: int) -> QTensor:
-    """Quantize f32 values of shape (..., cols) with ggml's reference rules (see quant.reference).
+def quantize_tensor(x: np.ndarray, qtype: int, imatrix: np.ndarray | None = None) -> QTensor:
+    """Quantize f32 values of shape (..., cols) with ggml's reference rules (see quant.reference),
+    with an importance matrix (cols,) if given.
 
     The QTensor keeps x's shape; its data is a fresh (..., row_bytes) uint8 array.
     """
@@ -489,7 +498,7 @@ def quantize_tensor(x: np.ndarray, qtype: int) -> QTensor:
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim == 0:
         raise ValueError("cannot quantize a scalar")
-    raw = reference.quantize(x, qtype)
+    raw = reference.quantize(x, qtype, imatrix)
     return QTensor.from_raw(raw, qtype, x.shape)
 
 

@@ -10,7 +10,7 @@ A record (TypeTraits) binds what the rest of ikcli needs to know about a type:
 The registry is the only module that knows every family.  It sits above them:
 
     types, numeric
-      -> floats, kquants_fast, kquants, legacy, iqk, iqk_quantize, interleaved   (families)
+      -> floats, kquants_fast, kquants, legacy, iqk, iqk_quantize, iquants, ktquants, interleaved   (families)
       -> simd, simd_blocks, simd_r4, simd_gemm                               (dot kernels)
       -> registry -> kernels -> matmul, reference                            (users)
 
@@ -26,7 +26,7 @@ from typing import Callable
 
 import numpy as np
 
-from . import floats, iqk, iqk_quantize, interleaved, kquants, kquants_fast, legacy
+from . import floats, iqk, iqk_quantize, interleaved, iquants, iquants_quantize, kquants, kquants_fast, ktquants, legacy
 from .simd_blocks import BLOCK_DOTS, GEMM_ONLY
 from .simd_gemm import WEAVE
 from .simd_r4 import R4_DOTS
@@ -65,6 +65,8 @@ FAMILIES = (
     Family(legacy, legacy.quantize, legacy.quantize_row, legacy.dequantize),
     Family(kquants, kquants.quantize, kquants.quantize_row, kquants.dequantize),
     Family(iqk, iqk_quantize.quantize, None, iqk.dequantize),      # IQK: no row _ref quantizer in ik
+    Family(iquants, iquants_quantize.quantize, None, iquants.dequantize),
+    Family(ktquants, ktquants.quantize, None, ktquants.dequantize),
 )
 
 
@@ -85,6 +87,10 @@ class TypeTraits:
     dot: str | None                        # DOT_*: the kernel of its matmuls
     act: str | None                        # ACT_*: what that kernel reads
     gemm: int                              # quant.simd_gemm packing (WEAVE: 0 plain, 4 _R4, 8 _R8), -1 none
+    # the factor ik's matmul kernels apply to the row scale (IQ2_KT 1.05, IQ3_KT 1.01): the engine's
+    # decoders and dots include it; `dequantize` (ik's dequantize_row, its get_rows) does not
+    matmul_scale: float = 1.0
+    needs_imatrix: bool = False            # its quantizer requires an importance matrix (ggml_quantize_requires_imatrix)
 
     @property
     def id(self) -> int:
@@ -120,7 +126,8 @@ def _plain_record(ti: TypeInfo, fam: Family | None) -> TypeTraits:
         dot = act = None
     # kquants_fast has no Q4_0 imatrix fit: that one stays on the NumPy reference
     return TypeTraits(ti, fam.name if fam else None, q, fast, t != legacy.Q4_0_ID, qr, dq,
-                      fam is not None, dot, act, WEAVE.get(t, -1))
+                      fam is not None, dot, act, WEAVE.get(t, -1), ktquants.MATMUL_SCALE.get(t, 1.0),
+                      t in iquants.REQUIRES_IMATRIX)
 
 
 def _interleaved_record(ti: TypeInfo, plain: dict[int, TypeTraits]) -> TypeTraits:
@@ -128,6 +135,8 @@ def _interleaved_record(ti: TypeInfo, plain: dict[int, TypeTraits]) -> TypeTrait
     base = plain.get(interleaved.plain_type(t))
 
     def quantize_plain(x: Rows, qt: int, im: np.ndarray | None) -> np.ndarray:
+        if im is None and plain[qt].needs_imatrix:     # ik's _R4 quantizers run without one
+            return iquants_quantize.quantize(x, qt, None, require_imatrix=False)
         return plain[qt].quantize(x, im)
 
     def dequantize_plain(raw: np.ndarray, qt: int, n: int) -> np.ndarray:
@@ -145,8 +154,10 @@ def _interleaved_record(ti: TypeInfo, plain: dict[int, TypeTraits]) -> TypeTrait
         dot, act = DOT_Q8, ACT_Q8_32
     else:
         dot, act = DOT_UNPACK, (base.act if base else None)
-    return TypeTraits(ti, "interleaved", lambda x, im: interleaved.quantize(x, t, im, quantize_plain),
-                      None, False, None, dq, base is not None and base.decodes, dot, act, WEAVE.get(t, -1))
+    q = None if t in interleaved.READ_ONLY else (lambda x, im: interleaved.quantize(x, t, im, quantize_plain))
+    return TypeTraits(ti, "interleaved", q,
+                      None, False, None, dq, base is not None and base.decodes, dot, act, WEAVE.get(t, -1),
+                      needs_imatrix=False)
 
 
 def _build() -> dict[int, TypeTraits]:

@@ -46,6 +46,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import iqk as _iqk
+from . import iquants as _iq
+from . import ktquants as _kt
+from .legacy import KVALUES_MXFP4 as _KV_MXFP4
 from .simd import _unpack_q4_0 as _simd_unpack_q4_0, _unpack_q8_0 as _simd_unpack_q8_0
 from .simd import HAS_VNNI, cpu_features, stack_scope, _F32, _I8, _I16, _I32, _I64, _vec, _const_i64, _pair_sum, _splat, dpbusd
 
@@ -401,6 +404,49 @@ def _unpack_iq2_ks(b: ir.IRBuilder, p) -> Block:
     return Block(ir.Constant(_F32, 1.0), us, _pairs(b, sc), _pairs(b, _extra_offs(b, _T_IQ2, _bits16(b, extra, 0, 8))))
 
 
+def _unpack_iq3_ks(b: ir.IRBuilder, p) -> Block:
+    qh = _ld(b, p, 70)
+    us = [_lookup_pieces(b, _T_IQ3, b.or_(_vshr(b, _ld(b, p, 6 + 32 * (g >> 2)), 2 * (g & 3), 3), _bit_to(b, qh, g, 2)))
+          for g in range(8)]
+    extra = _u16(b, p, 0)
+    lo = _field(b, _bytes32(b, p, 2, 4), [g & 3 for g in range(8)], [4 * (g >> 2) for g in range(8)], 15)
+    sc = b.sub(b.or_(lo, b.shl(_bits16(b, extra, 0, 8), _cv([4] * 8))), _cv([16] * 8))
+    return Block(ir.Constant(_F32, 1.0), us, _pairs(b, sc), _pairs(b, _extra_offs(b, _T_IQ3, _bits16(b, extra, 8, 8))))
+
+
+def _unpack_iq5_ks(b: ir.IRBuilder, p) -> Block:
+    qh = _ld(b, p, 136)
+    us = [_lookup_pieces(b, _T_IQ5, _vshr(b, _ld(b, p, 8 + 32 * (g >> 1)), 4 * (g & 1), 15), _vshr(b, qh, g, 1))
+          for g in range(8)]
+    B = _bytes32(b, p, 0, 8)
+    sc = b.sub(b.and_(B, _cv([254] * 8)), _cv([127] * 8))
+    return Block(ir.Constant(_F32, 1.0), us, _pairs(b, sc), _pairs(b, _extra_offs(b, _T_IQ5, b.and_(B, _cv([1] * 8)))))
+
+
+# IQ2_KL: a 5-bit index per pair of values; per 16-entry piece k of the pair table, bytes 0..15 hold
+# the first levels (+128) and 16..31 the second, so one lookup gives both halves of 16 pairs
+_KLP = _iqk.IQ2KL_PAIRS.astype(np.int64)
+_T_IQ2KL = [ir.Constant(_V32, [(int(v) + 128) & 255 for v in np.concatenate([_KLP[16 * k:16 * k + 16, 0],
+                                                                              _KLP[16 * k:16 * k + 16, 1]])])
+            for k in range(2)]
+_KL_INTERLEAVE = [(i >> 1) + 16 * (i & 1) for i in range(32)]
+
+
+def _unpack_iq2_kl(b: ir.IRBuilder, p) -> Block:
+    qh = _ld(b, p, 70, 16)
+    us = []
+    for g in range(8):
+        nib = _vshr(b, _ld(b, p, 6 + 16 * (g >> 1), 16), 4 * (g & 1), 15, 16)
+        top = _vshr(b, qh, g, 1, 16)
+        idx, top = _cat(b, nib, nib), _cat(b, top, top)
+        lv = b.select(b.icmp_unsigned("!=", top, _c(0)), _lookup(b, _T_IQ2KL[1], idx), _lookup(b, _T_IQ2KL[0], idx))
+        us.append(_gather(b, lv, _KL_INTERLEAVE))
+    lo = _field(b, _bytes32(b, p, 2, 4), [g & 3 for g in range(8)], [4 * (g >> 2) for g in range(8)], 15)
+    hi = b.and_(b.lshr(_splat32(b, _u16(b, p, 0), 8), _cv([2 * g for g in range(8)])), _cv([3] * 8))
+    sc = b.sub(b.or_(lo, b.shl(hi, _cv([4] * 8))), _cv([32] * 8))
+    return Block(ir.Constant(_F32, 1.0), us, _pairs(b, sc), 128)
+
+
 # ----------------------------------------------------------------------------------------
 # unpackers: legacy 32-value blocks (layouts: quant.legacy; one sub-block per block)
 # ----------------------------------------------------------------------------------------
@@ -432,6 +478,294 @@ def _unpack_q6_0(b: ir.IRBuilder, p) -> Block:
 def _unpack_iq4_nl(b: ir.IRBuilder, p) -> Block:
     u = _lookup(b, _cat(b, _T_IQ4NL, _T_IQ4NL), _nib32(b, p, 2))
     return Block(_f16(b, p, 0), [u], _ONE2, 128)
+
+
+_T_MXFP4 = _tab16(_KV_MXFP4, 128)
+
+
+def _unpack_mxfp4(b: ir.IRBuilder, p) -> Block:
+    """d = 2^(e - 128) from the E8M0 byte (e < 2: the subnormals 2^-128, 2^-127)."""
+    e = b.zext(b.load(p), _I32)
+    bits = b.select(b.icmp_unsigned(">=", e, ir.Constant(_I32, 2)), b.shl(b.sub(e, ir.Constant(_I32, 1)), ir.Constant(_I32, 23)),
+                    b.shl(ir.Constant(_I32, 0x00200000), e))
+    u = _lookup(b, _cat(b, _T_MXFP4, _T_MXFP4), _nib32(b, p, 1))
+    return Block(b.bitcast(bits, _F32), [u], _ONE2, 128)
+
+
+# ----------------------------------------------------------------------------------------
+# unpackers: mainline i-quants (layouts: quant.iquants).  Each group of 8 (4) values is one
+# scalar load from the type's grid, kept as an internal constant array of i64 (i32) words in
+# the module; signs are byte masks applied as (g ^ m) - m; every level is an integer (IQ1's
+# delta folded in: 8 g +- 1), the fractions go into d.
+# ----------------------------------------------------------------------------------------
+_OFF_GRID, _OFF_IQ1 = 64, 16
+# the sign bytes of the 7-bit sign indices (parity on top)
+_KSIGNS = _iq.sign_byte(np.arange(128))
+
+
+def _global(b: ir.IRBuilder, name: str, words: np.ndarray, bits: int):
+    """An internal constant array of the integer words (made once per LLVM module)."""
+    try:
+        return b.module.get_global(name)
+    except KeyError:
+        et = ir.IntType(bits)
+        ty = ir.ArrayType(et, len(words))
+        gv = ir.GlobalVariable(b.module, ty, name=name)
+        gv.linkage = "internal"
+        gv.global_constant = True
+        gv.initializer = ir.Constant(ty, [int(w) for w in words])
+        return gv
+
+
+def _grid_words(grid: np.ndarray, scale: int = 1, add: int = 0) -> tuple[np.ndarray, int]:
+    """A grid (N, k) as N little-endian words of its k bytes (scale * value + add each)."""
+    v = (grid.astype(np.int64) * scale + add).astype(np.uint8)
+    k = grid.shape[1]
+    return np.ascontiguousarray(v).view(f"<u{k}").reshape(-1).astype(np.uint64), 8 * k
+
+
+_GRIDS = {name: _grid_words(g) for name, g in (("ikcli.iq2xxs", _iq.GRID_IQ2XXS), ("ikcli.iq2xs", _iq.GRID_IQ2XS),
+                                                ("ikcli.iq2s", _iq.GRID_IQ2S), ("ikcli.iq3xxs", _iq.GRID_IQ3XXS),
+                                                ("ikcli.iq3s", _iq.GRID_IQ3S))}
+_GRIDS["ikcli.iq1s"] = _grid_words(_iq.GRID_IQ1S, 8, _OFF_IQ1)
+
+
+def _grid_vec(b: ir.IRBuilder, name: str, idxs: list):
+    """The 32 grid bytes of the entries idxs (i32 scalars; 4 of 8 bytes or 8 of 4) as <32 x i8>."""
+    words, bits = _GRIDS[name]
+    gv = _global(b, name, words, bits)
+    v = ir.Constant(_vec(ir.IntType(bits), len(idxs)), None)
+    zero = ir.Constant(_I32, 0)
+    for i, ix in enumerate(idxs):
+        v = b.insert_element(v, b.load(b.gep(gv, [zero, ix])), ir.Constant(_I32, i))
+    return b.bitcast(v, _V32)
+
+
+def _ksign_word(b: ir.IRBuilder, bits28):
+    """Four 7-bit sign indices (bits 0..27 of an i32) -> the i32 of their four sign bytes."""
+    gv = _global(b, "ikcli.ksigns", _KSIGNS, 8)
+    zero = ir.Constant(_I32, 0)
+    w = None
+    for l in range(4):
+        sb = b.zext(b.load(b.gep(gv, [zero, _bits(b, bits28, 7 * l, 127)])), _I32)
+        sb = b.shl(sb, ir.Constant(_I32, 8 * l)) if l else sb
+        w = sb if w is None else b.or_(w, sb)
+    return w
+
+
+_BITSEL = ir.Constant(_V32, [1 << (i % 8) for i in range(32)])
+
+
+def _signed(b: ir.IRBuilder, g, word, off: int):
+    """off + g * (bit i of the i32 word ? -1 : 1), per byte lane i."""
+    w4 = b.bitcast(word, _vec(_I8, 4))
+    w32 = b.shuffle_vector(w4, w4, ir.Constant(_vec(_I32, 32), [i // 8 for i in range(32)]))
+    m = b.sext(b.icmp_unsigned("!=", b.and_(w32, _BITSEL), _c(0)), _V32)
+    return b.add(b.sub(b.xor(g, m), m), _c(off))
+
+
+def _odd_ls(b: ir.IRBuilder, v):
+    """2 ls + 1 for the i32 lanes ls."""
+    n = v.type.count
+    return b.add(b.shl(v, _cv([1] * n)), _cv([1] * n))
+
+
+def _scaled_d(b: ir.IRBuilder, d, div: int):
+    return b.fmul(d, ir.Constant(_F32, 1.0 / div)) if div != 1 else d
+
+
+def _i32(v: int):
+    return ir.Constant(_I32, v)
+
+
+def _byte(b: ir.IRBuilder, p, off):
+    return b.zext(b.load(_gep(b, p, off)), _I32)
+
+
+def _unpack_iq2_xxs(b: ir.IRBuilder, p) -> Block:
+    us = []
+    for ib in range(8):
+        idx = [_byte(b, p, 2 + 8 * ib + l) for l in range(4)]
+        us.append(_signed(b, _grid_vec(b, "ikcli.iq2xxs", idx), _ksign_word(b, _u32(b, p, 6 + 8 * ib)), _OFF_GRID))
+    aux = _ld(b, p, 2, 16, _I32)
+    sc = _odd_ls(b, b.lshr(_gather(b, aux, [2 * (h // 2) + 1 for h in range(16)]), _cv([28] * 16)))
+    return Block(_scaled_d(b, _f16(b, p, 0), 8), us, sc, _OFF_GRID)
+
+
+def _unpack_iq2_xs(b: ir.IRBuilder, p) -> Block:
+    us = []
+    for ib in range(8):
+        q = [_u16(b, p, 2 + 8 * ib + 2 * l) for l in range(4)]
+        signs = None
+        for l in range(4):     # the four 7-bit sign indices as one word, then one table pass
+            sl = b.shl(b.lshr(q[l], _i32(9)), _i32(7 * l)) if l else b.lshr(q[l], _i32(9))
+            signs = sl if signs is None else b.or_(signs, sl)
+        g = _grid_vec(b, "ikcli.iq2xs", [b.and_(x, _i32(511)) for x in q])
+        us.append(_signed(b, g, _ksign_word(b, signs), _OFF_GRID))
+    sc = _odd_ls(b, _field(b, _bytes32(b, p, 66, 8), *_NIB16, 15))
+    return Block(_scaled_d(b, _f16(b, p, 0), 8), us, sc, _OFF_GRID)
+
+
+def _unpack_iq2_s(b: ir.IRBuilder, p) -> Block:
+    us = []
+    for ib in range(8):
+        qh = _byte(b, p, 66 + ib)
+        idx = [b.or_(_byte(b, p, 2 + 4 * ib + l), b.shl(_bits(b, qh, 2 * l, 3), _i32(8))) for l in range(4)]
+        us.append(_signed(b, _grid_vec(b, "ikcli.iq2s", idx), _u32(b, p, 34 + 4 * ib), _OFF_GRID))
+    sc = _odd_ls(b, _field(b, _bytes32(b, p, 74, 8), *_NIB16, 15))
+    return Block(_scaled_d(b, _f16(b, p, 0), 8), us, sc, _OFF_GRID)
+
+
+def _unpack_iq3_xxs(b: ir.IRBuilder, p) -> Block:
+    us = []
+    for ib in range(8):
+        idx = [_byte(b, p, 2 + 8 * ib + k) for k in range(8)]
+        us.append(_signed(b, _grid_vec(b, "ikcli.iq3xxs", idx), _ksign_word(b, _u32(b, p, 66 + 4 * ib)), _OFF_GRID))
+    sc = _odd_ls(b, _pairs(b, b.lshr(_ld(b, p, 66, 8, _I32), _cv([28] * 8))))
+    return Block(_scaled_d(b, _f16(b, p, 0), 4), us, sc, _OFF_GRID)
+
+
+def _unpack_iq3_s(b: ir.IRBuilder, p) -> Block:
+    us = []
+    for ib in range(8):
+        qh = _byte(b, p, 66 + ib)
+        idx = [b.or_(_byte(b, p, 2 + 8 * ib + k), b.shl(_bits(b, qh, k, 1), _i32(8))) for k in range(8)]
+        us.append(_signed(b, _grid_vec(b, "ikcli.iq3s", idx), _u32(b, p, 74 + 4 * ib), _OFF_GRID))
+    sc = _odd_ls(b, _field(b, _bytes32(b, p, 106, 4), [h // 4 for h in range(16)], [4 * ((h // 2) & 1) for h in range(16)], 15))
+    return Block(_f16(b, p, 0), us, sc, _OFF_GRID)
+
+
+def _iq1_levels(b: ir.IRBuilder, idx: list, neg: list):
+    """The 32 IQ1 levels 8 g + 16 +- 1 of four grid entries, neg[l] (i32 0 / 1): group l's
+    delta is negative."""
+    g = _grid_vec(b, "ikcli.iq1s", idx)
+    dv = ir.Constant(_vec(_I8, 4), None)
+    for l, x in enumerate(neg):
+        dv = b.insert_element(dv, b.trunc(b.sub(_i32(1), b.shl(x, _i32(1))), _I8), _i32(l))
+    return b.add(g, b.shuffle_vector(dv, dv, ir.Constant(_vec(_I32, 32), [i // 8 for i in range(32)])))
+
+
+def _unpack_iq1_s(b: ir.IRBuilder, p) -> Block:
+    us = []
+    for ib in range(8):
+        qh = _u16(b, p, 34 + 2 * ib)
+        idx = [b.or_(_byte(b, p, 2 + 4 * ib + l), b.shl(_bits(b, qh, 3 * l, 7), _i32(8))) for l in range(4)]
+        us.append(_iq1_levels(b, idx, [_bits(b, qh, 15, 1)] * 4))
+    sc = _odd_ls(b, _pairs(b, b.and_(b.lshr(b.zext(_ld(b, p, 34, 8, _I16), _vec(_I32, 8)), _cv([12] * 8)), _cv([7] * 8))))
+    return Block(_scaled_d(b, _f16(b, p, 0), 8), us, sc, _OFF_IQ1)
+
+
+def _unpack_iq1_m(b: ir.IRBuilder, p) -> Block:
+    us = []
+    for ib in range(8):
+        h = [_bits(b, _byte(b, p, 32 + 2 * ib + (l >> 1)), 4 * (l & 1), 15) for l in range(4)]
+        idx = [b.or_(_byte(b, p, 4 * ib + l), b.shl(b.and_(h[l], _i32(7)), _i32(8))) for l in range(4)]
+        us.append(_iq1_levels(b, idx, [b.lshr(x, _i32(3)) for x in h]))
+    sw = b.zext(_ld(b, p, 48, 4, _I16), _vec(_I32, 4))
+    sc = _odd_ls(b, _field(b, sw, [h // 4 for h in range(16)], [6 * ((h // 2) & 1) + 3 * (h & 1) for h in range(16)], 7))
+    top = [b.and_(b.lshr(b.extract_element(sw, _i32(k)), _i32(12)), _i32(15)) for k in range(4)]
+    dbits = b.or_(b.or_(top[0], b.shl(top[1], _i32(4))), b.or_(b.shl(top[2], _i32(8)), b.shl(top[3], _i32(12))))
+    d = b.fpext(b.bitcast(b.trunc(dbits, _I16), ir.HalfType()), _F32)
+    return Block(_scaled_d(b, d, 8), us, sc, _OFF_IQ1)
+
+
+# ----------------------------------------------------------------------------------------
+# unpackers: ik's trellis types (layouts: quant.ktquants).  A group's levels are generated, not
+# stored: x = index + offset, value k = (the byte sum of KA^(k+1) x & 0x3f3f3f3f) - 126, so the
+# unsigned level (+126) is one multiply by 0x01010101 and a shift (no byte overflows: 4 * 63).
+# d is ik's matmul factor for the row scale (quant.ktquants.MATMUL_SCALE).
+# ----------------------------------------------------------------------------------------
+_OFF_KT = 126
+_KA = 0xCBAC1FED
+
+
+def _ka_powers(g: int) -> ir.Constant:
+    """Lane g * j + k: KA^(k+1) mod 2^32 (as a signed i32 constant)."""
+    pw, v = [], 1
+    for _ in range(g):
+        v = (v * _KA) & 0xFFFFFFFF
+        pw.append(v - (1 << 32) if v >= 1 << 31 else v)
+    return _cv(pw * (32 // g))
+
+
+def _trellis_u(b: ir.IRBuilder, xs: list, g: int):
+    """The 32 unsigned levels (level + 126, i32 lanes) of the groups with trellis seeds xs (i32)."""
+    xv = ir.Constant(_vec(_I32, len(xs)), None)
+    for i, x in enumerate(xs):
+        xv = b.insert_element(xv, x, _i32(i))
+    x32 = b.mul(_gather(b, xv, [i // g for i in range(32)]), _ka_powers(g))
+    m = b.and_(x32, _cv([0x3F3F3F3F] * 32))
+    return b.lshr(b.mul(m, _cv([0x01010101] * 32)), _cv([24] * 32))
+
+
+_IQ4K_I32 = np.asarray(_iqk.IQ4K[:16]).astype(np.int64)
+
+
+def _iq4k_scales(b: ir.IRBuilder, nibbles: list):
+    """iq4k levels of 8 scale nibbles (i32 scalars) as per-16 lanes."""
+    gv = _global(b, "ikcli.iq4k32", _IQ4K_I32 & 0xFFFFFFFF, 32)
+    v = ir.Constant(_vec(_I32, 8), None)
+    for i, nb in enumerate(nibbles):
+        v = b.insert_element(v, b.load(b.gep(gv, [_i32(0), nb])), _i32(i))
+    return _pairs(b, v)
+
+
+def _kt_d(t: int):
+    return ir.Constant(_F32, float(np.float32(_kt.MATMUL_SCALE[t])))
+
+
+def _unpack_iq2_kt(b: ir.IRBuilder, p) -> Block:
+    us = []
+    for B in range(8):
+        xs = [b.add(_u16(b, p, 4 + 8 * B + 2 * j), _i32(4096)) for j in range(4)]
+        us.append(b.trunc(_trellis_u(b, xs, 8), _V32))
+    sc = _iq4k_scales(b, [_bits(b, _byte(b, p, B % 4), 4 * (B // 4), 15) for B in range(8)])
+    return Block(_kt_d(_kt.IQ2_KT), us, sc, _OFF_KT)
+
+
+def _unpack_iq1_kt(b: ir.IRBuilder, p) -> Block:
+    us, nibs = [], []
+    for B in range(8):
+        sh = _byte(b, p, B)
+        nibs.append(b.and_(sh, _i32(15)))
+        xs = []
+        for j in range(4):
+            hi = _bits(b, _byte(b, p, 40 + 4 * (B % 4) + j), 4 * (B // 4), 15)
+            idx = b.or_(b.or_(_byte(b, p, 8 + 4 * B + j), b.shl(hi, _i32(8))), b.shl(_bits(b, sh, 4 + j, 1), _i32(12)))
+            xs.append(b.add(idx, _i32(4096)))
+        us.append(b.trunc(_trellis_u(b, xs, 8), _V32))
+    return Block(_kt_d(_kt.IQ1_KT), us, _iq4k_scales(b, nibs), _OFF_KT)
+
+
+def _unpack_iq3_kt(b: ir.IRBuilder, p) -> Block:
+    qh = _ld(b, p, 68)
+    us = []
+    v32 = _vec(_I32, 32)
+    for B in range(8):
+        xs = [b.add(_u16(b, p, 4 + 8 * B + 2 * j), _i32(4096)) for j in range(4)]
+        t = b.sub(_trellis_u(b, xs, 8), _cv([_OFF_KT] * 32))
+        a = b.trunc(b.select(b.icmp_signed("<", t, ir.Constant(v32, [0] * 32)), b.neg(t), t), _V32)
+        neg = b.icmp_unsigned("!=", _vshr(b, qh, B, 1), _c(0))
+        us.append(b.select(neg, b.sub(_c(_OFF_KT), a), b.add(_c(_OFF_KT), a)))
+    sc = _pairs(b, _field(b, _bytes32(b, p, 0, 4), [B % 4 for B in range(8)], [4 * (B // 4) for B in range(8)], 15))
+    return Block(_kt_d(_kt.IQ3_KT), us, sc, _OFF_KT)
+
+
+def _unpack_iq4_kt(b: ir.IRBuilder, p) -> Block:
+    us = []
+    for B in range(8):
+        s = _u32(b, p, 4 * B)
+        off = b.add(_i32(4096), b.shl(b.and_(s, _i32(1)), _i32(15)))
+        xs = []
+        for j in range(8):
+            G = 8 * B + j
+            hi = _bits(b, _byte(b, p, 96 + G % 32), 4 * (G // 32), 15)
+            idx = b.or_(b.or_(_byte(b, p, 32 + G), b.shl(hi, _i32(8))), b.shl(_bits(b, s, 8 + 3 * j, 7), _i32(12)))
+            xs.append(b.add(idx, off))
+        us.append(b.trunc(_trellis_u(b, xs, 4), _V32))
+    S = _ld(b, p, 0, 8, _I32)
+    sc = _pairs(b, b.sub(b.lshr(b.and_(S, _cv([255] * 8)), _cv([1] * 8)), _cv([64] * 8)))
+    return Block(_kt_d(_kt.IQ4_KT), us, sc, _OFF_KT)
 
 
 def _from_simd(unpack: Callable, off: int) -> Callable:
@@ -469,6 +803,14 @@ BLOCK_DOTS: dict[int, BlockDot] = {
     7: _grouped(BlockDot("Q5_1", 32, 24, 0, _unpack_q5_1)),
     20: _grouped(BlockDot("IQ4_NL", 32, 18, 128, _unpack_iq4_nl)),
     133: _grouped(BlockDot("Q6_0", 32, 26, 32, _unpack_q6_0)),
+    39: _grouped(BlockDot("MXFP4", 32, 17, 128, _unpack_mxfp4)),
+    16: BlockDot("IQ2_XXS", 256, 66, _OFF_GRID, _unpack_iq2_xxs),
+    17: BlockDot("IQ2_XS", 256, 74, _OFF_GRID, _unpack_iq2_xs),
+    22: BlockDot("IQ2_S", 256, 82, _OFF_GRID, _unpack_iq2_s),
+    18: BlockDot("IQ3_XXS", 256, 98, _OFF_GRID, _unpack_iq3_xxs),
+    21: BlockDot("IQ3_S", 256, 110, _OFF_GRID, _unpack_iq3_s),
+    19: BlockDot("IQ1_S", 256, 50, _OFF_IQ1, _unpack_iq1_s),
+    29: BlockDot("IQ1_M", 256, 56, _OFF_IQ1, _unpack_iq1_m),
     10: BlockDot("Q2_K", 256, 84, 0, _unpack_q2_k),
     11: BlockDot("Q3_K", 256, 110, 4, _unpack_q3_k),
     12: BlockDot("Q4_K", 256, 144, 0, _unpack_q4_k),
@@ -482,6 +824,13 @@ BLOCK_DOTS: dict[int, BlockDot] = {
     141: BlockDot("IQ6_K", 256, 212, 128, _unpack_iq6_k),
     144: BlockDot("IQ4_KS", 256, 136, 128, _unpack_iq4_ks, "f32"),
     145: BlockDot("IQ2_KS", 256, 70, 128, _unpack_iq2_ks, "f16"),
+    152: BlockDot("IQ5_KS", 256, 168, 128, _unpack_iq5_ks, "f32"),
+    156: BlockDot("IQ3_KS", 256, 102, 128, _unpack_iq3_ks, "f16"),
+    157: BlockDot("IQ2_KL", 256, 86, 128, _unpack_iq2_kl, "f16"),
+    158: BlockDot("IQ1_KT", 256, 56, _OFF_KT, _unpack_iq1_kt, "f32"),
+    153: BlockDot("IQ2_KT", 256, 68, _OFF_KT, _unpack_iq2_kt, "f32"),
+    154: BlockDot("IQ3_KT", 256, 100, _OFF_KT, _unpack_iq3_kt, "f32"),
+    155: BlockDot("IQ4_KT", 256, 128, _OFF_KT, _unpack_iq4_kt, "f32"),
 }
 
 

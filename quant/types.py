@@ -43,13 +43,22 @@ _TYPES = [
     TypeInfo("Q5_K", 13, 256, 176),
     TypeInfo("Q6_K", 14, 256, 210),
     TypeInfo("Q8_K", 15, 256, 296),         # ik_llama.cpp's: two floats (d, sum) + 256 + 16 int16
+    # mainline i-quants (quant.iquants)
+    TypeInfo("IQ2_XXS", 16, 256, 66),
+    TypeInfo("IQ2_XS", 17, 256, 74),
+    TypeInfo("IQ3_XXS", 18, 256, 98),
+    TypeInfo("IQ1_S", 19, 256, 50),
     TypeInfo("IQ4_NL", 20, 32, 18),
+    TypeInfo("IQ3_S", 21, 256, 110),
+    TypeInfo("IQ2_S", 22, 256, 82),
     TypeInfo("IQ4_XS", 23, 256, 136),
     TypeInfo("I8", 24, 1, 1),
     TypeInfo("I16", 25, 1, 2),
     TypeInfo("I32", 26, 1, 4),
     TypeInfo("F64", 28, 1, 8),
+    TypeInfo("IQ1_M", 29, 256, 56),
     TypeInfo("BF16", 30, 1, 2),
+    TypeInfo("MXFP4", 39, 32, 17),      # e8m0 exponent byte, 16 bytes of e2m1 nibbles
     TypeInfo("Q6_0", 133, 32, 26),      # ik_llama.cpp: f16 d, 8 bytes of high bits, 16 of nibbles
     # ik_llama.cpp's IQK types (ggml-common.h)
     TypeInfo("IQ2_K", 137, 256, 76),
@@ -60,22 +69,40 @@ _TYPES = [
     TypeInfo("IQ4_KS", 144, 256, 136, row_meta=4),
     TypeInfo("IQ2_KS", 145, 256, 70, row_meta=2),
     TypeInfo("IQ4_KSS", 146, 256, 128, row_meta=4),
+    TypeInfo("IQ5_KS", 152, 256, 168, row_meta=4),
+    TypeInfo("IQ3_KS", 156, 256, 102, row_meta=2),
+    TypeInfo("IQ2_KL", 157, 256, 86, row_meta=2),
+    # ik_llama.cpp's trellis types (f32 row scale, then the blocks)
+    TypeInfo("IQ1_KT", 158, 256, 56, row_meta=4),
+    TypeInfo("IQ2_KT", 153, 256, 68, row_meta=4),
+    TypeInfo("IQ3_KT", 154, 256, 100, row_meta=4),
+    TypeInfo("IQ4_KT", 155, 256, 128, row_meta=4),
     # ik_llama.cpp's row-interleaved CPU layouts: groups of 4 or 8 rows stored block by block;
     # the same bytes per row as the plain type (ggml.c type_traits)
     TypeInfo("Q4_0_R8", 202, 32, 18, interleave=8, base="Q4_0"),
+    TypeInfo("Q5_0_R4", 206, 32, 22, interleave=4, base="Q5_0"),
     TypeInfo("Q8_0_R8", 208, 32, 34, interleave=8, base="Q8_0"),
     TypeInfo("Q2_K_R4", 210, 256, 84, interleave=4, base="Q2_K"),
     TypeInfo("Q3_K_R4", 211, 256, 110, interleave=4, base="Q3_K"),
     TypeInfo("Q4_K_R4", 212, 256, 144, interleave=4, base="Q4_K"),
     TypeInfo("Q5_K_R4", 213, 256, 176, interleave=4, base="Q5_K"),
     TypeInfo("Q6_K_R4", 214, 256, 210, interleave=4, base="Q6_K"),
+    TypeInfo("IQ2_XXS_R4", 216, 256, 66, interleave=4, base="IQ2_XXS"),
+    TypeInfo("IQ2_XS_R4", 217, 256, 74, interleave=4, base="IQ2_XS"),
+    TypeInfo("IQ3_XXS_R4", 218, 256, 98, interleave=4, base="IQ3_XXS"),
+    TypeInfo("IQ1_S_R4", 219, 32, 6, row_meta=2, interleave=4, base="IQ1_S"),   # not a repacking (quant.interleaved)
     TypeInfo("IQ4_NL_R4", 220, 32, 18, interleave=4, base="IQ4_NL"),
+    TypeInfo("IQ3_S_R4", 221, 256, 110, interleave=4, base="IQ3_S"),
+    TypeInfo("IQ2_S_R4", 222, 256, 82, interleave=4, base="IQ2_S"),
     TypeInfo("IQ4_XS_R8", 223, 256, 136, interleave=8, base="IQ4_XS"),
+    TypeInfo("Q6_0_R4", 233, 32, 26, interleave=4, base="Q6_0"),
     TypeInfo("IQ2_K_R4", 337, 256, 76, interleave=4, base="IQ2_K"),
     TypeInfo("IQ3_K_R4", 338, 256, 110, interleave=4, base="IQ3_K"),
     TypeInfo("IQ4_K_R4", 339, 256, 144, interleave=4, base="IQ4_K"),
     TypeInfo("IQ5_K_R4", 340, 256, 176, interleave=4, base="IQ5_K"),
     TypeInfo("IQ4_KS_R4", 344, 256, 136, row_meta=4, interleave=4, base="IQ4_KS"),
+    TypeInfo("IQ5_KS_R4", 352, 256, 168, row_meta=4, interleave=4, base="IQ5_KS"),
+    TypeInfo("MXFP4_R8", 353, 32, 17, interleave=8, base="MXFP4"),
     TypeInfo("Q8_K_R8", 399, 256, 258, interleave=8, base="Q8_K"),   # 8 f16 scales + 8 x 256 int8 per 8 rows
 ]
 

@@ -7,7 +7,10 @@
   perplexity on its file.
 
     python scripts/compare_quantized.py --ref-bin /path/to/ik_build/bin [-m f16.gguf] \
-        [--types q4_0,q4_k,iq4_k_r4,...] [--ctx 128] [--chunks 8] [--out table.md]
+        [--types q4_0,q4_k,iq4_k_r4,...] [--imatrix F.dat] [--ctx 128] [--chunks 8] [--out table.md]
+
+--imatrix and --quant-args (e.g. "--token-embedding-type q8_0": ik aborts on a very-low-bit
+token_embd, which has no imatrix entry) are passed to both quantizers.
 
 Without -m, the `small256` DeepSeek-shaped model of make_test_model.py (256-wide matrices, so
 every 256-block type applies) is generated.  Prints a Markdown table with the four perplexities
@@ -61,6 +64,8 @@ def main() -> None:
     ap.add_argument("--ref-bin", required=True, help="folder with the reference llama-quantize and llama-perplexity")
     ap.add_argument("-m", "--model")
     ap.add_argument("--types", default=TYPES)
+    ap.add_argument("--imatrix", help="importance matrix (.dat) for both quantizers")
+    ap.add_argument("--quant-args", default="", help="more arguments for both quantizers")
     ap.add_argument("--text", default=os.path.join(HERE, "..", "..", "shared", "corpus", "shakespeare.test.txt"))
     ap.add_argument("--ctx", type=int, default=128)
     ap.add_argument("--chunks", type=int, default=8)
@@ -80,7 +85,8 @@ def main() -> None:
         res = []
         for tool, out in ((IKCLI + ["quantize"], mine), ([os.path.join(a.ref_bin, "llama-quantize")], theirs)):
             try:
-                run(tool + ["--pure", src, out, t, str(a.threads)])
+                run(tool + ["--pure"] + (["--imatrix", a.imatrix] if a.imatrix else []) + a.quant_args.split()
+                    + [src, out, t, str(a.threads)])
             except RuntimeError as e:
                 print(str(e).splitlines()[0], file=sys.stderr)
                 res += [None, None]

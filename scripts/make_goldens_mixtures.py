@@ -12,7 +12,13 @@ be recorded cheaply; a subset is quantized for real and read back from the outpu
 agree with the dry-run log (checked here).  Cases with an imatrix use a .dat of all-ones weights
 written here (only its presence matters for the choice of types).
 
-Writes tests/data/golden_mixtures.json.gz (gzipped JSON: ~26 KB instead of ~630 KB): per model its
+The extra cases add the per-class type flags (--attn-q-type … --ffn-up-type, also against the
+IQ1_S_R4 / IQ2_KT and IQ1 / IQ2 group rules and with --pure), --ffn-gate-inp-type on the MoE
+models, and --override-kv: of hparams the rules read (n_head_kv) and, quantized for real, of
+plain metadata, whose keys, GGUF value types and values in ik's output are recorded too ("kv").
+
+Writes tests/data/golden_mixtures.json.gz (gzipped JSON: ~28 KB instead of ~650 KB): the ftype list
+of llama-quantize's usage ("ftypes": number and name, in its order) and per model its
 hparams (engine.quantize_plan.ModelInfo), how to rebuild it (scripts/make_test_model.py arguments),
 its tensors (name, ne, source type) and per case the types, so that tests/test_quantize_mixtures.py
 needs neither ik nor the model files.
@@ -42,7 +48,7 @@ import make_test_model as mtm  # noqa: E402
 from engine.gguf_file import _open_one, open_model_file  # noqa: E402
 from engine.quantize_plan import TYPE_ID, TYPE_NAME, ModelInfo  # noqa: E402
 
-IK_QUANTIZE = os.environ.get("IK_QUANTIZE", "/work/ik_build/bin/llama-quantize")
+IK_QUANTIZE = os.environ.get("IK_QUANTIZE", "/work/ikbuild/build/bin/llama-quantize")
 
 # the ftypes of the brief and the rest of ik's mixtures (their _R4/_R8 variants included)
 CORE = ["Q2_K", "Q2_K_S", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K",
@@ -67,28 +73,53 @@ REAL = ["Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_S", "Q6_K", "Q4_0", "IQ4_XS", "IQ2_K",
 
 # head_dim = n_embd / n_head everywhere: else ik's hparams loading stops at its n_rot check, before
 # it sets the model size (8B/70B) the rules look at.
+
+# every per-class flag at once (type names as ggml spells them: ik's parse_ggml_type is case-sensitive)
+ALL_CLASSES = ["--attn-q-type", "q8_0", "--attn-k-type", "q5_0", "--attn-v-type", "q8_0", "--attn-qkv-type", "q4_0",
+               "--attn-output-type", "iq4_ks", "--ffn-gate-type", "q5_K", "--ffn-down-type", "q6_0",
+               "--ffn-up-type", "iq4_nl"]
 # name: (make_test_model.write_model arguments or None for a hand-built file, ftypes, real, extra cases)
 MODELS: dict[str, dict[str, Any]] = {
     "llama8": dict(make=dict(arch="llama", preset="small256", n_layer=8, head_dim=64), ftypes=ALL, real=True,
                    extra={"Q4_K_M+custom": ["--custom-q", r"ffn_up=iq4_k_r4,blk\.[0-3]\.attn_q=q6_K",
                                             "--token-embedding-type", "q4_k_r4"],
                           "Q3_K_M+output": ["--output-tensor-type", "q8_0_r8"],
-                          "Q4_K_M+pure": ["--pure"]}),
+                          "Q4_K_M+pure": ["--pure"],
+                          # a --custom-q match still wins; output.weight keeps its own rule
+                          "Q4_K_M+classes": [*ALL_CLASSES, "--custom-q", r"blk\.1\.ffn_up=q8_0"],
+                          "IQ3_XS+classes": ALL_CLASSES,
+                          # the IQ1/IQ2 group looks only at --attn-output-type
+                          "IQ2_XXS+classes": ALL_CLASSES,
+                          "Q4_K_M+pure-classes": ["--pure", *ALL_CLASSES],
+                          "Q8_0+kv": ["--override-kv", "general.name=str:renamed", "--override-kv",
+                                      "llama.context_length=int:4096", "--override-kv", "ikcli.test.flag=bool:true",
+                                      "--override-kv", "ikcli.test.scale=float:0.25", "--override-kv",
+                                      "general.file_type=int:99"]}),
     "llama16-gqa4": dict(make=dict(arch="llama", preset="small256", n_layer=16, n_head=8, n_head_kv=2, head_dim=32),
-                         ftypes=ALL, real=False, extra={}),
+                         ftypes=ALL, real=False,
+                         # the hparams the rules read come with the overrides applied (n_gqa 4 -> 1)
+                         extra={"IQ4_XS+kv-gqa": ["--override-kv", "llama.attention.head_count_kv=int:8"],
+                                "Q3_K_S+kv-gqa": ["--override-kv", "llama.attention.head_count_kv=int:8"]}),
     "llama-moe8": dict(make=dict(arch="llama", preset="small256", n_layer=8, llama_moe=True, n_expert=8,
-                                 n_ff=256, head_dim=64), ftypes=ALL, real=False, extra={}),
+                                 n_ff=256, head_dim=64), ftypes=ALL, real=False,
+                       extra={"IQ1_S_R4+classes": ALL_CLASSES,     # only --ffn-down-type, and not for blk.0
+                              "Q4_K_M+gate-inp": ["--ffn-gate-inp-type", "q8_0", "--ffn-gate-type", "iq4_k",
+                                                  "--ffn-up-type", "q5_0"]}),
     "llama70b": dict(make=dict(arch="llama", preset="small256", n_layer=80, n_head=8, n_head_kv=1, head_dim=32,
                                n_ff=256), ftypes=SIZE_DEPENDENT, real=False, extra={}),
     "llama8b": dict(make=dict(arch="llama", preset="small256", n_layer=32, head_dim=64), vocab_size=128256,
                     ftypes=SIZE_DEPENDENT, real=False, extra={}),
     "ds8": dict(make=dict(arch="deepseek2", preset="small256", n_layer=8), ftypes=ALL, real=True,
-                extra={"IQ4_KS+custom": ["--custom-q", "attn_k_b=q8_0,ffn_down_exps=iq4_k,exps=iq3_k"]}),
+                extra={"IQ4_KS+custom": ["--custom-q", "attn_k_b=q8_0,ffn_down_exps=iq4_k,exps=iq3_k"],
+                       "Q4_K_M+classes": [*ALL_CLASSES, "--ffn-gate-inp-type", "f32"],   # the routers' own type
+                       "IQ2_KT+classes": ALL_CLASSES}),
     "ds-mla": dict(make=dict(arch="deepseek2", layout="mainline-mla", preset="small256", n_layer=16, n_expert=4,
                              n_expert_shared=2, n_dense_lead=1), ftypes=ALL, real=False, extra={}),
     "ds-tiny": dict(make=dict(arch="deepseek2", preset="tiny", n_layer=8, q_lora_rank=64),
                     ftypes=[f for f in CORE + R4 + OTHER if f not in ("Q8_KV", "Q8_KV_R8")], real=True, extra={}),
-    "qwen3moe": dict(make=None, ftypes=ALL, real=False, extra={}),
+    "qwen3moe": dict(make=None, ftypes=ALL, real=False,
+                     extra={"IQ3_XS+gate-inp": ["--ffn-gate-inp-type", "q8_0", "--ffn-gate-type", "q6_K"],
+                            "IQ2_KS+gate-inp": ["--ffn-gate-inp-type", "iq4_nl", "--attn-output-type", "q8_0"]}),
 }
 
 
@@ -193,6 +224,12 @@ def run_ik(args: list[str]) -> str:
     return r.stdout + r.stderr
 
 
+def kv_of(reader, keys: list[str]) -> dict:
+    """The given keys of a GGUF file as [GGUF value type name, value]."""
+    from engine.gguf_meta import field_value
+    return {k: [reader.fields[k].types[0].name, field_value(reader.fields[k])] for k in keys if k in reader.fields}
+
+
 def record(key: str, spec: dict, tmp: str) -> dict:
     src = os.path.join(tmp, f"{key}.gguf")
     if spec["make"] is None:
@@ -215,13 +252,18 @@ def record(key: str, spec: dict, tmp: str) -> dict:
         log = run_ik(["--dry-run", *base, src, out, ftype, "2"])
         types = parse_dry_run(log, names)
         via = "dry-run"
-        if spec["real"] and ftype in REAL and "--imatrix" not in extra:
+        kv = None
+        if spec["real"] and (ftype in REAL or "--override-kv" in extra) and "--imatrix" not in extra:
             run_ik([*base, src, out, ftype, "2"])
             r = _open_one(out)
             real = [TYPE_NAME[int(t.qtype)].lower() for t in r.ik_tensors]
             if [t.name for t in r.ik_tensors] != names or real != types:
                 diff = [(n, a, b) for n, a, b in zip(names, types, real) if a != b]
                 raise RuntimeError(f"{key} {case}: dry-run log and GGUF disagree: {diff[:5]}")
+            if "--override-kv" in extra:
+                keys = [a.split("=")[0] for p, a in zip(extra, extra[1:]) if p == "--override-kv"]
+                kv = {"keys": [k for k in r.fields if not k.startswith("GGUF.")], "values": kv_of(r, keys)}
+            del r
             os.unlink(out)
             via = "gguf"
         for t in types:
@@ -229,6 +271,8 @@ def record(key: str, spec: dict, tmp: str) -> dict:
                 raise RuntimeError(f"unknown type name {t}")
         cases[case] = {"ftype": ftype, "args": extra if "--imatrix" not in extra else ["--imatrix"],
                        "via": via, "types": " ".join(types)}
+        if kv is not None:
+            cases[case]["kv"] = kv
         print(f"{key:14s} {case:18s} {via}", flush=True)
     return {"make": spec["make"], "vocab_size": spec.get("vocab_size"),
             "meta": {k: getattr(mi, k) for k in ("arch", "n_layer", "n_expert", "n_head", "n_head_kv", "n_vocab",
@@ -236,12 +280,27 @@ def record(key: str, spec: dict, tmp: str) -> dict:
             "tensors": tensors, "cases": cases}
 
 
+def ik_ftypes() -> list:
+    """The "Allowed quantization types" of llama-quantize's usage: [llama_ftype or None (COPY), name]."""
+    r = subprocess.run([IK_QUANTIZE], capture_output=True, text=True)
+    text = r.stdout.split("Allowed quantization types:", 1)[1]
+    out = []
+    for line in text.splitlines():
+        m = re.match(r"^\s+(\d+)\s+or\s+(\S+)\s+:", line) or re.match(r"^ {10}(\S+)\s+:", line)
+        if m:
+            out.append([int(m.group(1)), m.group(2)] if m.lastindex == 2 else [None, m.group(1)])
+    if len(out) < 80 or out[-1] != [None, "COPY"]:
+        raise RuntimeError(f"unexpected llama-quantize usage text ({len(out)} types)")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(ROOT, "tests", "data", "golden_mixtures.json.gz"))
     ap.add_argument("--models", nargs="*", default=list(MODELS))
     a = ap.parse_args()
-    res = {"source": f"ik_llama.cpp {IK_QUANTIZE} (scripts/make_goldens_mixtures.py)", "models": {}}
+    res = {"source": f"ik_llama.cpp {IK_QUANTIZE} (scripts/make_goldens_mixtures.py)", "ftypes": ik_ftypes(),
+           "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for key in a.models:
             res["models"][key] = record(key, MODELS[key], tmp)

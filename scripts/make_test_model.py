@@ -109,8 +109,9 @@ def byte_vocab() -> tuple[list[str], list[int], list[str]]:
 
 
 class _Writer:
-    def __init__(self, qtype: str, rng: np.random.Generator):
+    def __init__(self, qtype: str, rng: np.random.Generator, expert_qtype: str | None = None):
         self.qtype = type_info(qtype)
+        self.expert_qtype = type_info(expert_qtype) if expert_qtype else None   # the *_exps.weight tensors
         self.rng = rng
         self.tensors: list[tuple[str, np.ndarray, int]] = []   # name, data, ggml type
 
@@ -121,7 +122,7 @@ class _Writer:
         return w
 
     def put(self, name: str, w: np.ndarray, keep_f32: bool = False) -> None:
-        t = self.qtype
+        t = self.expert_qtype if self.expert_qtype and name.endswith("_exps.weight") else self.qtype
         if t.interleave and w.ndim >= 2 and w.shape[-2] % t.interleave:   # as llama-quantize: the plain type
             t = type_info(t.base)
         if keep_f32 or w.ndim == 1 or w.shape[-1] % t.block_size:
@@ -316,8 +317,8 @@ def build_gemma3(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int) -> Non
 def build_gpt_oss(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int) -> None:
     """gpt-oss as convert_hf_to_gguf writes it: biases on q/k/v/o, the router and every expert
     projection; attention sinks; a 16-position window on the even layers; YaRN x4 (original
-    context 64); experts of expert_feed_forward_length (F16 / Q8_0 here: MXFP4 is not a type
-    of this writer)."""
+    context 64); experts of expert_feed_forward_length (MXFP4 as the real files, with
+    expert_qtype="mxfp4")."""
     a = "gpt-oss"
     s = replace(s, n_layer=4)
     _common_kv(gw, a, replace(s, rope_base=150000.0), n_vocab, 1e-5)
@@ -462,8 +463,10 @@ def build_deepseek2(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int, lay
 
 
 def write_model(path: str, arch: str = "deepseek2", layout: str = "ik", qtype: str = "f16",
-                shape: Shape | str = "tiny", seed: int = 0, split: int = 1, **overrides) -> list[str]:
-    """Write a random model; returns the written paths (several with split > 1)."""
+                shape: Shape | str = "tiny", seed: int = 0, split: int = 1, expert_qtype: str | None = None,
+                **overrides) -> list[str]:
+    """Write a random model; returns the written paths (several with split > 1).  expert_qtype: the
+    routed experts' type (e.g. MXFP4, as gpt-oss files ship them), else qtype."""
     s = PRESETS[shape] if isinstance(shape, str) else shape
     if overrides:
         s = replace(s, **overrides)
@@ -481,7 +484,7 @@ def write_model(path: str, arch: str = "deepseek2", layout: str = "ik", qtype: s
             x.add_uint16("split.no", i)
             x.add_uint16("split.count", split)
     n_vocab = _tokenizer_kv(gw, s.n_vocab)
-    w = _Writer(qtype, rng)
+    w = _Writer(qtype, rng, expert_qtype)
     if arch == "llama":
         build_llama(w, gw, s, n_vocab)
     elif arch == "glm4moe":
@@ -516,11 +519,12 @@ def main() -> None:
     ap.add_argument("--arch", default="deepseek2", choices=["llama", "deepseek2", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "glm4moe", "gemma3", "gpt-oss"])
     ap.add_argument("--layout", default="ik", choices=["ik", "mainline-old", "mainline-mla"])
     ap.add_argument("--type", default="f16", help="weight type: f32 f16 bf16 q8_0 q4_0")
+    ap.add_argument("--expert-type", default=None, help="type of the routed experts (*_exps.weight), e.g. mxfp4")
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--split", type=int, default=1)
     a = ap.parse_args()
-    for p in write_model(a.out, a.arch, a.layout, a.type, a.preset, a.seed, a.split):
+    for p in write_model(a.out, a.arch, a.layout, a.type, a.preset, a.seed, a.split, a.expert_type):
         print(p)
 
 

@@ -3,8 +3,9 @@
 tests/data/golden_mixtures.json.gz (scripts/make_goldens_mixtures.py) holds, for generated models
 (llama 8/16/32/80 layers, a Mixtral-style llama, DeepSeek2 ik and mainline-MLA layouts, a narrow
 DeepSeek2 whose matrices all fall back, a Qwen3-MoE-shaped file), the type ik gave every tensor for
-each ftype (with and without an imatrix, plus --custom-q / --pure / type-override cases).  The plan
-must give the same type to every tensor.  Two models are also rebuilt and run through
+each ftype (with and without an imatrix, plus --custom-q / --pure / type-override cases, the
+per-class --attn-*-type / --ffn-*-type flags, --ffn-gate-inp-type and --override-kv of an hparam).
+The plan must give the same type to every tensor.  Two models are also rebuilt and run through
 `ikcli quantize --dry-run`, which checks the hparams read from the file (n_gqa, n_expert, …).
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 
 from conftest import cli
 from engine import quantize_plan as qp
+from engine.gguf_file import parse_kv_override
 from ikcli.quantize_cmd import _block_size
 
 GOLD = json.loads(gzip.decompress((Path(__file__).parent / "data" / "golden_mixtures.json.gz").read_bytes()))
@@ -25,10 +27,17 @@ MODELS = GOLD["models"]
 CASES = [(m, c) for m in MODELS for c in MODELS[m]["cases"]]
 
 
+# --override-kv keys of the hparams ModelInfo holds (the golden cases override only these)
+_HPARAM_KEYS = {"attention.head_count_kv": "n_head_kv", "attention.head_count": "n_head", "block_count": "n_layer",
+                "expert_count": "n_expert", "vocab_size": "n_vocab", "embedding_length": "n_embd"}
+
+
 def plan_case(model: dict, case: dict) -> list[str]:
     """Our types for a golden case (its llama-quantize arguments applied to plan_tensors)."""
     args, kw = list(case["args"]), {}
     rules = []
+    meta = dict(model["meta"])
+    classes = {}
     while args:
         a = args.pop(0)
         if a == "--imatrix":
@@ -41,11 +50,20 @@ def plan_case(model: dict, case: dict) -> list[str]:
             kw["token_embd_type"] = qp.parse_type(args.pop(0))
         elif a == "--output-tensor-type":
             kw["output_type"] = qp.parse_type(args.pop(0))
+        elif a == "--ffn-gate-inp-type":
+            kw["ffn_gate_inp_type"] = qp.parse_type(args.pop(0))
+        elif a.startswith("--") and a.endswith("-type") and a[2:-5].replace("-", "_") in qp.CLASS_TYPE_KEYS:
+            classes[a[2:-5].replace("-", "_")] = qp.parse_type(args.pop(0))
+        elif a == "--override-kv":
+            key, kind, value = parse_kv_override(args.pop(0))
+            field = _HPARAM_KEYS.get(key.removeprefix(meta["arch"] + "."))
+            if field is not None:                  # the others do not reach the rules
+                meta[field] = value
         else:
             raise AssertionError(f"unexpected argument {a}")
-    mi = qp.ModelInfo(**model["meta"])
+    mi = qp.ModelInfo(**meta)
     plans, _ = qp.plan_tensors([(n, tuple(ne), t) for n, ne, t in model["tensors"]], qp.parse_ftype(case["ftype"]),
-                               mi, rules=rules, block_size=_block_size, **kw)
+                               mi, rules=rules, block_size=_block_size, class_types=classes, **kw)
     return [qp.TYPE_NAME[p.new_type].lower() for p in plans]
 
 

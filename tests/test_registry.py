@@ -9,7 +9,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from quant import floats, iqk, kquants, legacy, reference, registry
+from quant import floats, interleaved, iqk, iquants, kquants, ktquants, legacy, reference, registry
 from quant.matmul import supported
 from quant.types import ALL_TYPES, type_info
 
@@ -64,7 +64,7 @@ def test_no_import_cycles():
 
 def test_one_record_per_type_and_families_disjoint():
     assert set(registry.TRAITS) == {t.id for t in ALL_TYPES}
-    fams = [floats.TYPES, legacy.TYPES, kquants.TYPES, iqk.TYPES]
+    fams = [floats.TYPES, legacy.TYPES, kquants.TYPES, iqk.TYPES, iquants.TYPES, ktquants.TYPES]
     assert sum(len(f) for f in fams) == len(set().union(*fams))
     for f in fams:
         for t in f:
@@ -75,21 +75,26 @@ def test_derived_sets():
     for t, r in registry.TRAITS.items():
         assert supported(t) == (t in registry.COMPUTE_TYPES) == r.decodes
         if r.decodes:      # the engine computes only with types it can also write and read back
-            assert r.dequantize is not None and r.quantize is not None and r.dot is not None, r.name
+            assert r.dequantize is not None and r.dot is not None, r.name     # (but for ik's own IQ1_S_R4)
+            assert (r.quantize is not None) == (t not in interleaved.READ_ONLY), r.name
         if r.integer_dot:
             assert r.act in (registry.ACT_Q8_32, registry.ACT_Q8_16)
         if r.dot == registry.DOT_UNPACK:
             assert type_info(t).interleave
-    # what ikcli computes today: 22 plain types (floats, legacy, K-quants, IQK) and every _R4/_R8
+    # what ikcli computes today: 37 plain types (floats, legacy, K-quants, IQK, i-quants, trellis)
+    # and every _R4/_R8
     assert {type_info(t).name for t in registry.COMPUTE_TYPES} >= {"Q4_K", "IQ2_K_R4", "Q8_K_R8", "BF16", "IQ4_KSS"}
     assert registry.traits("q4_k").dot == registry.DOT_BLOCK and registry.traits("IQ3_K_R4").dot == registry.DOT_R4
     with pytest.raises(KeyError, match="unknown tensor type"):
         registry.traits("Q9_K")
     # what the kernels are today, written out (the asserts above only check the sets agree)
-    assert len(registry.COMPUTE_TYPES) == 39 and len(registry.INT_DOT_TYPES) == 30
+    assert len(registry.COMPUTE_TYPES) == 64 and len(registry.INT_DOT_TYPES) == 45
     want = {"F16": ("f32", -1), "IQ4_KSS": ("f32", -1), "Q8_0": ("q8", 0), "Q8_0_R8": ("q8", 8),
             "Q4_K": ("block", 0), "Q6_0": ("block", 0), "IQ2_KS": ("block", 0), "Q4_K_R4": ("r4", 4),
-            "IQ4_KS_R4": ("r4", 4), "IQ4_XS_R8": ("unpack", -1), "Q8_K_R8": ("unpack", -1), "Q8_K": (None, -1)}
+            "IQ4_KS_R4": ("r4", 4), "IQ4_XS_R8": ("unpack", -1), "Q8_K_R8": ("unpack", -1), "Q8_K": (None, -1),
+            "IQ2_XXS": ("block", 0), "IQ1_M": ("block", 0), "MXFP4": ("block", 0), "IQ2_KT": ("block", 0),
+            "IQ5_KS": ("block", 0), "IQ2_XXS_R4": ("unpack", -1)}
+    assert registry.traits("IQ2_KT").matmul_scale == 1.05 and registry.traits("IQ4_KT").matmul_scale == 1.0
     assert {n: (registry.traits(n).dot, registry.traits(n).gemm) for n in want} == want
 
 
@@ -101,7 +106,10 @@ def test_front_door_round_trip(name):
     n = 256 if ti.block_size > 1 else 64
     rows = max(1, ti.interleave)
     x = np.random.default_rng(ti.id).standard_normal((rows, n)).astype(np.float32)
-    raw = reference.quantize(x, ti.id)
+    if registry.traits(name).needs_imatrix:
+        with pytest.raises(ValueError):
+            reference.quantize(x, ti.id)
+    raw = reference.quantize(x, ti.id, np.ones(n, np.float32) if registry.traits(name).needs_imatrix else None)
     assert raw.size == rows * ti.row_bytes(n)
     y = reference.dequantize(raw, ti.id, rows * n, n).reshape(rows, n)
     rel = np.sqrt(np.mean((y - x) ** 2) / np.mean(x * x))
