@@ -542,7 +542,9 @@ def _grid_vec(b: ir.IRBuilder, name: str, idxs: list):
 
 
 def _ksign_word(b: ir.IRBuilder, bits28):
-    """Four 7-bit sign indices (bits 0..27 of an i32) -> the i32 of their four sign bytes."""
+    """Four 7-bit sign indices (bits 0..27 of an i32) -> the i32 of their four sign bytes, from a
+    128-entry table (ksigns_iq2xs: parity on top).  The parity computed with scalar shifts and
+    xors instead measured slower (IQ2_XXS 4096^2, one token, one thread: 1.34 vs 1.17 ms)."""
     gv = _global(b, "ikcli.ksigns", _KSIGNS, 8)
     zero = ir.Constant(_I32, 0)
     w = None
@@ -560,8 +562,8 @@ def _signed(b: ir.IRBuilder, g, word, off: int):
     """off + g * (bit i of the i32 word ? -1 : 1), per byte lane i."""
     w4 = b.bitcast(word, _vec(_I8, 4))
     w32 = b.shuffle_vector(w4, w4, ir.Constant(_vec(_I32, 32), [i // 8 for i in range(32)]))
-    m = b.sext(b.icmp_unsigned("!=", b.and_(w32, _BITSEL), _c(0)), _V32)
-    return b.add(b.sub(b.xor(g, m), m), _c(off))
+    neg = b.icmp_unsigned("!=", b.and_(w32, _BITSEL), _c(0))
+    return b.select(neg, b.sub(_c(off), g), b.add(_c(off), g))
 
 
 def _odd_ls(b: ir.IRBuilder, v):
