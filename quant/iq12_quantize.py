@@ -68,6 +68,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from . import iquants
+from .f32ops import MAGIC, f16_bits, fma_f32, quantizer_rows
 from .iquants import IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, QK_K
 from .types import type_info
 
@@ -78,7 +79,7 @@ f32 = np.float32
 QUANTIZE_TYPES = frozenset({IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M})
 REQUIRES_IMATRIX = iquants.REQUIRES_IMATRIX
 
-_MAGIC = f32(12582912.0)                  # 1.5 * 2^23: nearest_int's rounding constant
+_MAGIC = MAGIC                             # 1.5 * 2^23: nearest_int's rounding constant
 _FLT_MAX = f32(np.finfo(np.float32).max)
 _FLT_MIN = f32(np.finfo(np.float32).tiny)
 # IQ1 levels -1, 0, 1 shifted by +1/8 (x_p) or -1/8 (x_m)
@@ -89,31 +90,9 @@ _SIGNS = iquants.sign_byte(np.arange(128))   # 7 sign bits -> 8 with the parity 
 
 
 # ----------------------------------------------------------------------------------------
-# scalar primitives
+# scalar primitives (quant.f32ops)
 # ----------------------------------------------------------------------------------------
-@intrinsic
-def _fma(typingctx, a, b, c):
-    """a*b + c in f32 with one rounding (llvm.fma.f32)."""
-    if not (a == types.float32 and b == types.float32 and c == types.float32):
-        return None
-
-    def codegen(context, builder, sig, args):
-        flt = ir.FloatType()
-        fn = builder.module.declare_intrinsic("llvm.fma", [flt], ir.FunctionType(flt, [flt, flt, flt]))
-        return builder.call(fn, args)
-    return types.float32(types.float32, types.float32, types.float32), codegen
-
-
-@intrinsic
-def _f16_bits(typingctx, x):
-    """IEEE half bit pattern of f32 x, rounded to nearest even (GGML_FP32_TO_FP16 / F16C)."""
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        h = builder.fptrunc(args[0], ir.HalfType())
-        return builder.zext(builder.bitcast(h, ir.IntType(16)), ir.IntType(32))
-    return types.int32(types.float32), codegen
+_fma, _f16_bits = fma_f32, f16_bits
 
 
 @intrinsic
@@ -1175,24 +1154,10 @@ def quantize(x: np.ndarray, qtype: int, imatrix: np.ndarray | None = None, requi
         raise NotImplementedError(f"IQ1/IQ2 quantize: type {ti.name} not supported")
     if imatrix is None and require_imatrix and ti.id in REQUIRES_IMATRIX:
         raise ValueError(f"{ti.name} requires an importance matrix (imatrix), as in ik_llama.cpp")
-    x = np.asarray(x, dtype=np.float32)
-    if x.ndim == 1:
-        n = x.size if imatrix is None else np.asarray(imatrix).size
-        if n == 0 or x.size % n:
-            raise ValueError(f"{ti.name}: {x.size} values do not split into rows of {n}")
-        x = x.reshape(-1, n)
-    else:
-        x = x.reshape(-1, x.shape[-1])
-    x = np.ascontiguousarray(x)
+    x, im = quantizer_rows(x, imatrix, ti, QK_K)
     nrows, n = x.shape
-    if n % QK_K:
-        raise ValueError(f"{ti.name}: row length {n} is not a multiple of {QK_K}")
-    if imatrix is None:
+    if im is None:
         im = np.zeros(n, dtype=np.float32)
-    else:
-        im = np.ascontiguousarray(imatrix, dtype=np.float32).reshape(-1)
-        if im.size != n:
-            raise ValueError(f"{ti.name}: imatrix has {im.size} values for rows of {n}")
     out = np.zeros((nrows, ti.row_bytes(n)), dtype=np.uint8)
     if nrows == 0:
         return out.reshape(-1)

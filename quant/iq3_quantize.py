@@ -58,7 +58,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from .iqk_quantize import _f16_bits, _fma
+from .f32ops import MAGIC as _MAGIC, f16_bits as _f16_bits, fma_f32 as _fma, quantizer_rows
 from .iquants import GRID_IQ3S, GRID_IQ3XXS, IQ3_S, IQ3_XXS, QK_K
 from .types import type_info
 
@@ -68,7 +68,6 @@ f32 = np.float32
 
 QUANTIZE_TYPES = frozenset({IQ3_XXS, IQ3_S})
 
-_MAGIC = f32(12582912.0)     # 1.5 * 2^23
 _MINUS1 = f32(-1.0)
 _HALF = f32(0.5)
 _ONE = f32(1.0)
@@ -427,24 +426,10 @@ def quantize(x: np.ndarray, qtype: int, imatrix: np.ndarray | None = None) -> np
     ti = type_info(qtype)
     if ti.id not in QUANTIZE_TYPES:
         raise NotImplementedError(f"IQ3 quantize: type {ti.name} not supported")
-    x = np.asarray(x, dtype=np.float32)
-    if x.ndim == 1:
-        n = x.size if imatrix is None else np.asarray(imatrix).size
-        if n == 0 or x.size % n:
-            raise ValueError(f"{ti.name}: {x.size} values do not split into rows of {n}")
-        x = x.reshape(-1, n)
-    else:
-        x = x.reshape(-1, x.shape[-1])
-    x = np.ascontiguousarray(x)
+    x, qw = quantizer_rows(x, imatrix, ti, QK_K)
     nrows, n = x.shape
-    if n % QK_K:
-        raise ValueError(f"{ti.name}: row length {n} is not a multiple of {QK_K}")
-    if imatrix is None:
+    if qw is None:
         qw = np.zeros(1, dtype=np.float32)
-    else:
-        qw = np.ascontiguousarray(imatrix, dtype=np.float32).reshape(-1)
-        if qw.size != n:
-            raise ValueError(f"{ti.name}: imatrix has {qw.size} values for rows of {n}")
     out = np.zeros((nrows, ti.row_bytes(n)), dtype=np.uint8)
     if ti.id == IQ3_S:
         _quantize_rows(x, qw, imatrix is not None, True, out, _MAP_S, _NB_S, _Q_S, _L_S)

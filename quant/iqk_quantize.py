@@ -68,11 +68,10 @@ Numba kernels process one row or super-block per call (f32 arithmetic, nogil, no
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, types
-from numba.extending import intrinsic
+from numba import njit
 
 from . import iqk
+from .f32ops import MAGIC, f16_bits, fma_f32, nint_fma, quantizer_rows
 from .iqk import IQ2_K, IQ2_KL, IQ2_KS, IQ3_K, IQ3_KS, IQ4_K, IQ4_KS, IQ4_KSS, IQ5_K, IQ5_KS, IQ6_K, QK_K
 from .types import type_info
 
@@ -85,42 +84,9 @@ IQ2NL_I = np.array([-31, -13, 1, 17, -26, -8, 6, 22], dtype=np.int32)
 
 
 # ----------------------------------------------------------------------------------------
-# scalar primitives
+# scalar primitives (quant.f32ops)
 # ----------------------------------------------------------------------------------------
-@intrinsic
-def _fma(typingctx, a, b, c):
-    """a*b + c in f32 with one rounding (llvm.fma.f32: the hardware FMA where there is one)."""
-    if not (a == types.float32 and b == types.float32 and c == types.float32):
-        return None
-
-    def codegen(context, builder, sig, args):
-        flt = ir.FloatType()
-        fn = builder.module.declare_intrinsic("llvm.fma", [flt], ir.FunctionType(flt, [flt, flt, flt]))
-        return builder.call(fn, args)
-    return types.float32(types.float32, types.float32, types.float32), codegen
-
-
-@intrinsic
-def _f16_bits(typingctx, x):
-    """IEEE half bit pattern of f32 x, rounded to nearest even (as GGML_FP32_TO_FP16 / F16C)."""
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        h = builder.fptrunc(args[0], ir.HalfType())
-        return builder.zext(builder.bitcast(h, ir.IntType(16)), ir.IntType(32))
-    return types.int32(types.float32), codegen
-
-
-_MAGIC = f32(12582912.0)   # 1.5 * 2^23
-
-
-@njit(**_inl)
-def _nint_fma(a, b):
-    """ik's nearest_int(a*b) with the product fused into the + 1.5*2^23: round half to even.
-    (For |a*b| < 2^22; the sum then lies in [2^23, 2^24) where subtracting back is exact.)"""
-    v = _fma(a, b, _MAGIC)
-    return np.int32(v - _MAGIC)
+_fma, _f16_bits, _nint_fma, _MAGIC = fma_f32, f16_bits, nint_fma, MAGIC
 
 
 @njit(**_opts)
@@ -1656,24 +1622,10 @@ def quantize(x: np.ndarray, qtype: int, imatrix: np.ndarray | None = None) -> np
     ti = type_info(qtype)
     if ti.id not in QUANTIZE_TYPES:
         raise NotImplementedError(f"IQK quantize: type {ti.name} not supported")
-    x = np.asarray(x, dtype=np.float32)
-    if x.ndim == 1:
-        n = x.size if imatrix is None else np.asarray(imatrix).size
-        if n == 0 or x.size % n:
-            raise ValueError(f"{ti.name}: {x.size} values do not split into rows of {n}")
-        x = x.reshape(-1, n)
-    else:
-        x = x.reshape(-1, x.shape[-1])
-    x = np.ascontiguousarray(x)
+    x, im = quantizer_rows(x, imatrix, ti, QK_K)
     nrows, n = x.shape
-    if n % QK_K:
-        raise ValueError(f"{ti.name}: row length {n} is not a multiple of {QK_K}")
-    if imatrix is None:
+    if im is None:
         im = np.zeros(1, dtype=np.float32)
-    else:
-        im = np.ascontiguousarray(imatrix, dtype=np.float32).reshape(-1)
-        if im.size != n:
-            raise ValueError(f"{ti.name}: imatrix has {im.size} values for rows of {n}")
     out = np.zeros((nrows, ti.row_bytes(n)), dtype=np.uint8)
     _quantize_rows(x, ti.id, im, imatrix is not None, out, _lane_scratch())
     return out.reshape(-1)

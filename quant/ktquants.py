@@ -81,7 +81,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .iqk_quantize import _bi, _fma, _nint_fma
+from .f32ops import fma_f32 as _fma, nint_fma as _nint_fma, quantizer_rows
+from .iqk_quantize import _bi
 from .types import type_info
 
 IQ2_KT, IQ3_KT, IQ4_KT, IQ1_KT = 153, 154, 155, 158
@@ -1050,24 +1051,10 @@ def quantize(x: np.ndarray, qtype: int, imatrix: np.ndarray | None = None) -> np
     ti = type_info(qtype)
     if ti.id not in TYPES:
         raise NotImplementedError(f"KT quantize: type {ti.name} not supported")
-    x = np.asarray(x, dtype=np.float32)
-    if x.ndim == 1:
-        n = x.size if imatrix is None else np.asarray(imatrix).size
-        if n == 0 or x.size % n:
-            raise ValueError(f"{ti.name}: {x.size} values do not split into rows of {n}")
-        x = x.reshape(-1, n)
-    else:
-        x = x.reshape(-1, x.shape[-1])
-    x = np.ascontiguousarray(x)
+    x, im = quantizer_rows(x, imatrix, ti, QK_K)
     nrows, n = x.shape
-    if n % QK_K:
-        raise ValueError(f"{ti.name}: row length {n} is not a multiple of {QK_K}")
-    if imatrix is None:
+    if im is None:
         im = np.zeros(1, dtype=np.float32)
-    else:
-        im = np.ascontiguousarray(imatrix, dtype=np.float32).reshape(-1)
-        if im.size != n:
-            raise ValueError(f"{ti.name}: imatrix has {im.size} values for rows of {n}")
     out = np.zeros((nrows, ti.row_bytes(n)), dtype=np.uint8)
     cb1 = codebook(ti.id).arrays()
     cb2 = codebook(ti.id, 4096 + 32768).arrays() if ti.id == IQ4_KT else cb1
