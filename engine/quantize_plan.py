@@ -761,7 +761,10 @@ def plan_repack(tensors: list[tuple[str, tuple, int]], patterns: list[str]) -> l
     """llama-quantize --repack: every tensor with an _R4/_R8 form whose row count is a multiple
     of its group (and, with patterns, whose name one of the regexes finds) is rewritten in that
     form without re-quantizing; the others are copied."""
-    from quant.types import interleaved_form
+    from quant.simd import cpu_features
+    from quant.types import BF16, interleaved_form
+    # ik repacks BF16 into BF16_R16 only when built with AVX512-BF16 (-march=native on such a CPU)
+    bf16_r16 = "+avx512bf16" in cpu_features()
     try:
         rx = [re.compile(p) for p in patterns]
     except re.error as e:
@@ -769,7 +772,7 @@ def plan_repack(tensors: list[tuple[str, tuple, int]], patterns: list[str]) -> l
     plans = []
     for name, ne, src in tensors:
         rows = math.prod(ne[1:]) if len(ne) > 1 else 1
-        ti = interleaved_form(src) if src in TYPE_NAME and _n_dims(ne) >= 2 else None
+        ti = interleaved_form(src) if src in TYPE_NAME and _n_dims(ne) >= 2 and (src != BF16 or bf16_r16) else None
         ok = (ti is not None and name not in NO_REPACK and ne[1] % ti.interleave == 0 and rows
               and (not rx or any(r.search(name) for r in rx)))
         plans.append(TensorPlan(name, ne, src, ti.id if ok else src, False, repack=bool(ok)))

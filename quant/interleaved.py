@@ -40,6 +40,19 @@ f16.  `unpack` turns it into Q8_0 rows (every 32-block gets the super-block's f1
 same values exactly, in a type ikcli already decodes.  `plain_type` says which type unpack
 gives.
 
+ik's other special forms (R_TYPES_SPECIAL, tests/test_special_types.py):
+* BF16_R16: 16 rows of bf16, interleaved by pairs of values: the block column is 2 values, 4
+  bytes per row, stored row after row (byte 64*c + 4*k + i).  ik's ggml_quantize_chunk
+  (repack_f32_bf16_r16) truncates f32 to bf16 (top 16 bits), unlike its BF16, which rounds:
+  `quantize` does the same.  Unpacks to BF16 rows.
+* Q8_K_R16: Q8_K_R8's layout with 16 rows (f16 d[16], quant byte 64*j + 4*k + i = q[4*j + i]),
+  but the quants stored as q ^ 0x80: ik's repack_q16_k flips them unconditionally in its AVX512
+  builds (the machines these files come from; its dequantize_row_q8_k_r16 assumes it).  The gather
+  tables carry a constant XOR for it.  Unpacks to Q8_0 rows like Q8_K_R8.
+* Q8_KV_R8: Q8_KV rows (row meta f32 d + i32 sum of the quants, quant.legacy), the group
+  header holding the 8 d only (row meta 4), the quants woven as Q8_0_R8's.  Unpacks to Q8_KV
+  rows, the sums recomputed (ik's are those of the stored quants: they never saturate).
+
 IQ1_S_R4 (219) and IQ1_M_R4 (229) are not repackings: ik
 quantizes them itself (quantize_iq1_s_r4 / _iq1_m_r4), with an f16 scale per row (the 4 of a
 group first, as row meta) and blocks of 32 values x 4 rows: IQ1_S_R4 24 bytes (qs[16], qh
@@ -54,13 +67,13 @@ The ik "online" repacking (+127 for Q8_0_R8 with AVX512, xor 0x88 on ARM, xor 0x
 Q8_K_R8) only exists in memory; files hold the plain-order bytes implemented here.
 
 Public:
-    repack(raw, qtype_plain, nrows, n_per_row)   plain rows -> R rows (bytes)
+    repack(raw, qtype_plain, nrows, n_per_row, qtype_r=None)   plain rows -> R rows (bytes)
     unpack(raw_R, qtype_R, nrows, n_per_row)     R rows -> plain rows (bytes of plain_type)
     dequantize(raw_R, qtype_R, nrows, n_per_row, dequantize_plain)   R rows -> f32 (nrows, n_per_row)
     quantize(x, qtype_R, imatrix, quantize_plain)   f32 rows -> R bytes, as ggml_quantize_chunk
     unpack_group(buf, qtype, gbase, n_per_row, out)   Numba: one group -> plain rows
     dequantize_iq1_s_r4 / dequantize_iq1_m_r4 / iq1_s_r4_to_iq1_s   (NumPy, see above)
-unpack_group is one table-driven loop for all 24 types: each plain byte is the XOR (in effect
+unpack_group is one table-driven loop for all 27 types: each plain byte is the XOR (in effect
 an OR) of a few bit fields of R bytes (4 plain bytes at a time where the layout moves 4 values
 together).  The tables come from the NumPy repack itself, run at import on bit-labelled probe
 blocks (about 30 ms), so the reference and the Numba path cannot disagree on a layout.  Cost,
@@ -85,6 +98,8 @@ Q4_0_R8, Q5_0_R4, Q8_0_R8, Q2_K_R4, Q3_K_R4, Q4_K_R4, Q5_K_R4, Q6_K_R4 = 202, 20
 IQ2_XXS_R4, IQ2_XS_R4, IQ3_XXS_R4, IQ4_NL_R4, IQ3_S_R4, IQ2_S_R4, IQ4_XS_R8 = 216, 217, 218, 220, 221, 222, 223
 Q6_0_R4, IQ2_K_R4, IQ3_K_R4, IQ4_K_R4, IQ5_K_R4, IQ4_KS_R4 = 233, 337, 338, 339, 340, 344
 IQ5_KS_R4, MXFP4_R8, Q8_K_R8 = 352, 353, 399
+BF16_R16, Q8_K_R16, Q8_KV_R8 = 230, 397, 398
+BF16, Q8_KV = 30, 151
 # ik's other 4-row forms of mainline i-quants, not a repacking of their plain type (see
 # dequantize_iq1_s_r4 below); quant.types does not list them
 IQ1_S_R4, IQ1_M_R4 = 219, 229
@@ -94,7 +109,9 @@ IQ1_S_R4, IQ1_M_R4 = 219, 229
 R_TYPES = (Q4_0_R8, Q8_0_R8, Q2_K_R4, Q3_K_R4, Q4_K_R4, Q5_K_R4, Q6_K_R4, IQ4_NL_R4, IQ4_XS_R8,
            IQ2_K_R4, IQ3_K_R4, IQ4_K_R4, IQ5_K_R4, IQ4_KS_R4, Q8_K_R8)
 R_TYPES_IQ = (Q5_0_R4, Q6_0_R4, MXFP4_R8, IQ2_XXS_R4, IQ2_XS_R4, IQ3_XXS_R4, IQ3_S_R4, IQ2_S_R4, IQ5_KS_R4)
-ALL_R_TYPES = R_TYPES + R_TYPES_IQ
+# ik's remaining special forms (tests/test_special_types.py)
+R_TYPES_SPECIAL = (BF16_R16, Q8_K_R16, Q8_KV_R8)
+ALL_R_TYPES = R_TYPES + R_TYPES_IQ + R_TYPES_SPECIAL
 READ_ONLY = frozenset({IQ1_S_R4})      # read and computed with (as IQ1_S rows), not written
 QK_K = 256
 _Q8_K_BYTES = 296          # ik's block_q8_K: f32 d, f32 sum, int8 qs[256], int16 bsums[16]
@@ -107,9 +124,12 @@ _QHELPER_BLOCK = {Q4_0_R8: 32, IQ4_NL_R4: 32, IQ4_XS_R8: 32, Q4_K_R4: 32, Q5_K_R
                   IQ2_XS_R4: 16, IQ2_S_R4: 16, IQ3_S_R4: 16}
 # ik's dequantize_row_q5_0_r4 / _q6_0_r4 compute d*q + (-16 d) (-32 d), its plain decoders
 # (q - 16)*d: the same exact values but +0 where the plain form gives -0 (d < 0)
-_PLUS_ZERO = frozenset({Q5_0_R4, Q6_0_R4})
-# ik's quantize_mxfp4_r8 (like quantize_mxfp4) takes no importances
-_NO_IMATRIX = frozenset({MXFP4_R8, Q8_K_R8})
+# (dequantize_row_q8_k_r16: d*u + (-128 d) for the stored u = q ^ 0x80, the same)
+_PLUS_ZERO = frozenset({Q5_0_R4, Q6_0_R4, Q8_K_R16})
+# ik's quantize_mxfp4_r8 (like quantize_mxfp4) takes no importances, nor do the Q8_K / Q8_KV forms
+_NO_IMATRIX = frozenset({MXFP4_R8, Q8_K_R8, Q8_K_R16, Q8_KV_R8})
+# the Q8_K forms unpack to Q8_0 rows: (row k, 256-block) -> 8 blocks of 34 bytes
+_Q8_K_FORMS = frozenset({Q8_K_R8, Q8_K_R16})
 
 
 def is_interleaved(qtype: int | str) -> bool:
@@ -121,7 +141,19 @@ def plain_type(qtype_r: int | str) -> int:
     ti = type_info(qtype_r)
     if not ti.interleave:
         raise ValueError(f"{ti.name} is not a row-interleaved (_R4/_R8) type")
-    return Q8_0 if ti.id == Q8_K_R8 else type_info(ti.base).id
+    return Q8_0 if ti.id in _Q8_K_FORMS else type_info(ti.base).id
+
+
+def _column(ti) -> tuple[int, int]:
+    """(values, R bytes per row) of one block column of an R type.  A block column is the unit
+    the layout interleaves: a plain block, except for BF16_R16 whose unit is a pair of values."""
+    return (2, 4) if ti.id == BF16_R16 else (ti.block_size, ti.type_size)
+
+
+def _plain_meta(qtype_r: int) -> int:
+    """Row meta bytes of plain_type(qtype_r)'s rows: Q8_KV's 8 (f32 d, i32 sum) where the R
+    form keeps only the 4 of d; otherwise the R type's own."""
+    return type_info(Q8_KV).row_meta if qtype_r == Q8_KV_R8 else type_info(qtype_r).row_meta
 
 
 # ----------------------------------------------------------------------------------------
@@ -337,6 +369,21 @@ def _r_q8_k(P):      # ik's Q8_K blocks -> Q8_K_R8: d[8] as f16 | qs[2048]  (d r
     return np.concatenate([d.view(np.uint8).reshape(P.shape[0], -1), qs], axis=1)
 
 
+def _r_q8_k_16(P):   # ik's Q8_K blocks -> Q8_K_R16: d[16] as f16 | qs[4096] as q ^ 0x80 (ik's AVX512
+    # build flips them when it repacks, and its dequantize_row_q8_k_r16 reads them as u - 128)
+    d = np.ascontiguousarray(P[:, :, 0:4]).view(np.float32)[..., 0].astype(np.float16)
+    qs = _weave(P[:, :, 8:264], [(4 * m,) for m in range(8)], 8) ^ np.uint8(0x80)
+    return np.concatenate([d.view(np.uint8).reshape(P.shape[0], -1), qs], axis=1)
+
+
+def _r_q8_kv(P):     # Q8_KV quants -> Q8_KV_R8 (the d of the 8 rows go to the group header)
+    return _weave(P, [(4 * m,) for m in range(8)], 8)
+
+
+def _r_bf16(P):      # BF16 value pairs -> BF16_R16: the 16 rows' pairs one after the other
+    return P.reshape(P.shape[0], -1)
+
+
 def _r_q5_0(P):      # Q5_0 -> Q5_0_R4: d[4] | qh[16] | qs[64]
     hi = np.unpackbits(P[:, :, 2:6], axis=-1, bitorder="little")      # value e: bit e of the u32
     L = _nib_halves(P[:, :, 6:22]) | (hi << 4)
@@ -416,7 +463,8 @@ _BUILD = {Q4_0_R8: _r_q4_0, Q8_0_R8: _r_q8_0, IQ4_NL_R4: _r_iq4_nl, IQ4_XS_R8: _
           IQ3_K_R4: _r_iq3_k, Q2_K_R4: _r_q2_k, Q3_K_R4: _r_q3_k, Q4_K_R4: _r_q4_k,
           Q5_K_R4: _r_q5_k, Q6_K_R4: _r_q6_k, Q8_K_R8: _r_q8_k, Q5_0_R4: _r_q5_0, Q6_0_R4: _r_q6_0,
           MXFP4_R8: _r_mxfp4, IQ5_KS_R4: _r_iq5_ks, IQ2_XXS_R4: _r_iq2_xxs, IQ2_XS_R4: _r_iq2_xs,
-          IQ3_XXS_R4: _r_iq3_xxs, IQ2_S_R4: _r_iq2_s, IQ3_S_R4: _r_iq3_s}
+          IQ3_XXS_R4: _r_iq3_xxs, IQ2_S_R4: _r_iq2_s, IQ3_S_R4: _r_iq3_s,
+          BF16_R16: _r_bf16, Q8_K_R16: _r_q8_k_16, Q8_KV_R8: _r_q8_kv}
 
 
 # ----------------------------------------------------------------------------------------
@@ -451,7 +499,7 @@ def _probe_permutation(qtype_r: int) -> np.ndarray:
     """G for a bit-permuting R type, found by repacking bit-labelled plain blocks: probe t sets
     plain bit p iff bit t of p is set, so R bit r reads back the index of its source bit."""
     ti = type_info(qtype_r)
-    nrow, s = ti.interleave, ti.type_size
+    nrow, s = ti.interleave, _column(ti)[1]
     nbits = nrow * s * 8
     nprobe = int(nbits - 1).bit_length()
     labels = np.arange(nbits)
@@ -469,21 +517,34 @@ def _probe_permutation(qtype_r: int) -> np.ndarray:
     return G
 
 
-def _q8_k_r8_gather() -> np.ndarray:
-    """G for Q8_K_R8 -> Q8_0 rows: row k's 8 blocks of 34 bytes per 256 values take the f16 d[k]
-    (R bytes 2k, 2k+1) and value 32*t + c from R qs byte 32*(8*t + c // 4) + 4*k + c % 4."""
-    k = np.arange(8)[:, None, None]
+def _q8_k_r8_gather(nrow: int = 8) -> np.ndarray:
+    """G for Q8_K_R8 (nrow 8) / Q8_K_R16 (16) -> Q8_0 rows: row k's 8 blocks of 34 bytes per 256
+    values take the f16 d[k] (R bytes 2k, 2k+1) and value 32*t + c from R qs byte
+    2*nrow + 4*nrow*(8*t + c // 4) + 4*k + c % 4."""
+    k = np.arange(nrow)[:, None, None]
     t = np.arange(8)[None, :, None]
     c = np.arange(32)[None, None, :]
-    src = np.empty((8, 8, 34), dtype=np.int64)
+    src = np.empty((nrow, 8, 34), dtype=np.int64)
     src[:, :, 0:2] = 2 * k + np.arange(2)
-    src[:, :, 2:] = 16 + 32 * (8 * t + c // 4) + 4 * k + c % 4
+    src[:, :, 2:] = 2 * nrow + 4 * nrow * (8 * t + c // 4) + 4 * k + c % 4
     byte = src.reshape(-1)
     return (8 * byte[:, None] + np.arange(8)).reshape(-1)
 
 
 def _gather_map(qtype_r: int) -> np.ndarray:
-    return _q8_k_r8_gather() if qtype_r == Q8_K_R8 else _probe_permutation(qtype_r)
+    if qtype_r in _Q8_K_FORMS:
+        return _q8_k_r8_gather(type_info(qtype_r).interleave)
+    return _probe_permutation(qtype_r)
+
+
+def _flip_map(qtype_r: int) -> np.ndarray | None:
+    """Plain bits that are the complement of their R bit (None: none): Q8_K_R16's quants are
+    stored ^ 0x80, so bit 7 of every plain quant byte is flipped back."""
+    if qtype_r != Q8_K_R16:
+        return None
+    f = np.zeros((16, 8, 34, 8), dtype=np.uint8)
+    f[:, :, 2:, 7] = 1
+    return f.reshape(-1)
 
 
 def _xor_map(qtype_r: int, G: np.ndarray) -> np.ndarray | None:
@@ -498,35 +559,45 @@ def _xor_map(qtype_r: int, G: np.ndarray) -> np.ndarray | None:
 
 def _plain_block_bytes(qtype_r: int) -> int:
     """Bytes per row of one block column in the unpacked (plain_type) form."""
-    return 8 * 34 if qtype_r == Q8_K_R8 else type_info(qtype_r).type_size
+    if qtype_r in _Q8_K_FORMS:
+        return 8 * 34
+    return 4 if qtype_r == BF16_R16 else type_info(qtype_r).type_size
 
 
-def _runs(p: np.ndarray, g: np.ndarray) -> list[tuple[int, int, int, int, int]]:
+def _runs(p: np.ndarray, g: np.ndarray, flip: np.ndarray | None = None) -> list[tuple[int, ...]]:
     """Plain bits p (ascending) taken from R bits g as runs that stay within one byte of each:
-    (plain byte, R byte, R shift, plain shift, mask)."""
+    (plain byte, R byte, R shift, plain shift, mask, xor): xor (within the mask) holds the
+    run's bits that flip[p] says are complemented."""
     start = np.ones(p.size, dtype=bool)
     start[1:] = (p[1:] % 8 == 0) | (p[1:] != p[:-1] + 1) | (g[1:] != g[:-1] + 1) | (g[1:] % 8 == 0)
     first = np.flatnonzero(start)
     length = np.diff(np.append(first, p.size))
-    return [(int(a), int(b), int(c), int(d), int(m)) for a, b, c, d, m in
-            zip(p[first] // 8, g[first] // 8, g[first] % 8, p[first] % 8, (1 << length) - 1)]
+    fl = np.zeros(p.size, np.int64) if flip is None else flip[p].astype(np.int64)
+    xor = np.zeros(first.size, np.int64)
+    for j in range(8):                      # bit j of a run: element first + j where the run is that long
+        has = length > j
+        xor[has] |= fl[first[has] + j] << j
+    return [(int(a), int(b), int(c), int(d), int(m), int(x)) for a, b, c, d, m, x in
+            zip(p[first] // 8, g[first] // 8, g[first] % 8, p[first] % 8, (1 << length) - 1, xor)]
 
 
-def _gather_tables(G: np.ndarray, X: np.ndarray | None, sp: int) -> tuple[np.ndarray, np.ndarray]:
+def _gather_tables(G: np.ndarray, X: np.ndarray | None, sp: int,
+                   flip: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """G (and the XOR sources X) as (entries, fields) for unpack_group.  A field (src byte, src
-    shift, dst shift, mask) is one bit run that lies within one R byte and one plain byte.  An
-    entry (dst row, dst byte, count, first field, end field) writes `count` plain bytes: byte
-    dst + j is the XOR of its fields ((R[src + j] >> src shift) & mask) << dst shift (an OR but
-    for the scrambled signs: the fields of G never overlap).  count is 4 where 4 consecutive
+    shift, dst shift, mask, xor) is one bit run that lies within one R byte and one plain byte.
+    An entry (dst row, dst byte, count, first field, end field) writes `count` plain bytes: byte
+    dst + j is the XOR of its fields (((R[src + j] >> src shift) & mask) ^ xor) << dst shift (an
+    OR but for the scrambled signs: the fields of G never overlap; xor is 0 but for the flipped
+    bits of flip).  count is 4 where 4 consecutive
     plain bytes take the same fields from 4 consecutive R bytes (the woven layouts move 4 values
     at a time), else 1."""
-    per_byte: list[list[tuple[int, int, int, int]]] = [[] for _ in range(G.size // 8)]
+    per_byte: list[list[tuple[int, int, int, int, int]]] = [[] for _ in range(G.size // 8)]
     p = np.arange(G.size)
-    runs = _runs(p, G)
+    runs = _runs(p, G, flip)
     if X is not None:
         runs += _runs(p[X >= 0], X[X >= 0])
-    for pb, rb, ss, ds, m in runs:
-        per_byte[pb].append((rb, ss, ds, m))
+    for pb, rb, ss, ds, m, x in runs:
+        per_byte[pb].append((rb, ss, ds, m, x))
     ents, fields, b = [], [], 0
     while b < len(per_byte):
         fl = per_byte[b]
@@ -540,18 +611,21 @@ def _gather_tables(G: np.ndarray, X: np.ndarray | None, sp: int) -> tuple[np.nda
 
 def _build_tables():
     slot = np.full(400, -1, dtype=np.int32)
-    # per type: interleave, R bytes and plain bytes per row per block, row meta, block size, entries [start, end)
-    info = np.zeros((len(ALL_R_TYPES), 7), dtype=np.int32)
+    # per type: interleave, R bytes and plain bytes per row per block column, R row meta, values per
+    # block column, entries [start, end), plain row meta (Q8_KV_R8: 8, its rows' i32 sum recomputed)
+    info = np.zeros((len(ALL_R_TYPES), 8), dtype=np.int32)
     ents, fields, gathers, ne, nf = [], [], {}, 0, 0
     for s, t in enumerate(ALL_R_TYPES):
         ti = type_info(t)
         G = _gather_map(t)
         X = _xor_map(t, G)
-        e, f = _gather_tables(G, X, _plain_block_bytes(t))
+        F = _flip_map(t)
+        e, f = _gather_tables(G, X, _plain_block_bytes(t), F)
         e[:, 3:] += nf
-        gathers[t] = (G, X)
+        gathers[t] = (G, X, F)
         slot[t] = s
-        info[s] = (ti.interleave, ti.type_size, _plain_block_bytes(t), ti.row_meta, ti.block_size, ne, ne + len(e))
+        vals, sr = _column(ti)
+        info[s] = (ti.interleave, sr, _plain_block_bytes(t), ti.row_meta, vals, ne, ne + len(e), _plain_meta(t))
         ents.append(e)
         fields.append(f)
         ne, nf = ne + len(e), nf + len(f)
@@ -561,7 +635,7 @@ def _build_tables():
 _SLOT, _INFO, _ENTS, _FIELDS, _GATHER = _build_tables()
 # one contiguous array per column: plain 1-d loads in the loop
 _E_ROW, _E_DST, _E_CNT, _E_F0, _E_F1 = (np.ascontiguousarray(c) for c in _ENTS.T)
-_F_SRC, _F_SSH, _F_DSH, _F_MASK = (np.ascontiguousarray(c) for c in _FIELDS.T)
+_F_SRC, _F_SSH, _F_DSH, _F_MASK, _F_XOR = (np.ascontiguousarray(c) for c in _FIELDS.T)
 
 
 # ----------------------------------------------------------------------------------------
@@ -571,8 +645,9 @@ def _check_rows(ti, nrows: int, n_per_row: int) -> None:
     if nrows % ti.interleave:
         raise ValueError(f"{ti.name} needs a multiple of {ti.interleave} rows; the tensor is "
                          f"{nrows} x {n_per_row}")
-    if n_per_row % ti.block_size:
-        raise ValueError(f"{ti.name}: rows of {n_per_row} values are not a multiple of {ti.block_size}; "
+    vals = _column(ti)[0] if ti.interleave else ti.block_size
+    if n_per_row % vals:
+        raise ValueError(f"{ti.name}: rows of {n_per_row} values are not a multiple of {vals}; "
                          f"the tensor is {nrows} x {n_per_row}")
 
 
@@ -583,27 +658,36 @@ def _as_rows(raw: np.ndarray, nrows: int, row_bytes: int, name: str) -> np.ndarr
     return raw[:nrows * row_bytes].reshape(nrows, row_bytes)
 
 
-def _r_type_of_plain(qtype_plain: int | str):
+def _r_type_of_plain(qtype_plain: int | str, qtype_r: int | str | None = None):
+    """-> (plain TypeInfo, R TypeInfo, plain bytes per row per block column)."""
     ti = type_info(qtype_plain)
-    if ti.id == Q8_K:
-        return ti, type_info(Q8_K_R8), _Q8_K_BYTES
-    for t in ALL_R_TYPES:
-        tr = type_info(t)
-        if tr.base == ti.name and t != Q8_K_R8:
-            return ti, tr, ti.type_size
-    raise ValueError(f"{ti.name} has no row-interleaved form")
+    if qtype_r is not None:
+        tr = type_info(qtype_r)
+        if tr.id not in ALL_R_TYPES or tr.base != ti.name:
+            raise ValueError(f"{tr.name} is not a row-interleaved form of {ti.name}")
+    elif ti.id == Q8_K:
+        tr = type_info(Q8_K_R8)
+    else:
+        tr = next((type_info(t) for t in ALL_R_TYPES if type_info(t).base == ti.name), None)
+        if tr is None:
+            raise ValueError(f"{ti.name} has no row-interleaved form")
+    s = _Q8_K_BYTES if ti.id == Q8_K else _column(tr)[0] * ti.type_size // ti.block_size
+    return ti, tr, s
 
 
-def repack(raw: np.ndarray, qtype_plain: int | str, nrows: int, n_per_row: int) -> np.ndarray:
-    """Plain rows (nrows, row_bytes) of qtype_plain -> the bytes of its _R4/_R8 form, (nrows,
-    row_bytes of the R type), as ik's repack_<type> (offline form).  Q8_K: ik's block_q8_K
-    (296 bytes per 256) -> Q8_K_R8."""
-    ti, tr, s = _r_type_of_plain(qtype_plain)
+def repack(raw: np.ndarray, qtype_plain: int | str, nrows: int, n_per_row: int,
+           qtype_r: int | str | None = None) -> np.ndarray:
+    """Plain rows (nrows, row_bytes) of qtype_plain -> the bytes of its _R4/_R8 form qtype_r
+    (default: its first, that of quant.types.interleaved_form), (nrows, row_bytes of the R
+    type), as ik's repack_<type> (offline form).  Q8_K: ik's block_q8_K (296 bytes per 256) ->
+    Q8_K_R8 (or Q8_K_R16).  Q8_KV -> Q8_KV_R8 drops the rows' quant sums."""
+    ti, tr, s = _r_type_of_plain(qtype_plain, qtype_r)
     _check_rows(tr, nrows, n_per_row)
-    nb, nrow, meta = n_per_row // tr.block_size, tr.interleave, tr.row_meta
-    rows = _as_rows(raw, nrows, meta + nb * s, ti.name)
+    nb, nrow, meta = n_per_row // _column(tr)[0], tr.interleave, tr.row_meta
+    pmeta = ti.row_meta if ti.id != Q8_K else 0
+    rows = _as_rows(raw, nrows, pmeta + nb * s, ti.name)
     ng = nrows // nrow
-    P = rows[:, meta:].reshape(ng, nrow, nb, s).transpose(0, 2, 1, 3).reshape(ng * nb, nrow, s)
+    P = rows[:, pmeta:].reshape(ng, nrow, nb, s).transpose(0, 2, 1, 3).reshape(ng * nb, nrow, s)
     R = _BUILD[tr.id](np.ascontiguousarray(P))
     if tr.id in _SIGN_BYTES:
         pos = _SIGN_BYTES[tr.id]
@@ -615,30 +699,37 @@ def repack(raw: np.ndarray, qtype_plain: int | str, nrows: int, n_per_row: int) 
 
 def unpack(raw_r: np.ndarray, qtype_r: int | str, nrows: int, n_per_row: int) -> np.ndarray:
     """R rows -> rows of plain_type(qtype_r), (nrows, plain row_bytes): the exact inverse of
-    repack (Q8_K_R8: Q8_0 rows holding the same values)."""
+    repack (Q8_K_R8 / Q8_K_R16: Q8_0 rows holding the same values; Q8_KV_R8: Q8_KV rows, their
+    i32 quant sums, which the R form drops, recomputed)."""
     tr = type_info(qtype_r)
     if not tr.interleave:
         raise ValueError(f"{tr.name} is not a row-interleaved (_R4/_R8) type")
     if tr.id == IQ1_S_R4:
         return iq1_s_r4_to_iq1_s(raw_r, nrows, n_per_row)
     _check_rows(tr, nrows, n_per_row)
-    nb, nrow, meta, s = n_per_row // tr.block_size, tr.interleave, tr.row_meta, tr.type_size
+    vals, s = _column(tr)
+    nb, nrow, meta = n_per_row // vals, tr.interleave, tr.row_meta
     sp = _plain_block_bytes(tr.id)
     rows = _as_rows(raw_r, nrows, tr.row_bytes(n_per_row), tr.name)
     ng = nrows // nrow
     groups = rows.reshape(ng, nrow * tr.row_bytes(n_per_row))
     head = groups[:, :nrow * meta].reshape(ng, nrow, meta)
     R = groups[:, nrow * meta:].reshape(ng * nb, nrow * s)
-    G, X = _GATHER[tr.id]
+    G, X, F = _GATHER[tr.id]
     P = np.empty((ng * nb, nrow * sp), dtype=np.uint8)
     for c in range(0, ng * nb, 1024):            # bounded memory: 8 bytes per bit in flight
         b = _bits(R[c:c + 1024])
         pb = b[:, G]
         if X is not None:
             pb[:, X >= 0] ^= b[:, X[X >= 0]]
+        if F is not None:
+            pb ^= F
         P[c:c + 1024] = np.packbits(pb, axis=-1, bitorder="little")
     P = P.reshape(ng, nb, nrow, sp).transpose(0, 2, 1, 3).reshape(ng, nrow, nb * sp)
-    return np.concatenate([head, P], axis=2).reshape(nrows, meta + nb * sp)
+    if tr.id == Q8_KV_R8:                        # Q8_KV's row meta: d, then the i32 sum of the quants
+        tot = P.view(np.int8).sum(axis=2, dtype=np.int32)
+        head = np.concatenate([head, tot.reshape(ng, nrow, 1).view(np.uint8)], axis=2)
+    return np.concatenate([head, P], axis=2).reshape(nrows, head.shape[2] + nb * sp)
 
 
 def dequantize(raw_r: np.ndarray, qtype_r: int | str, nrows: int, n_per_row: int,
@@ -709,8 +800,10 @@ def quantize(x: np.ndarray, qtype_r: int | str, imatrix: np.ndarray | None,
              quantize_plain: Callable[[np.ndarray, int, np.ndarray | None], np.ndarray]) -> np.ndarray:
     """f32 rows (nrows, n_per_row) -> the flat bytes ik's ggml_quantize_chunk writes for the R type:
     the base type's quantizer (with QHelper's imatrix handling where ik uses it), then repack.
-    Q8_K_R8 and MXFP4_R8 ignore the imatrix, as ik does.  quantize_plain(rows, qtype, imatrix): the base
-    type's ggml_quantize_chunk (quant.registry passes it)."""
+    Q8_K_R8, Q8_K_R16, Q8_KV_R8 and MXFP4_R8 ignore the imatrix, as ik does.  BF16_R16 truncates
+    the f32 values to bf16 (ik's repack_f32_bf16_r16 keeps their top 16 bits: no rounding, unlike
+    its BF16).  quantize_plain(rows, qtype, imatrix): the base type's ggml_quantize_chunk
+    (quant.registry passes it)."""
     tr = type_info(qtype_r)
     if tr.id in READ_ONLY:
         raise NotImplementedError(f"quantize: ikcli reads {tr.name} but does not write it")
@@ -718,8 +811,11 @@ def quantize(x: np.ndarray, qtype_r: int | str, imatrix: np.ndarray | None,
     x = x.reshape(-1, x.shape[-1]) if x.ndim >= 2 else x.reshape(1, -1)
     nrows, n = x.shape
     _check_rows(tr, nrows, n)
-    if tr.id == Q8_K_R8:
-        return repack(quantize_q8_k(x), Q8_K, nrows, n).reshape(-1)
+    if tr.id in _Q8_K_FORMS:
+        return repack(quantize_q8_k(x), Q8_K, nrows, n, tr.id).reshape(-1)
+    if tr.id == BF16_R16:
+        bits = (x.view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+        return repack(bits.view(np.uint8), BF16, nrows, n, tr.id).reshape(-1)
     base = type_info(tr.base).id
     rb = type_info(base).row_bytes(n)
     if tr.id in _NO_IMATRIX:
@@ -842,14 +938,15 @@ def unpack_group(buf, qtype, gbase, n_per_row, out):
     nb = n_per_row // _INFO[s, 4]
     e0 = _INFO[s, 5]
     e1 = _INFO[s, 6]
-    if out.shape[0] < nrow or out.shape[1] < meta + nb * sp or gbase + nrow * (meta + nb * sr) > buf.size:
+    pmeta = _INFO[s, 7]
+    if out.shape[0] < nrow or out.shape[1] < pmeta + nb * sp or gbase + nrow * (meta + nb * sr) > buf.size:
         raise ValueError("unpack_group: out too small or group past the end of buf")
     for k in range(nrow):                      # the group header holds the rows' meta in order
         for t in range(meta):
             out[k, t] = buf[gbase + k * meta + t]
     for ib in range(nb):
         src = gbase + nrow * meta + ib * nrow * sr
-        dst = meta + ib * sp
+        dst = pmeta + ib * sp
         for e in range(e0, e1):
             r = _E_ROW[e]
             d = dst + _E_DST[e]
@@ -859,15 +956,23 @@ def unpack_group(buf, qtype, gbase, n_per_row, out):
                     a = src + _F_SRC[f]
                     w = (np.uint32(buf[a]) | (np.uint32(buf[a + 1]) << 8) | (np.uint32(buf[a + 2]) << 16)
                          | (np.uint32(buf[a + 3]) << 24))
-                    acc ^= ((w >> _F_SSH[f]) & (np.uint32(_F_MASK[f]) * np.uint32(0x01010101))) << _F_DSH[f]
+                    acc ^= (((w >> _F_SSH[f]) & (np.uint32(_F_MASK[f]) * np.uint32(0x01010101)))
+                            ^ (np.uint32(_F_XOR[f]) * np.uint32(0x01010101))) << _F_DSH[f]
                 out[r, d] = acc & 255
                 out[r, d + 1] = (acc >> 8) & 255
                 out[r, d + 2] = (acc >> 16) & 255
                 out[r, d + 3] = acc >> 24
             else:
                 for f in range(_E_F0[e], _E_F1[e]):
-                    acc ^= ((np.uint32(buf[src + _F_SRC[f]]) >> _F_SSH[f]) & _F_MASK[f]) << _F_DSH[f]
+                    acc ^= (((np.uint32(buf[src + _F_SRC[f]]) >> _F_SSH[f]) & _F_MASK[f]) ^ _F_XOR[f]) << _F_DSH[f]
                 out[r, d] = acc
+    if pmeta > meta:                           # Q8_KV_R8 -> Q8_KV: the i32 sum of each row's quants
+        for k in range(nrow):
+            tot = np.int32(0)
+            for j in range(nb * sp):
+                tot += np.int32(np.int8(out[k, pmeta + j]))
+            for t in range(4):
+                out[k, meta + t] = (tot >> (8 * t)) & 255
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -887,7 +992,7 @@ def unpack_fast(raw_r: np.ndarray, qtype_r: int | str, nrows: int, n_per_row: in
     _check_rows(tr, nrows, n_per_row)
     rb = tr.row_bytes(n_per_row)
     buf = _as_rows(raw_r, nrows, rb, tr.name).reshape(-1)
-    prb = tr.row_meta + n_per_row // tr.block_size * _plain_block_bytes(tr.id)
+    prb = _plain_meta(tr.id) + n_per_row // _column(tr)[0] * _plain_block_bytes(tr.id)
     out = np.empty((nrows, prb), dtype=np.uint8)
     _unpack_groups(buf, tr.id, nrows // tr.interleave, tr.interleave * rb, n_per_row, tr.interleave, out)
     return out

@@ -56,15 +56,17 @@ Behaviours kept from ik: an all-zero IQ1_M block keeps the previous block's shif
 `shifts` array is reused across rows; it starts as zeros here); IQ2_S keeps the previous
 block's levels when no candidate scale fits (only with all-zero importances).
 
-Speed: one Numba kernel per type processes whole rows (f32 arithmetic, nogil, no fastmath);
-`quantize` is the NumPy-level entry point.  One thread, 4096 x 4096 with an imatrix: 3-10 s
+Speed: Numba kernels process whole rows (f32 arithmetic, nogil, no fastmath): one for the
+three IQ2 types (_rows_iq2, the type a run-time `kind`), one per IQ1 type; the trial-scale
+search (_lattice_search, also IQ3's) is compiled once per group width; `quantize` is the
+NumPy-level entry point.  One thread, 4096 x 4096 with an imatrix: 3-10 s
 per type, 0.96-1.3x ik's own single-thread time.
 """
 from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import literally, njit, types
 from numba.extending import intrinsic
 
 from . import iquants
@@ -164,6 +166,7 @@ def _argsort(v, n, idx):
 # grid maps (ik's iq2xs_init_impl)
 # ----------------------------------------------------------------------------------------
 _TABLES: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+_LEVELS: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
 
 def _grid_levels(qtype: int) -> tuple[np.ndarray, int]:
@@ -257,49 +260,91 @@ def _grid_tables(qtype: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return tabs
 
 
+def _level_tables(qtype: int) -> tuple[np.ndarray, np.ndarray]:
+    """(gl (N, 8) int32 grid levels 0..2, gq (N, 8) f32 coordinates 2l+1) for qtype."""
+    key = IQ1_S if qtype == IQ1_M else qtype
+    if key not in _LEVELS:
+        pos = _grid_tables(qtype)[0]
+        _LEVELS[key] = (np.ascontiguousarray((pos.astype(np.int32) - 1) // 2), pos.astype(np.float32))
+    return _LEVELS[key]
+
+
+_GV_IQ2XS = iquants.GRID_IQ2XS.astype(np.float32)   # IQ2_XS's decoder values, for its d refit
+
+
 # ----------------------------------------------------------------------------------------
-# IQ2 helpers
+# lattice helpers (shared with quant.iq3_quantize)
 # ----------------------------------------------------------------------------------------
+# A type's grid enters the searches as gq (N, w) f32, the value each coordinate stands for
+# (2l+1 for IQ2 / IQ3, the shifted IQ1 level), and gl (N, w) int32, its level l.
 @njit(**_inl)
-def _iq2_neighbour(nbrs, start, pos, xval, waux, o, scale, L):
-    """Best grid point among u's neighbour list (least weighted squared error at `scale`);
-    writes its levels to L[o:o+8] and returns its index (ik's iq2_find_best_neighbour)."""
+def _grid_neighbour(nbrs, start, gq, gl, w, xv, wv, o, scale, L):
+    """Best grid point among u's neighbour list (least sum of wv (scale q - x)^2 over the group
+    at o, first in list order on ties); writes its levels to L[o:o+w] and returns its index
+    (ik's iq2_find_best_neighbour / iq1_find_best_neighbour2 / iq3_find_best_neighbour)."""
     n = nbrs[start]
     best = _FLT_MAX
     gi = np.int32(-1)
     for j in range(1, n + 1):
         g = nbrs[start + j]
         d2 = f32(0.0)
-        for i in range(8):
-            diff = _fma(f32(pos[g, i]), scale, -xval[o + i])
-            d2 = _fma(waux[o + i] * diff, diff, d2)
+        for i in range(w):
+            diff = _fma(scale, gq[g, i], -xv[o + i])
+            d2 = _fma(wv[o + i] * diff, diff, d2)
         if d2 < best:
             best = d2
             gi = g
     if gi < 0:                     # ik aborts (all distances NaN / huge); keep the first
         gi = nbrs[start + 1]
-    for i in range(8):
-        L[o + i] = (pos[gi, i] - 1) // 2
+    for i in range(w):
+        L[o + i] = gl[gi, i]
     return gi
 
 
 @njit(**_inl)
-def _iq2_pick(xval, o, idv, scale, waux, kmap, nbrs, pos, L):
-    """Levels of group o at inverse scale idv, moved onto the grid: (grid index, was on grid)."""
+def _grid_code(L, o, w, nbit):
+    """u = sum L[o+i] << (nbit i) over the group's w levels (each masked to nbit bits)."""
     u = 0
-    for i in range(8):
-        l = _ni_half(idv, xval[o + i])
-        l = max(0, min(2, l))
-        L[o + i] = l
-        u |= l << (2 * i)
-    gi = kmap[u]
+    mask = (1 << nbit) - 1
+    for i in range(w):
+        u |= (L[o + i] & mask) << (nbit * i)
+    return u
+
+
+@njit(**_inl)
+def _grid_lookup(kmap, nbrs, gq, gl, w, nbit, xv, wv, o, scale, L):
+    """The group at o with levels L[o:o+w] moved onto the grid: (grid index, was on grid)."""
+    gi = kmap[_grid_code(L, o, w, nbit)]
     if gi < 0:
-        return _iq2_neighbour(nbrs, -gi - 1, pos, xval, waux, o, scale, L), False
+        return _grid_neighbour(nbrs, -gi - 1, gq, gl, w, xv, wv, o, scale, L), False
     return gi, True
 
 
 @njit(**_inl)
-def _iq2_fit(xval, weight, L, n):
+def _grid_pick(xval, o, idv, scale, waux, kmap, nbrs, gq, gl, w, lmax, nbit, L):
+    """Levels nearest_int(0.5 (idv x - 1)) in 0..lmax of the group at o, moved onto the grid:
+    (grid index, was on grid)."""
+    for i in range(w):
+        L[o + i] = max(0, min(lmax, _ni_half(idv, xval[o + i])))
+    return _grid_lookup(kmap, nbrs, gq, gl, w, nbit, xval, waux, o, scale, L)
+
+
+@njit(**_inl)
+def _grid_fit(gv, g, mul, sgn, weight, xb, o, sumqx, sumq2):
+    """Adds grid point g's fit to the group at o: q = gv[g] * mul, negated where sgn has the bit;
+    t = w*q rounded, sums fused (the loop rule)."""
+    for j in range(8):
+        q = gv[g, j] * mul
+        if (sgn >> j) & 1:
+            q = -q
+        t = weight[o + j] * q
+        sumqx = _fma(t, xb[o + j], sumqx)
+        sumq2 = _fma(t, q, sumq2)
+    return sumqx, sumq2
+
+
+@njit(**_inl)
+def _level_fit(xval, weight, L, n):
     """(sum w x q, sum w q q) with q = 2L+1, in the loop rule (t = w*a rounded, fused add)."""
     sumqx = f32(0.0)
     sumq2 = f32(0.0)
@@ -312,24 +357,27 @@ def _iq2_fit(xval, weight, L, n):
 
 
 @njit(**_inl)
-def _iq2_weights(xb, qw, qo, has_qw, sigma2, n, weight, waux):
-    """qw * sqrt(sigma2 + x^2) (x*x fused); without qw 0.25 sigma2 + x^2, which only IQ2_S
-    reaches (the others require an imatrix): there GCC rounds x*x (SLP-vectorized add)."""
+def _block_weights(xb, qw, qo, has_qw, sigma2, s0, n, weight):
+    """qw * sqrt(sigma2 + x^2) (x*x fused); without qw x^2 + s0 (IQ2_S: 0.25 sigma2, else 0),
+    where GCC rounds x*x (SLP-vectorized add)."""
     if has_qw:
         for i in range(n):
             weight[i] = qw[qo + i] * np.sqrt(_fma(xb[i], xb[i], sigma2))
     else:
-        s = f32(0.25) * sigma2
         for i in range(n):
-            weight[i] = xb[i] * xb[i] + s
-    for i in range(n):
-        waux[i] = np.sqrt(weight[i])
+            weight[i] = xb[i] * xb[i] + s0
 
 
 @njit(**_inl)
-def _iq2_signs(xb, weight, k, xval, parity):
-    """|x| of group k into xval, returns its sign bits; with parity, an odd count of negatives
-    flips the value of least w x^2 (its sign bit toggles, its xval turns negative)."""
+def _sqrt_into(v, n, out):
+    for i in range(n):
+        out[i] = np.sqrt(v[i])
+
+
+@njit(**_inl)
+def _group_signs(xb, weight, k, xval, parity):
+    """|x| of 8-value group k into xval, returns its sign bits; with parity, an odd count of
+    negatives flips the value of least w x^2 (its sign bit toggles, its xval turns negative)."""
     nflip = 0
     s = 0
     for i in range(8):
@@ -361,8 +409,107 @@ def _vmax(v, n):
     return m
 
 
+@njit(**_inl)
+def _prefix_sums(v, weight, n, idx, sumx, sumw):
+    """idx = stable order of v[:n]; sumx / sumw = prefix sums of w v (fused) / w in that order."""
+    _argsort(v, n, idx)
+    sumx[0] = f32(0.0)
+    sumw[0] = f32(0.0)
+    for j in range(n):
+        i = idx[j]
+        sumx[j + 1] = _fma(weight[i], v[i], sumx[j])
+        sumw[j + 1] = sumw[j] + weight[i]
+
+
+@njit(**_inl)
+def _split_levels(idx, n, i1, i2, flip, L):
+    """Levels 0 / 1 / 2 below i1 / below i2 / above in sorted order (2 - that with flip)."""
+    for j in range(n):
+        L[idx[j]] = 0 if j < i1 else (1 if j < i2 else 2)
+    if flip:
+        for j in range(n):
+            L[j] = 2 - L[j]
+
+
+# refinement after the trial scales, see _lattice_search
+_REFINE_ALL = 0        # IQ2_XXS: re-pick every group at the fitted scale (when > 0), refit
+_REFINE_OFF = 1        # IQ2_S, IQ3_XXS: re-pick the off-grid groups, when there are any
+_REFINE_ALL_IF_OFF = 2  # IQ3_S: re-pick every group when one was off the grid
+_REFINE_ITER = 3       # IQ2_XS: up to 3 re-pick / refit rounds while the indices change
+
+
+@njit(**_opts)
+def _lattice_search(xval, weight, waux, n, scale, eff_max, step, centre, ntry, refine, on_init,
+                    kmap, nbrs, gq, gl, w, lmax, nbit, L, Laux, on_grid, on_aux, index, aux_index):
+    """The trial-scale search of the IQ2 / IQ3 types over the n values of one block: inverse
+    scales fma(is, step, centre) / eff_max, is = -ntry..ntry, map each group onto the grid;
+    the best weighted fit wins (L, on_grid, index), then `refine`.  scale: the starting
+    scale (kept when no trial wins); on_init: on_grid's start (0 / 1, -1 keeps the previous
+    block's, IQ3_XXS).  Returns the fitted scale."""
+    literally(w)               # compiled per group width (8: IQ2, 4: IQ3): unrolled inner loops
+    ng = n // w
+    best = f32(0.0)
+    for k in range(ng):
+        index[k] = 0
+        if on_init >= 0:
+            on_grid[k] = on_init == 1
+    for is_ in range(-ntry, ntry + 1):
+        idv = _fma(f32(is_), step, centre) / eff_max
+        this_scale = f32(1.0) / idv
+        for k in range(ng):
+            gi, on = _grid_pick(xval, w * k, idv, this_scale, waux, kmap, nbrs, gq, gl, w, lmax, nbit, Laux)
+            aux_index[k] = gi
+            on_aux[k] = on
+        sumqx, sumq2 = _level_fit(xval, weight, Laux, n)
+        if sumq2 > 0 and sumqx * sumqx > best * sumq2:
+            scale = sumqx / sumq2
+            best = scale * sumqx
+            for i in range(n):
+                L[i] = Laux[i]
+            for k in range(ng):
+                on_grid[k] = on_aux[k]
+                index[k] = aux_index[k]
+    if refine == _REFINE_ITER:
+        if scale != 0:
+            for it in range(3):
+                idv = f32(1.0) / scale
+                changed = False
+                for k in range(ng):
+                    gi, on = _grid_pick(xval, w * k, idv, scale, waux, kmap, nbrs, gq, gl, w, lmax, nbit, Laux)
+                    aux_index[k] = gi
+                    if gi != index[k]:
+                        changed = True
+                if not changed:
+                    break
+                sumqx, sumq2 = _level_fit(xval, weight, Laux, n)
+                if sumq2 > 0 and sumqx * sumqx > best * sumq2:
+                    scale = sumqx / sumq2
+                    best = scale * sumqx
+                    for i in range(n):
+                        L[i] = Laux[i]
+                    for k in range(ng):
+                        index[k] = aux_index[k]
+                else:
+                    break
+        return scale
+    any_off = refine == _REFINE_ALL
+    for k in range(ng):
+        if not on_grid[k]:
+            any_off = True
+    if any_off and scale > 0:
+        idv = f32(1.0) / scale
+        for k in range(ng):
+            if refine == _REFINE_OFF and on_grid[k]:
+                continue
+            _grid_pick(xval, w * k, idv, scale, waux, kmap, nbrs, gq, gl, w, lmax, nbit, L)
+        sumqx, sumq2 = _level_fit(xval, weight, L, n)
+        if sumq2 > 0:
+            scale = sumqx / sumq2
+    return scale
+
+
 # ----------------------------------------------------------------------------------------
-# IQ2_XXS
+# IQ2_XXS / IQ2_XS / IQ2_S
 # ----------------------------------------------------------------------------------------
 @njit(**_opts)
 def _make_qp_quants(x, w, n, nmax, L):
@@ -429,102 +576,10 @@ def _make_qp_quants(x, w, n, nmax, L):
     return sumlx / suml2
 
 
-@njit(**_opts)
-def _rows_iq2_xxs(x, qw, has_qw, out, pos, kmap, nbrs):
-    nrows, n = x.shape
-    nbl = n // QK_K
-    weight = np.empty(32, dtype=np.float32)
-    waux = np.empty(32, dtype=np.float32)
-    xval = np.empty(32, dtype=np.float32)
-    L = np.zeros(32, dtype=np.int32)
-    Laux = np.zeros(32, dtype=np.int32)
-    Lqp = np.zeros(32, dtype=np.int32)
-    scales = np.zeros(8, dtype=np.float32)
-    q2 = np.zeros(16, dtype=np.int64)
-    bsigns = np.zeros(4, dtype=np.int64)
-    for r in range(nrows):
-        xr = x[r]
-        orow = out[r]
-        for ibl in range(nbl):
-            o = 66 * ibl
-            for i in range(16):
-                q2[i] = 0
-            max_scale = f32(0.0)
-            sigma2 = _sum_sq(xr, QK_K * ibl, QK_K) * f32(1.0 / QK_K)
-            for ib in range(8):
-                xo = QK_K * ibl + 32 * ib
-                xb = xr[xo:xo + 32]
-                _iq2_weights(xb, qw, xo, has_qw, sigma2, 32, weight, waux)
-                for k in range(4):
-                    bsigns[k] = _iq2_signs(xb, weight, k, xval, True) & 127
-                if _vmax(xval, 32) < f32(1e-15):
-                    scales[ib] = 0
-                    for i in range(32):
-                        L[i] = 0
-                    continue
-                scale = _make_qp_quants(xval, weight, 32, 4, Lqp)
-                for i in range(32):
-                    L[i] = Lqp[i]
-                eff_max = scale * f32(3.0)
-                best = f32(0.0)
-                for is_ in range(-6, 7):
-                    idv = _fma(f32(is_), f32(0.1), f32(5.0)) / eff_max
-                    this_scale = f32(1.0) / idv
-                    for k in range(4):
-                        _iq2_pick(xval, 8 * k, idv, this_scale, waux, kmap, nbrs, pos, Laux)
-                    sumqx, sumq2 = _iq2_fit(xval, weight, Laux, 32)
-                    if sumq2 > 0 and sumqx * sumqx > best * sumq2:
-                        scale = sumqx / sumq2
-                        best = scale * sumqx
-                        for i in range(32):
-                            L[i] = Laux[i]
-                if scale > 0:
-                    idv = f32(1.0) / scale
-                    for k in range(4):
-                        _iq2_pick(xval, 8 * k, idv, scale, waux, kmap, nbrs, pos, L)
-                    sumqx, sumq2 = _iq2_fit(xval, weight, L, 32)
-                    if sumq2 > 0:
-                        scale = sumqx / sumq2
-                if scale < 0:
-                    scale = -scale
-                    for k in range(4):
-                        bsigns[k] = (~bsigns[k]) & 127
-                for k in range(4):
-                    u = 0
-                    for i in range(8):
-                        u |= (L[8 * k + i] & 3) << (2 * i)
-                    gi = kmap[u]
-                    if gi < 0:
-                        raise ValueError("IQ2_XXS: point not on the grid (ik aborts here)")
-                    q2[2 * ib] |= np.int64(gi) << (8 * k)
-                    q2[2 * ib + 1] |= bsigns[k] << (7 * k)
-                scales[ib] = scale
-                max_scale = max(max_scale, scale)
-            if max_scale == 0:
-                continue
-            d = max_scale / f32(31.0)
-            _put_u16(orow, o, _f16_bits(d))
-            idv = f32(1.0) / d
-            for ib in range(8):
-                l = max(0, min(15, _ni_half(idv, scales[ib])))
-                q2[2 * ib + 1] |= np.int64(l) << 28
-            for i in range(16):
-                _put_u32(orow, o + 2 + 4 * i, q2[i])
-
-
-# ----------------------------------------------------------------------------------------
-# IQ2_XS
-# ----------------------------------------------------------------------------------------
 @njit(**_inl)
 def _iq2xs_split(xval, weight, idx, sumx, sumw):
     """First scale of a 16-value block: the best split of the sorted values into levels 1, 3, 5."""
-    _argsort(xval, 16, idx)
-    sumx[0] = f32(0.0)
-    sumw[0] = f32(0.0)
-    for j in range(16):
-        i = idx[j]
-        sumx[j + 1] = _fma(weight[i], xval[i], sumx[j])
-        sumw[j + 1] = sumw[j] + weight[i]
+    _prefix_sums(xval, weight, 16, idx, sumx, sumw)
     best = f32(0.0)
     scale = f32(0.0)
     for i1 in range(17):
@@ -538,242 +593,144 @@ def _iq2xs_split(xval, weight, idx, sumx, sumw):
     return scale
 
 
+_K_XXS, _K_XS, _K_S = 0, 1, 2      # _rows_iq2's kind
+
+
+@njit(**_inl)
+def _off_grid(kind):
+    if kind == _K_XXS:
+        raise ValueError("IQ2_XXS: point not on the grid (ik aborts here)")
+    if kind == _K_XS:
+        raise ValueError("IQ2_XS: point not on the grid (ik aborts here)")
+    raise ValueError("IQ2_S: point not on the grid (ik aborts here)")
+
+
 @njit(**_opts)
-def _rows_iq2_xs(x, qw, has_qw, out, pos, kmap, nbrs, grid):
+def _rows_iq2(kind, x, qw, has_qw, out, kmap, nbrs, gq, gl, gv):
+    """Whole rows of IQ2_XXS (kind 0: 66-byte super-blocks of 8 x 32 values), IQ2_XS (1: 74
+    bytes, 16 x 16) or IQ2_S (2: 82 bytes, 16 x 16).  gv: IQ2_XS's decoder grid values (f32)."""
     nrows, n = x.shape
     nbl = n // QK_K
-    weight = np.empty(16, dtype=np.float32)
-    waux = np.empty(16, dtype=np.float32)
-    xval = np.empty(16, dtype=np.float32)
-    L = np.zeros(16, dtype=np.int32)
-    Laux = np.zeros(16, dtype=np.int32)
+    nb = 32 if kind == _K_XXS else 16         # values per block scale
+    ng = nb // 8
+    bpb = 66 if kind == _K_XXS else (74 if kind == _K_XS else 82)
+    smask = 255 if kind == _K_S else 127       # IQ2_XXS / IQ2_XS store 7 sign bits
+    zero_max = f32(1e-8) if kind == _K_S else f32(1e-15)
+    weight = np.empty(32, dtype=np.float32)
+    waux = np.empty(32, dtype=np.float32)
+    xval = np.empty(32, dtype=np.float32)
+    L = np.zeros(32, dtype=np.int32)
+    Laux = np.zeros(32, dtype=np.int32)
+    Lqp = np.zeros(32, dtype=np.int32)
     scales = np.zeros(16, dtype=np.float32)
     q2 = np.zeros(32, dtype=np.int64)
-    bsigns = np.zeros(2, dtype=np.int64)
-    index = np.zeros(2, dtype=np.int64)
-    aux_index = np.zeros(2, dtype=np.int64)
+    bsigns = np.zeros(4, dtype=np.int64)
+    index = np.zeros(4, dtype=np.int64)
+    aux_index = np.zeros(4, dtype=np.int64)
+    on_grid = np.zeros(4, dtype=np.bool_)
+    on_aux = np.zeros(4, dtype=np.bool_)
     idx = np.zeros(16, dtype=np.int64)
     sumx = np.zeros(17, dtype=np.float32)
     sumw = np.zeros(17, dtype=np.float32)
     for r in range(nrows):
         xr = x[r]
         orow = out[r]
+        if kind == _K_S:
+            for i in range(16):
+                L[i] = 0
         for ibl in range(nbl):
-            o = 74 * ibl
+            o = bpb * ibl
             for i in range(32):
                 q2[i] = 0
             max_scale = f32(0.0)
-            sigma2 = _sum_sq(xr, QK_K * ibl, QK_K) * f32(1.0 / QK_K)
-            for ib in range(16):
-                xo = QK_K * ibl + 16 * ib
-                xb = xr[xo:xo + 16]
-                _iq2_weights(xb, qw, xo, has_qw, sigma2, 16, weight, waux)
-                for k in range(2):
-                    bsigns[k] = _iq2_signs(xb, weight, k, xval, True) & 127
-                if _vmax(xval, 16) < f32(1e-15):
+            s2 = _sum_sq(xr, QK_K * ibl, QK_K)
+            sigma2 = (f32(2.0) * s2 if kind == _K_S else s2) * f32(1.0 / QK_K)
+            for ib in range(QK_K // nb):
+                xo = QK_K * ibl + nb * ib
+                xb = xr[xo:xo + nb]
+                _block_weights(xb, qw, xo, has_qw, sigma2, f32(0.25) * sigma2, nb, weight)
+                _sqrt_into(weight, nb, waux)
+                for k in range(ng):
+                    bsigns[k] = _group_signs(xb, weight, k, xval, kind != _K_S) & smask
+                mx = _vmax(xval, nb)
+                if mx < zero_max:
                     scales[ib] = 0
-                    for i in range(16):
-                        L[i] = 0
+                    if kind != _K_S:
+                        for i in range(nb):
+                            L[i] = 0
                     continue
-                scale = _iq2xs_split(xval, weight, idx, sumx, sumw)
-                best = f32(0.0)
-                eff_max = scale * f32(5.0)
-                index[0] = 0
-                index[1] = 0
-                for is_ in range(-7, 8):
-                    idv = _fma(f32(is_), f32(0.1), f32(5.0)) / eff_max
-                    this_scale = f32(1.0) / idv
-                    for k in range(2):
-                        gi, on = _iq2_pick(xval, 8 * k, idv, this_scale, waux, kmap, nbrs, pos, Laux)
-                        aux_index[k] = gi
-                    sumqx, sumq2 = _iq2_fit(xval, weight, Laux, 16)
-                    if sumq2 > 0 and sumqx * sumqx > best * sumq2:
-                        scale = sumqx / sumq2
-                        best = scale * sumqx
-                        for i in range(16):
-                            L[i] = Laux[i]
-                        index[0] = aux_index[0]
-                        index[1] = aux_index[1]
-                if scale != 0:
-                    for it in range(3):
-                        idv = f32(1.0) / scale
-                        changed = False
-                        for k in range(2):
-                            gi, on = _iq2_pick(xval, 8 * k, idv, scale, waux, kmap, nbrs, pos, Laux)
-                            aux_index[k] = gi
-                            if gi != index[k]:
-                                changed = True
-                        if not changed:
-                            break
-                        sumqx, sumq2 = _iq2_fit(xval, weight, Laux, 16)
-                        if sumq2 > 0 and sumqx * sumqx > best * sumq2:
-                            scale = sumqx / sumq2
-                            best = scale * sumqx
-                            for i in range(16):
-                                L[i] = Laux[i]
-                            index[0] = aux_index[0]
-                            index[1] = aux_index[1]
-                        else:
-                            break
+                if kind == _K_XXS:
+                    scale = _make_qp_quants(xval, weight, 32, 4, Lqp)
+                    for i in range(32):
+                        L[i] = Lqp[i]
+                    scale = _lattice_search(xval, weight, waux, 32, scale, scale * f32(3.0), f32(0.1), f32(5.0),
+                                            6, _REFINE_ALL, -1, kmap, nbrs, gq, gl, 8, 2, 2,
+                                            L, Laux, on_grid, on_aux, index, aux_index)
+                elif kind == _K_XS:
+                    scale = _iq2xs_split(xval, weight, idx, sumx, sumw)
+                    scale = _lattice_search(xval, weight, waux, 16, scale, scale * f32(5.0), f32(0.1), f32(5.0),
+                                            7, _REFINE_ITER, -1, kmap, nbrs, gq, gl, 8, 2, 2,
+                                            L, Laux, on_grid, on_aux, index, aux_index)
+                else:
+                    scale = _lattice_search(xval, weight, waux, 16, mx / f32(5.0), mx, f32(0.1), f32(5.0),
+                                            9, _REFINE_OFF, 1, kmap, nbrs, gq, gl, 8, 2, 2,
+                                            L, Laux, on_grid, on_aux, index, aux_index)
                 if scale < 0:
                     scale = -scale
-                    for k in range(2):
-                        bsigns[k] = (~bsigns[k]) & 127
-                for k in range(2):
-                    u = 0
-                    for i in range(8):
-                        u |= (L[8 * k + i] & 3) << (2 * i)
-                    gi = kmap[u]
+                    for k in range(ng):
+                        bsigns[k] = (~bsigns[k]) & smask
+                for k in range(ng):
+                    gi = kmap[_grid_code(L, 8 * k, 8, 2)]
                     if gi < 0:
-                        raise ValueError("IQ2_XS: point not on the grid (ik aborts here)")
-                    q2[2 * ib + k] = np.int64(gi) | (bsigns[k] << 9)
+                        _off_grid(kind)
+                    if kind == _K_XXS:
+                        q2[2 * ib] |= np.int64(gi) << (8 * k)
+                        q2[2 * ib + 1] |= bsigns[k] << (7 * k)
+                    elif kind == _K_XS:
+                        q2[2 * ib + k] = np.int64(gi) | (bsigns[k] << 9)
+                    else:
+                        i8 = 2 * ib + k
+                        orow[o + 2 + i8] = np.uint8(gi & 255)
+                        orow[o + 66 + i8 // 4] |= np.uint8((gi >> 8) << (2 * (i8 % 4)))
+                        orow[o + 34 + i8] = np.uint8(bsigns[k])
                 scales[ib] = scale
                 max_scale = max(max_scale, scale)
             if max_scale == 0:
                 continue
             d = max_scale / f32(31.0)
-            _put_u16(orow, o, _f16_bits(d))
+            _put_u16(orow, o, _f16_bits(d * f32(0.9875) if kind == _K_S else d))
             idv = f32(1.0) / d
             sumqx = f32(0.0)
             sumq2 = f32(0.0)
-            for ib in range(16):
+            for ib in range(QK_K // nb):
                 l = max(0, min(15, _ni_half(idv, scales[ib])))
-                orow[o + 66 + ib // 2] |= np.uint8(l << (4 * (ib % 2)))
-                dl = f32(0.125) * f32(2 * l + 1)
-                xo = QK_K * ibl + 16 * ib
-                xb = xr[xo:xo + 16]
-                _iq2_weights(xb, qw, xo, has_qw, sigma2, 16, weight, waux)
-                for k in range(2):
-                    gi = q2[2 * ib + k] & 511
-                    sgn = np.int64(_SIGNS[q2[2 * ib + k] >> 9])
-                    for j in range(8):
-                        q = dl * f32(grid[gi, j])
-                        if (sgn >> j) & 1:
-                            q = -q
-                        t = weight[8 * k + j] * q
-                        sumqx = _fma(t, xb[8 * k + j], sumqx)
-                        sumq2 = _fma(t, q, sumq2)
-            for i in range(32):
-                _put_u16(orow, o + 2 + 2 * i, q2[i])
-            if sumq2 > 0:
-                _put_u16(orow, o, _f16_bits(f32(1.05) * sumqx / sumq2))
-
-
-# ----------------------------------------------------------------------------------------
-# IQ2_S
-# ----------------------------------------------------------------------------------------
-@njit(**_opts)
-def _rows_iq2_s(x, qw, has_qw, out, pos, kmap, nbrs):
-    nrows, n = x.shape
-    nbl = n // QK_K
-    weight = np.empty(16, dtype=np.float32)
-    waux = np.empty(16, dtype=np.float32)
-    xval = np.empty(16, dtype=np.float32)
-    L = np.zeros(16, dtype=np.int32)
-    Laux = np.zeros(16, dtype=np.int32)
-    scales = np.zeros(16, dtype=np.float32)
-    bsigns = np.zeros(2, dtype=np.int64)
-    on_grid = np.zeros(2, dtype=np.bool_)
-    on_aux = np.zeros(2, dtype=np.bool_)
-    for r in range(nrows):
-        xr = x[r]
-        orow = out[r]
-        for i in range(16):
-            L[i] = 0
-        for ibl in range(nbl):
-            o = 82 * ibl
-            max_scale = f32(0.0)
-            sigma2 = (f32(2.0) * _sum_sq(xr, QK_K * ibl, QK_K)) * f32(1.0 / QK_K)
-            for ib in range(16):
-                xo = QK_K * ibl + 16 * ib
-                xb = xr[xo:xo + 16]
-                _iq2_weights(xb, qw, xo, has_qw, sigma2, 16, weight, waux)
-                for k in range(2):
-                    bsigns[k] = _iq2_signs(xb, weight, k, xval, False)
-                mx = _vmax(xval, 16)
-                if mx < f32(1e-8):
-                    scales[ib] = 0
+                if kind == _K_XXS:
+                    q2[2 * ib + 1] |= np.int64(l) << 28
                     continue
-                best = f32(0.0)
-                scale = mx / f32(5.0)
-                on_grid[0] = True
-                on_grid[1] = True
-                for is_ in range(-9, 10):
-                    idv = _fma(f32(is_), f32(0.1), f32(5.0)) / mx
-                    this_scale = f32(1.0) / idv
+                orow[o + bpb - 8 + ib // 2] |= np.uint8(l << (4 * (ib % 2)))
+                if kind == _K_XS:       # IQ2_XS refits d over the super-block
+                    xo = QK_K * ibl + 16 * ib
+                    xb = xr[xo:xo + 16]
+                    _block_weights(xb, qw, xo, has_qw, sigma2, f32(0.25) * sigma2, 16, weight)
+                    dl = f32(0.125) * f32(2 * l + 1)
                     for k in range(2):
-                        gi, on = _iq2_pick(xval, 8 * k, idv, this_scale, waux, kmap, nbrs, pos, Laux)
-                        on_aux[k] = on
-                    sumqx, sumq2 = _iq2_fit(xval, weight, Laux, 16)
-                    if sumq2 > 0 and sumqx * sumqx > best * sumq2:
-                        scale = sumqx / sumq2
-                        best = scale * sumqx
-                        for i in range(16):
-                            L[i] = Laux[i]
-                        on_grid[0] = on_aux[0]
-                        on_grid[1] = on_aux[1]
-                if (not on_grid[0] or not on_grid[1]) and scale > 0:
-                    idv = f32(1.0) / scale
-                    for k in range(2):
-                        if not on_grid[k]:
-                            _iq2_pick(xval, 8 * k, idv, scale, waux, kmap, nbrs, pos, L)
-                    sumqx, sumq2 = _iq2_fit(xval, weight, L, 16)
-                    if sumq2 > 0:
-                        scale = sumqx / sumq2
-                if scale < 0:
-                    scale = -scale
-                    for k in range(2):
-                        bsigns[k] = (~bsigns[k]) & 255
-                for k in range(2):
-                    u = 0
-                    for i in range(8):
-                        u |= (L[8 * k + i] & 3) << (2 * i)
-                    gi = kmap[u]
-                    if gi < 0:
-                        raise ValueError("IQ2_S: point not on the grid (ik aborts here)")
-                    i8 = 2 * ib + k
-                    orow[o + 2 + i8] = np.uint8(gi & 255)
-                    orow[o + 66 + i8 // 4] |= np.uint8((gi >> 8) << (2 * (i8 % 4)))
-                    orow[o + 34 + i8] = np.uint8(bsigns[k])
-                scales[ib] = scale
-                max_scale = max(max_scale, scale)
-            if max_scale == 0:
-                continue
-            d = max_scale / f32(31.0)
-            _put_u16(orow, o, _f16_bits(d * f32(0.9875)))
-            idv = f32(1.0) / d
-            for ib in range(16):
-                l = max(0, min(15, _ni_half(idv, scales[ib])))
-                orow[o + 74 + ib // 2] |= np.uint8(l << (4 * (ib % 2)))
+                        sgn = np.int64(_SIGNS[q2[2 * ib + k] >> 9])
+                        sumqx, sumq2 = _grid_fit(gv, q2[2 * ib + k] & 511, dl, sgn, weight, xb, 8 * k, sumqx, sumq2)
+            if kind == _K_XXS:
+                for i in range(16):
+                    _put_u32(orow, o + 2 + 4 * i, q2[i])
+            elif kind == _K_XS:
+                for i in range(32):
+                    _put_u16(orow, o + 2 + 2 * i, q2[i])
+                if sumq2 > 0:
+                    _put_u16(orow, o, _f16_bits(f32(1.05) * sumqx / sumq2))
 
 
 # ----------------------------------------------------------------------------------------
 # IQ1_S / IQ1_M
 # ----------------------------------------------------------------------------------------
-@njit(**_inl)
-def _iq1_neighbour(nbrs, start, pos, xb, weight, o, scale, xx, L):
-    """ik's iq1_find_best_neighbour2: the neighbour of least weighted squared error."""
-    n = nbrs[start]
-    best = _FLT_MAX
-    gi = np.int32(-1)
-    for j in range(1, n + 1):
-        g = nbrs[start + j]
-        d2 = f32(0.0)
-        for i in range(8):
-            diff = _fma(scale, xx[(pos[g, i] - 1) // 2], -xb[o + i])
-            d2 = _fma(weight[o + i] * diff, diff, d2)
-        if d2 < best:
-            best = d2
-            gi = g
-    if gi < 0:                     # ik falls back to a (buggy) full search; not reachable
-        gi = nbrs[start + 1]
-    for i in range(8):
-        L[o + i] = (pos[gi, i] - 1) // 2
-    return gi
-
-
 @njit(**_opts)
-def _iq1s_block(xb, weight, L, index, idx, sumx, sumw, pos, kmap, nbrs):
+def _iq1s_block(xb, weight, L, index, idx, sumx, sumw, kmap, nbrs, gqp, gqm, gl):
     """One 32-value IQ1_S block: (scale, shift +1 / -1), grid indices into index[:4]."""
     mx = abs(xb[0])
     for i in range(1, 32):
@@ -783,13 +740,7 @@ def _iq1s_block(xb, weight, L, index, idx, sumx, sumw, pos, kmap, nbrs):
         for k in range(4):
             index[k] = 0
         return f32(0.0), 1
-    _argsort(xb, 32, idx)
-    sumx[0] = f32(0.0)
-    sumw[0] = f32(0.0)
-    for j in range(32):
-        i = idx[j]
-        sumx[j + 1] = _fma(weight[i], xb[i], sumx[j])
-        sumw[j + 1] = sumw[j] + weight[i]
+    _prefix_sums(xb, weight, 32, idx, sumx, sumw)
     best = -_FLT_MIN
     scale = mx
     besti1 = -1
@@ -829,41 +780,28 @@ def _iq1s_block(xb, weight, L, index, idx, sumx, sumw, pos, kmap, nbrs):
                     shift = -1
     if besti1 < 0:
         raise ValueError("IQ1_S: no split found (all importances zero? ik aborts here)")
-    for j in range(32):
-        L[idx[j]] = 0 if j < besti1 else (1 if j < besti2 else 2)
+    _split_levels(idx, 32, besti1, besti2, scale < 0, L)
     if scale < 0:
-        for j in range(32):
-            L[j] = 2 - L[j]
         scale = -scale
         shift = -shift
-    xx = _XP if shift == 1 else _XM
+    gq = gqp if shift == 1 else gqm
     all_on = True
     for k in range(4):
-        u = 0
-        for j in range(8):
-            u |= L[8 * k + j] << (2 * j)
-        gi = kmap[u]
-        if gi < 0:
-            all_on = False
-            gi = _iq1_neighbour(nbrs, -gi - 1, pos, xb, weight, 8 * k, scale, xx, L)
+        gi, on = _grid_lookup(kmap, nbrs, gq, gl, 8, 2, xb, weight, 8 * k, scale, L)
+        all_on = all_on and on
         index[k] = gi
     if not all_on:
         sumqx = f32(0.0)
         sumq2 = f32(0.0)
         for k in range(4):
-            g = index[k]
-            for j in range(8):
-                q = xx[(pos[g, j] - 1) // 2]
-                t = q * weight[8 * k + j]
-                sumqx = _fma(t, xb[8 * k + j], sumqx)
-                sumq2 = _fma(t, q, sumq2)
+            sumqx, sumq2 = _grid_fit(gq, index[k], f32(1.0), 0, weight, xb, 8 * k, sumqx, sumq2)
         if sumqx > 0 and sumq2 > 0:
             scale = sumqx / sumq2
     return scale, shift
 
 
 @njit(**_opts)
-def _rows_iq1_s(x, qw, has_qw, out, pos, kmap, nbrs):
+def _rows_iq1_s(x, qw, has_qw, out, kmap, nbrs, gqp, gqm, gl):
     nrows, n = x.shape
     nbl = n // QK_K
     weight = np.empty(32, dtype=np.float32)
@@ -885,9 +823,8 @@ def _rows_iq1_s(x, qw, has_qw, out, pos, kmap, nbrs):
             for ib in range(8):
                 xo = QK_K * ibl + 32 * ib
                 xb = xr[xo:xo + 32]
-                for i in range(32):
-                    weight[i] = qw[xo + i] * np.sqrt(_fma(xb[i], xb[i], sigma2))
-                scale, shift = _iq1s_block(xb, weight, L, index, idx, sumx, sumw, pos, kmap, nbrs)
+                _block_weights(xb, qw, xo, True, sigma2, f32(0.0), 32, weight)   # imatrix required
+                scale, shift = _iq1s_block(xb, weight, L, index, idx, sumx, sumw, kmap, nbrs, gqp, gqm, gl)
                 h = 0
                 for k in range(4):
                     orow[o + 2 + 4 * ib + k] = np.uint8(index[k] & 255)
@@ -908,8 +845,16 @@ def _rows_iq1_s(x, qw, has_qw, out, pos, kmap, nbrs):
                 orow[o + 35 + 2 * ib] |= np.uint8(l << 4)
 
 
+@njit(**_inl)
+def _iq1m_half(pair, k, gqp, gqm):
+    """The grid values (shift +1/8 or -1/8) of 8-value half k under shift pair `pair`."""
+    if k == 0:
+        return gqp if pair < 2 else gqm
+    return gqp if pair % 2 == 0 else gqm
+
+
 @njit(**_opts)
-def _iq1m_block(xb, weight, L, index, idx, pos, kmap, nbrs, sc):
+def _iq1m_block(xb, weight, L, index, idx, kmap, nbrs, gqp, gqm, gl, sc):
     """One 16-value IQ1_M block: (scale, k) with k the shift pair (0: +,+ 1: +,- 2: -,+ 3: -,-)
     of its two 8-value halves; grid indices into index[:2].  sc: (6, 17) f32 scratch."""
     _argsort(xb, 16, idx)
@@ -985,26 +930,15 @@ def _iq1m_block(xb, weight, L, index, idx, pos, kmap, nbrs, sc):
                     best_k = k
     if besti1 < 0:
         raise ValueError("IQ1_M: no split found (ik aborts here)")
-    for j in range(16):
-        L[idx[j]] = 0 if j < besti1 else (1 if j < besti2 else 2)
+    _split_levels(idx, 16, besti1, besti2, scale < 0, L)
     if scale < 0:
-        for j in range(16):
-            L[j] = 2 - L[j]
         scale = -scale
         best_k = 3 - best_k
     all_on = True
     for k in range(2):
-        if k == 0:
-            xx = _XP if best_k < 2 else _XM
-        else:
-            xx = _XP if best_k % 2 == 0 else _XM
-        u = 0
-        for j in range(8):
-            u |= L[8 * k + j] << (2 * j)
-        gi = kmap[u]
-        if gi < 0:
-            all_on = False
-            gi = _iq1_neighbour(nbrs, -gi - 1, pos, xb, weight, 8 * k, scale, xx, L)
+        gq = _iq1m_half(best_k, k, gqp, gqm)
+        gi, on = _grid_lookup(kmap, nbrs, gq, gl, 8, 2, xb, weight, 8 * k, scale, L)
+        all_on = all_on and on
         index[k] = gi
     if not all_on:
         # refit: rounded products added in order (not fused), all four shift pairs
@@ -1044,18 +978,8 @@ def _iq1m_block(xb, weight, L, index, idx, pos, kmap, nbrs, sc):
     return scale, best_k
 
 
-@njit(**_inl)
-def _iq1m_weights(xb, qw, qo, has_qw, sigma2, weight):
-    if has_qw:
-        for i in range(16):
-            weight[i] = qw[qo + i] * np.sqrt(_fma(xb[i], xb[i], sigma2))
-    else:
-        for i in range(16):
-            weight[i] = xb[i] * xb[i]
-
-
 @njit(**_opts)
-def _rows_iq1_m(x, qw, has_qw, out, pos, kmap, nbrs):
+def _rows_iq1_m(x, qw, has_qw, out, kmap, nbrs, gqp, gqm, gl):
     nrows, n = x.shape
     nbl = n // QK_K
     weight = np.empty(16, dtype=np.float32)
@@ -1079,7 +1003,7 @@ def _rows_iq1_m(x, qw, has_qw, out, pos, kmap, nbrs):
             for ib in range(16):
                 xo = QK_K * ibl + 16 * ib
                 xb = xr[xo:xo + 16]
-                _iq1m_weights(xb, qw, xo, has_qw, all_sigma2[ib // 2], weight)
+                _block_weights(xb, qw, xo, has_qw, all_sigma2[ib // 2], f32(0.0), 16, weight)
                 mx = abs(xb[0])
                 sumwx = f32(0.0)
                 for i in range(1, 16):
@@ -1090,9 +1014,8 @@ def _rows_iq1_m(x, qw, has_qw, out, pos, kmap, nbrs):
                     scales[ib] = 0
                     continue
                 if sumwx == 0:
-                    for i in range(16):
-                        weight[i] = xb[i] * xb[i]
-                scale, best_k = _iq1m_block(xb, weight, L, index, idx, pos, kmap, nbrs, scratch)
+                    _block_weights(xb, qw, xo, False, all_sigma2[ib // 2], f32(0.0), 16, weight)
+                scale, best_k = _iq1m_block(xb, weight, L, index, idx, kmap, nbrs, gqp, gqm, gl, scratch)
                 orow[o + 2 * ib] = np.uint8(index[0] & 255)
                 orow[o + 2 * ib + 1] = np.uint8(index[1] & 255)
                 orow[o + 32 + ib] = np.uint8((index[0] >> 8) | ((index[1] >> 8) << 4))
@@ -1113,19 +1036,12 @@ def _rows_iq1_m(x, qw, has_qw, out, pos, kmap, nbrs):
                 orow[o + 32 + ib] = np.uint8(qh)
                 xo = QK_K * ibl + 16 * ib
                 xb = xr[xo:xo + 16]
-                _iq1m_weights(xb, qw, xo, has_qw, all_sigma2[ib // 2], weight)
+                _block_weights(xb, qw, xo, has_qw, all_sigma2[ib // 2], f32(0.0), 16, weight)
                 fl = f32(2 * l + 1)
                 for k in range(2):
-                    if k == 0:
-                        xx = _XP if shifts[ib] < 2 else _XM
-                    else:
-                        xx = _XP if shifts[ib] % 2 == 0 else _XM
                     g = np.int64(orow[o + 2 * ib + k]) + ((qh << (8 - 4 * k)) & 0x700)
-                    for j in range(8):
-                        q = xx[(pos[g, j] - 1) // 2] * fl
-                        t = q * weight[8 * k + j]
-                        sumqx = _fma(t, xb[8 * k + j], sumqx)
-                        sumq2 = _fma(t, q, sumq2)
+                    sumqx, sumq2 = _grid_fit(_iq1m_half(shifts[ib], k, gqp, gqm), g, fl, 0, weight, xb, 8 * k,
+                                             sumqx, sumq2)
             if sumq2 > 0:
                 d = sumqx / sumq2
             h = _f16_bits(d * f32(1.085))
@@ -1161,16 +1077,14 @@ def quantize(x: np.ndarray, qtype: int, imatrix: np.ndarray | None = None, requi
     out = np.zeros((nrows, ti.row_bytes(n)), dtype=np.uint8)
     if nrows == 0:
         return out.reshape(-1)
-    pos, kmap, nbrs = _grid_tables(ti.id)
+    _, kmap, nbrs = _grid_tables(ti.id)
+    gl, gq = _level_tables(ti.id)
     has = imatrix is not None
-    if ti.id == IQ2_XXS:
-        _rows_iq2_xxs(x, im, has, out, pos, kmap, nbrs)
-    elif ti.id == IQ2_XS:
-        _rows_iq2_xs(x, im, has, out, pos, kmap, nbrs, iquants.GRID_IQ2XS)
-    elif ti.id == IQ2_S:
-        _rows_iq2_s(x, im, has, out, pos, kmap, nbrs)
-    elif ti.id == IQ1_S:
-        _rows_iq1_s(x, im, has, out, pos, kmap, nbrs)
+    if ti.id in (IQ1_S, IQ1_M):
+        gqp, gqm = _XP[gl], _XM[gl]
+        rows = _rows_iq1_s if ti.id == IQ1_S else _rows_iq1_m
+        rows(x, im, has, out, kmap, nbrs, gqp, gqm, gl)
     else:
-        _rows_iq1_m(x, im, has, out, pos, kmap, nbrs)
+        kind = {IQ2_XXS: _K_XXS, IQ2_XS: _K_XS, IQ2_S: _K_S}[ti.id]
+        _rows_iq2(kind, x, im, has, out, kmap, nbrs, gq, gl, _GV_IQ2XS)
     return out.reshape(-1)

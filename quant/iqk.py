@@ -278,14 +278,9 @@ _REF = {IQ2_K: _ref_iq2_k, IQ3_K: _ref_iq3_k, IQ4_K: _ref_iq4_k, IQ5_K: _ref_iq5
         IQ5_KS: _ref_iq5_ks, IQ3_KS: _ref_iq3_ks, IQ2_KL: _ref_iq2_kl}
 
 
-def dequantize(raw: np.ndarray, qtype: int, n: int, n_per_row: int | None = None,
-               iq6k_levels: np.ndarray | None = None) -> np.ndarray:
-    """Flat f32 values of the first n weights stored in `raw`, the bytes of whole rows of
-    n_per_row weights each (default: one row of n).  iq6k_levels: the 128 IQ6_K levels to use
-    (default IQ6K_LEVELS, i.e. dequantize_row_iq6_k; IQ6K_INT_LEVELS for ik's matmul values)."""
-    ti = type_info(qtype)
-    if ti.id not in _REF:
-        raise ValueError(f"quant.iqk.dequantize: {ti.name} is not an IQK type")
+def dequant_rows(raw: np.ndarray, ti, n: int, n_per_row: int | None):
+    """The checks of a super-block type's dequantize (also quant.ktquants'): returns raw as
+    flat uint8, n_per_row (default n), the row's bytes and the number of rows holding n values."""
     n_per_row = n if n_per_row is None else n_per_row
     if n_per_row % QK_K:
         raise ValueError(f"{ti.name}: row length {n_per_row} is not a multiple of {QK_K}")
@@ -294,6 +289,18 @@ def dequantize(raw: np.ndarray, qtype: int, n: int, n_per_row: int | None = None
     nrows = -(-n // n_per_row)
     if raw.size < nrows * rb:
         raise ValueError(f"{ti.name}: {n} values need {nrows * rb} bytes, got {raw.size}")
+    return raw, n_per_row, rb, nrows
+
+
+def dequantize(raw: np.ndarray, qtype: int, n: int, n_per_row: int | None = None,
+               iq6k_levels: np.ndarray | None = None) -> np.ndarray:
+    """Flat f32 values of the first n weights stored in `raw`, the bytes of whole rows of
+    n_per_row weights each (default: one row of n).  iq6k_levels: the 128 IQ6_K levels to use
+    (default IQ6K_LEVELS, i.e. dequantize_row_iq6_k; IQ6K_INT_LEVELS for ik's matmul values)."""
+    ti = type_info(qtype)
+    if ti.id not in _REF:
+        raise ValueError(f"quant.iqk.dequantize: {ti.name} is not an IQK type")
+    raw, n_per_row, rb, nrows = dequant_rows(raw, ti, n, n_per_row)
     fn = _REF[ti.id]
     out = np.empty((nrows, n_per_row), dtype=np.float32)
     for r in range(nrows):
@@ -354,6 +361,14 @@ def _put_lohi(yv, dl, tv, qv, sh, lmask, hv, hs, hmask, hshift):
     for j in range(16):
         k = ((np.uint32(qv[j]) >> sh) & lmask) | (((np.uint32(hv[j]) >> hs) & hmask) << hshift)
         yv[j] = dl * tv[k]
+
+
+@njit(**_inl)
+def _put32_lohi(yv, dl, tv, buf, qo, sh, lmask, ho, hs, hshift):
+    """32 values as two _put_lohi halves: low bits in buf[qo:], one high bit (hs) in buf[ho:]."""
+    for h in range(2):
+        _put_lohi(yv[16 * h:16 * h + 16], dl, tv, buf[qo + 16 * h:], sh, lmask, buf[ho + 16 * h:], hs,
+                  np.uint32(1), hshift)
 
 
 @njit(**_opts)
@@ -495,13 +510,8 @@ def _decode_iqk(buf, qtype, base, cols, lut, y, tab):
                 s = np.int32(buf[o + g])
                 dl = d * np.float32((s & 254) - 127)
                 tv = tab[32 * (s & 1):]
-                sh = np.uint32(4 * (g % 2))
-                hs = np.uint32(g)
-                for h in range(2):                                # halves of 16 (unrolled lookups)
-                    qv = buf[o + 8 + 32 * (g // 2) + 16 * h:]
-                    hv = buf[o + 136 + 16 * h:]
-                    _put_lohi(yb[32 * g + 16 * h:32 * g + 16 * h + 16], dl, tv, qv, sh, np.uint32(15),
-                              hv, hs, np.uint32(1), np.uint32(4))
+                _put32_lohi(yb[32 * g:32 * g + 32], dl, tv, buf, o + 8 + 32 * (g // 2), np.uint32(4 * (g % 2)),
+                            np.uint32(15), o + 136, np.uint32(g), np.uint32(4))
     elif qtype == IQ3_KS:
         d = _f16_at(buf, base, lut)
         for b in range(nb):
@@ -512,13 +522,8 @@ def _decode_iqk(buf, qtype, base, cols, lut, y, tab):
                 s = ((np.int32(buf[o + 2 + g % 4]) >> (4 * (g // 4))) & 15) | (((extra >> g) & 1) << 4)
                 dl = d * np.float32(s - 16)
                 tv = tab[8 * ((extra >> (8 + g)) & 1):]
-                sh = np.uint32(2 * (g % 4))
-                hs = np.uint32(g)
-                for h in range(2):
-                    qv = buf[o + 6 + 32 * (g // 4) + 16 * h:]
-                    hv = buf[o + 70 + 16 * h:]
-                    _put_lohi(yb[32 * g + 16 * h:32 * g + 16 * h + 16], dl, tv, qv, sh, np.uint32(3),
-                              hv, hs, np.uint32(1), np.uint32(2))
+                _put32_lohi(yb[32 * g:32 * g + 32], dl, tv, buf, o + 6 + 32 * (g // 4), np.uint32(2 * (g % 4)),
+                            np.uint32(3), o + 70, np.uint32(g), np.uint32(2))
     elif qtype == IQ2_KL:
         d = _f16_at(buf, base, lut)
         for b in range(nb):

@@ -380,17 +380,56 @@ def _sum_sq(x):
 # ----------------------------------------------------------------------------------------
 # IQ3_K, IQ4_K, IQ5_K, IQ6_K, IQ4_KS: scale search per sub-block against a level table
 # ----------------------------------------------------------------------------------------
+# _weights' rule without an imatrix: sigma2/4 + x^2, x^2, |x|
+W_SIGMA, W_SQ, W_ABS = 0, 1, 2
+
+
 @njit(**_opts)
-def _weights(xb, qw, has_qw, sigma2, plain_sq, w):
-    """ik's per-value weights: qw*sqrt(sigma2 + x^2) with an imatrix, else x^2 (plain_sq)
-    or sigma2/4 + x^2."""
+def _weights(xb, qw, has_qw, sigma2, kind, w):
+    """ik's per-value weights: qw*sqrt(sigma2 + x^2) with an imatrix, else by `kind`:
+    sigma2/4 + x^2 (W_SIGMA: IQ2_K/KS, IQ3_K, IQ5_K, IQ6_K), x^2 (W_SQ: IQ4_K and the
+    32-value types but IQ2_KS / IQ2_KL), |x| (W_ABS: IQ2_KL)."""
     for j in range(xb.shape[0]):
         if has_qw:
             w[j] = qw[j] * f32(np.sqrt(_fma(xb[j], xb[j], sigma2)))
-        elif plain_sq:
+        elif kind == W_SQ:
             w[j] = xb[j] * xb[j]
+        elif kind == W_ABS:
+            w[j] = abs(xb[j])
         else:
             w[j] = f32(0.25) * sigma2 + xb[j] * xb[j]
+
+
+@njit(**_inl)
+def _amax_mx(xb):
+    """(max |x|, the first x of that magnitude)."""
+    amax = f32(0.0)
+    mx = f32(0.0)
+    for j in range(xb.shape[0]):
+        ax = abs(xb[j])
+        if ax > amax:            # (= max(amax, ax) as Numba lowers it, NaN included)
+            amax = ax
+            mx = xb[j]
+    return amax, mx
+
+
+@njit(**_opts)
+def _put_quants(bi, off, idl, fl, xb, w, out, qo, lbits, sh, ho, hsh, sumqx, sumq2):
+    """Quantize xb at inverse scale idl to the nearest levels of level set bi (half at off):
+    index k's low lbits bits go to out[qo + j] << sh, the rest (ho >= 0) to out[ho + j] << hsh.
+    Returns sumqx, sumq2 plus sum w*q*x and w*q*q (q = level * fl, fused as ik's)."""
+    lv, n, cells, lim, rel = _lset(bi)
+    lmask = (1 << lbits) - 1
+    for j in range(xb.shape[0]):
+        k = _best_index(lv, off, n, cells, lim, rel, idl * xb[j])
+        out[qo + j] |= np.uint8((k & lmask) << sh)
+        if ho >= 0:
+            out[ho + j] |= np.uint8((k >> lbits) << hsh)
+        q = lv[off + k] * fl
+        t = q * w[j]
+        sumqx = _fma(t, xb[j], sumqx)
+        sumq2 = _fma(t, q, sumq2)
+    return sumqx, sumq2
 
 
 @njit(**_opts)
@@ -400,13 +439,7 @@ def _search(bi, xb, w, lv, n, ntry, step, first_checked, refit, lanes):
     each with the plain and the shifted levels and both signs; optionally a final refit.
     All fits are computed first, one lane each (_fit_lanes; lanes: _lane_scratch()), then
     compared in ik's order.  Returns (d, shifted)."""
-    amax = f32(0.0)
-    mx = f32(0.0)
-    for j in range(xb.shape[0]):
-        ax = abs(xb[j])
-        if ax > amax:
-            amax = ax
-            mx = xb[j]
+    mx = _amax_mx(xb)[1]
     d0 = (-mx) / lv[0]
     # lanes of the plain half: the first fit (+, -), then per itry (+, -); shifted: per itry
     nt = 2 * ntry + 1
@@ -488,7 +521,6 @@ def _quantize_kblock(qtype, x, qw, has_qw, out, o, lanes):
 
 @njit(**_opts)
 def _kblock(bi, qtype, lv, n, ntry, step, bsize, x, qw, has_qw, out, o, lanes):
-    blv, bn, bcells, blim, brel = _lset(bi)        # for the inlined _best_index
     for k in range(bsize):
         out[o + k] = 0
     sumx2 = _sum_sq(x)
@@ -496,7 +528,7 @@ def _kblock(bi, qtype, lv, n, ntry, step, bsize, x, qw, has_qw, out, o, lanes):
         sigma2 = (f32(1.5) * sumx2) * f32(1.0 / 256)
     else:
         sigma2 = (f32(2.0) * sumx2) * f32(1.0 / 256)
-    plain_sq = qtype == IQ4_K
+    wkind = W_SQ if qtype == IQ4_K else W_SIGMA
     scales = np.empty(16, dtype=np.float32)
     w = np.empty(16, dtype=np.float32)
     extra = 0
@@ -504,11 +536,8 @@ def _kblock(bi, qtype, lv, n, ntry, step, bsize, x, qw, has_qw, out, o, lanes):
     amax_scale = f32(0.0)
     for ib in range(16):
         xb = x[16 * ib:16 * ib + 16]
-        _weights(xb, qw[16 * ib:16 * ib + 16], has_qw, sigma2, plain_sq, w)
-        amax = f32(0.0)
-        for j in range(16):
-            amax = max(amax, abs(xb[j]))
-        if amax < f32(1e-16):
+        _weights(xb, qw[16 * ib:16 * ib + 16], has_qw, sigma2, wkind, w)
+        if _amax_mx(xb)[0] < f32(1e-16):
             scales[ib] = f32(0.0)
             continue
         d, shifted = _search(bi, xb, w, lv, n, ntry, step, qtype == IQ3_K, qtype != IQ4_K, lanes)
@@ -561,26 +590,19 @@ def _kblock(bi, qtype, lv, n, ntry, step, bsize, x, qw, has_qw, out, o, lanes):
         off = n if (extra >> ib) & 1 else 0
         idl = f32(1.0) / dl if dl != 0 else f32(0.0)
         xb = x[16 * ib:16 * ib + 16]
-        _weights(xb, qw[16 * ib:16 * ib + 16], has_qw, sigma2, plain_sq, w)
+        _weights(xb, qw[16 * ib:16 * ib + 16], has_qw, sigma2, wkind, w)
         ib32 = ib // 2
-        for j in range(16):
-            k = _best_index(blv, off, bn, bcells, blim, brel, idl * xb[j])
-            e = 16 * (ib % 2) + j                     # position in the 32 of sub-block pair ib32
-            if qtype == IQ3_K:
-                out[o + 14 + 32 * (ib32 // 4) + e] |= np.uint8((k & 3) << (2 * (ib32 % 4)))
-                out[o + 78 + e] |= np.uint8((k >> 2) << ib32)
-            elif qtype == IQ4_K:
-                out[o + 16 + 16 * ib32 + (e % 16)] |= np.uint8(k << (4 * (e // 16)))
-            elif qtype == IQ5_K:
-                out[o + 16 + 32 * (ib32 // 2) + e] |= np.uint8((k & 15) << (4 * (ib32 % 2)))
-                out[o + 144 + e] |= np.uint8((k >> 4) << ib32)
-            else:
-                out[o + 20 + 32 * (ib32 // 2) + e] |= np.uint8((k & 15) << (4 * (ib32 % 2)))
-                out[o + 148 + 32 * (ib32 // 4) + e] |= np.uint8((k >> 4) << (2 * (ib32 % 4)))
-            q = lv[off + k] * f32(ls)
-            t = q * w[j]
-            sumqx = _fma(t, xb[j], sumqx)
-            sumq2 = _fma(t, q, sumq2)
+        e = 16 * (ib % 2)                         # position in the 32 of sub-block pair ib32
+        if qtype == IQ3_K:
+            qo, lbits, sh, ho, hsh = o + 14 + 32 * (ib32 // 4) + e, 2, 2 * (ib32 % 4), o + 78 + e, ib32
+        elif qtype == IQ4_K:
+            qo, lbits, sh, ho, hsh = o + 16 + 16 * ib32, 4, 4 * (ib % 2), -1, 0
+        elif qtype == IQ5_K:
+            qo, lbits, sh, ho, hsh = o + 16 + 32 * (ib32 // 2) + e, 4, 4 * (ib32 % 2), o + 144 + e, ib32
+        else:
+            qo, lbits, sh, ho, hsh = (o + 20 + 32 * (ib32 // 2) + e, 4, 4 * (ib32 % 2),
+                                      o + 148 + 32 * (ib32 // 4) + e, 2 * (ib32 % 4))
+        sumqx, sumq2 = _put_quants(bi, off, idl, f32(ls), xb, w, out, qo, lbits, sh, ho, hsh, sumqx, sumq2)
     if qtype == IQ3_K:
         dd = sumqx / sumq2 if sumq2 > 0 else d
         _put_u16(out, o, _f16_bits(dout * dd))
@@ -589,39 +611,102 @@ def _kblock(bi, qtype, lv, n, ntry, step, bsize, x, qw, has_qw, out, o, lanes):
 
 
 # ----------------------------------------------------------------------------------------
-# IQ4_KS: row scale (f32) + per block of 32 a 7-bit scale and the shift bit
+# The types with a row scale and sub-blocks of 32: IQ4_KS (f32 row scale, per block of 32 a
+# 7-bit scale and the shift bit), IQ5_KS (the same scales, 5-bit quants), IQ3_KS (f16 row
+# scale, 5-bit scales), IQ4_KSS and IQ2_KL (their own searches, below).  IQ3_KS / IQ5_KS are
+# IQ3_K's / IQ5_K's scale search on sub-blocks of 32.
 # ----------------------------------------------------------------------------------------
 @njit(**_opts)
-def _quantize_iq4_ks_row(x, qw, has_qw, out, lanes):
-    """One row -> f32 row scale + 136-byte blocks in out (the row's bytes)."""
+def _ks_params(qtype):
+    """(level set, levels, levels per half, ntry, step, first fit checked, refit) of IQ4_KS
+    (also returned for IQ4_KSS / IQ2_KL, which do not use them), IQ3_KS, IQ5_KS.  Typed
+    values, not literals: numba would compile a callee per literal argument (see _kparams),
+    and equal literals in both branches stay literals."""
+    no = np.bool_(False)
+    if qtype == IQ3_KS:
+        return np.int64(3), LV3, np.int64(8), np.int64(5), np.int64(1), np.bool_(True), no
+    if qtype == IQ5_KS:
+        return np.int64(5), LV5, np.int64(32), np.int64(5), np.int64(1), no, no
+    return np.int64(4), LV4, np.int64(16), np.int64(7), np.int64(1), no, no
+
+
+@njit(**_opts)
+def _row_scales32(qtype, x, qw, has_qw, lanes, scales, shifts):
+    """First pass of IQ4_KS / IQ4_KSS / IQ3_KS / IQ5_KS / IQ2_KL over a row: the scale of
+    every sub-block of 32 (0 where max|x| < 1e-16) into scales, its table half (0 / 1) into
+    shifts.  Returns (max |scale|, the first scale of that magnitude)."""
     nb = x.shape[0] // QK_K
-    bi, lv, n, ntry, step, _ = _kparams(IQ4_KS)
-    blv, bn, bcells, blim, brel = _lset(bi)
-    for k in range(out.shape[0]):
-        out[k] = 0
-    scales = np.empty(nb * 8, dtype=np.float32)
+    bi, lv, n, ntry, step, first_checked, refit = _ks_params(qtype)
+    kl = qtype == IQ2_KL
+    wkind = W_ABS if kl else W_SQ
     w = np.empty(32, dtype=np.float32)
+    xp = np.empty(32, dtype=np.float32)
+    wp = np.empty(32, dtype=np.float32)
     amax_scale = f32(0.0)
+    max_scale = f32(0.0)
     for ibl in range(nb):
         xbl = x[QK_K * ibl:QK_K * ibl + QK_K]
-        sigma2 = _sum_sq(xbl) * f32(2.0 / 256)
-        o = 4 + 136 * ibl
+        sigma2 = _sum_sq(xbl) * (f32(2.25 / 256) if kl else f32(2.0 / 256))
         for ib in range(8):
             xb = xbl[32 * ib:32 * ib + 32]
-            _weights(xb, qw[QK_K * ibl + 32 * ib:QK_K * ibl + 32 * ib + 32], has_qw, sigma2, True, w)
-            amax = f32(0.0)
-            for j in range(32):
-                amax = max(amax, abs(xb[j]))
+            _weights(xb, qw[QK_K * ibl + 32 * ib:QK_K * ibl + 32 * ib + 32], has_qw, sigma2, wkind, w)
+            amax, mx = _amax_mx(xb)
+            shifts[8 * ibl + ib] = 0
             if amax < f32(1e-16):
                 scales[8 * ibl + ib] = f32(0.0)
                 continue
-            d, shifted = _search(bi, xb, w, lv, n, ntry, step, bi == 3, bi != 4, lanes)
-            if shifted:
-                out[o + ib] = 1
+            if qtype == IQ4_KSS:
+                _kss_gather(xb, w, xp, wp)
+                d = _kss_search(xp, wp, mx, lanes)
+            elif kl:
+                d = _kl_search(xb, w, mx, lanes)
+            else:
+                d, shifted = _search(bi, xb, w, lv, n, ntry, step, first_checked, refit, lanes)
+                shifts[8 * ibl + ib] = 1 if shifted else 0
             scales[8 * ibl + ib] = d
-            amax_scale = max(amax_scale, abs(d))
-    d = amax_scale / f32(127.0)
-    _put_f32(out, 0, d)
+            if abs(d) > amax_scale:
+                amax_scale = abs(d)
+                max_scale = d
+    return amax_scale, max_scale
+
+
+@njit(**_inl)
+def _ks_scale(idv, s):
+    """IQ4_KS / IQ5_KS / IQ4_KSS: the stored 7-bit scale of sub-block scale s, times 2."""
+    l = _nint_fma(f32(0.5), _fma(idv, s, f32(127.0)))
+    return max(0, min(127, l)) << 1
+
+
+@njit(**_opts)
+def _quantize_ks_row(qtype, x, qw, has_qw, out, lanes):
+    """One row of IQ4_KS (f32 row scale + 136-byte blocks: scales[8] | qs[128]), IQ5_KS (f32
+    row scale + 168-byte blocks: scales[8] | qs[128] | qh[32]) or IQ3_KS (f16 row scale +
+    102-byte blocks: u16 extra | scales[4] | qs[64] | qh[32]) -> out (the row's bytes)."""
+    nb = x.shape[0] // QK_K
+    bi, lv, n, ntry, step, first_checked, refit = _ks_params(qtype)
+    blv, bn, bcells, blim, brel = _lset(bi)
+    is3 = qtype == IQ3_KS
+    meta = 2 if is3 else 4
+    bs = 102 if is3 else (168 if qtype == IQ5_KS else 136)
+    for k in range(out.shape[0]):
+        out[k] = 0
+    scales = np.empty(nb * 8, dtype=np.float32)
+    shifts = np.empty(nb * 8, dtype=np.int64)
+    w = np.empty(32, dtype=np.float32)
+    amax_scale, max_scale = _row_scales32(qtype, x, qw, has_qw, lanes, scales, shifts)
+    for ibl in range(nb):                       # the shift bits (IQ3_KS: extra bits 8 + ib)
+        o = meta + bs * ibl
+        for ib in range(8):
+            if is3:
+                out[o + 1] |= np.uint8(shifts[8 * ibl + ib] << ib)
+            else:
+                out[o + ib] = np.uint8(shifts[8 * ibl + ib])
+    if is3:
+        d = (-max_scale) * f32(1.0 / 16)
+        _put_u16(out, 0, _f16_bits(d))      # an all-zero row stores -0 (0x8000), as ik does
+    else:
+        d = amax_scale / f32(127.0)
+        _put_f32(out, 0, d)
     if d == 0:
         return
     idv = f32(1.0) / d
@@ -630,29 +715,44 @@ def _quantize_iq4_ks_row(x, qw, has_qw, out, lanes):
     for ibl in range(nb):
         xbl = x[QK_K * ibl:QK_K * ibl + QK_K]
         sigma2 = _sum_sq(xbl) * f32(2.0 / 256)
-        o = 4 + 136 * ibl
+        o = meta + bs * ibl
         for ib in range(8):
-            off = 16 if out[o + ib] & 1 else 0
-            l = _nint_fma(f32(0.5), _fma(idv, scales[8 * ibl + ib], f32(127.0)))
-            l = max(0, min(127, l)) << 1
-            out[o + ib] |= np.uint8(l)
-            l -= 127
-            dl = d * f32(l)
+            off = n if shifts[8 * ibl + ib] else 0
+            if is3:
+                l = max(-16, min(15, _nint_fma(idv, scales[8 * ibl + ib])))
+                ul = l + 16
+                out[o + 2 + ib % 4] |= np.uint8((ul & 15) << (4 * (ib // 4)))
+                out[o] |= np.uint8((ul >> 4) << ib)                     # extra bit ib
+            else:
+                l = _ks_scale(idv, scales[8 * ibl + ib])
+                out[o + ib] |= np.uint8(l)
+                l -= 127
+            dl = d * f32(l)       # (never 0 for the odd l of IQ4_KS / IQ5_KS)
             idl = f32(1.0) / dl if dl != 0 else f32(0.0)
             xb = xbl[32 * ib:32 * ib + 32]
-            _weights(xb, qw[QK_K * ibl + 32 * ib:QK_K * ibl + 32 * ib + 32], has_qw, sigma2, True, w)
-            for j in range(16):
-                i1 = _best_index(blv, off, bn, bcells, blim, brel, idl * xb[j])
-                i2 = _best_index(blv, off, bn, bcells, blim, brel, idl * xb[j + 16])
-                out[o + 8 + 16 * ib + j] = np.uint8(i1 | (i2 << 4))
-                q1 = lv[off + i1] * f32(l)
-                q2 = lv[off + i2] * f32(l)
-                t1 = q1 * w[j]
-                t2 = q2 * w[j + 16]
-                sumqx += _fma(t1, xb[j], t2 * xb[j + 16])
-                sumq2 += _fma(t1, q1, t2 * q2)
+            _weights(xb, qw[QK_K * ibl + 32 * ib:QK_K * ibl + 32 * ib + 32], has_qw, sigma2, W_SQ, w)
+            if is3:               # (l = 0 still stores the indices of 0)
+                sumqx, sumq2 = _put_quants(bi, off, idl, f32(l), xb, w, out, o + 6 + 32 * (ib // 4), 2,
+                                           2 * (ib % 4), o + 70, ib, sumqx, sumq2)
+            elif qtype == IQ5_KS:
+                sumqx, sumq2 = _put_quants(bi, off, idl, f32(l), xb, w, out, o + 8 + 32 * (ib // 2), 4,
+                                           4 * (ib % 2), o + 136, ib, sumqx, sumq2)
+            else:                 # IQ4_KS: value j and j + 16 share a byte, their sums are added
+                for j in range(16):
+                    i1 = _best_index(blv, off, bn, bcells, blim, brel, idl * xb[j])
+                    i2 = _best_index(blv, off, bn, bcells, blim, brel, idl * xb[j + 16])
+                    out[o + 8 + 16 * ib + j] = np.uint8(i1 | (i2 << 4))
+                    q1 = lv[off + i1] * f32(l)
+                    q2 = lv[off + i2] * f32(l)
+                    t1 = q1 * w[j]
+                    t2 = q2 * w[j + 16]
+                    sumqx += _fma(t1, xb[j], t2 * xb[j + 16])
+                    sumq2 += _fma(t1, q1, t2 * q2)
     if sumq2 > 0:
-        _put_f32(out, 0, sumqx / sumq2)
+        if is3:
+            _put_u16(out, 0, _f16_bits(sumqx / sumq2))
+        else:
+            _put_f32(out, 0, sumqx / sumq2)
 
 
 @njit(**_opts)
@@ -798,27 +898,8 @@ def _quantize_iq4_kss_row(x, qw, has_qw, out, lanes):
     vv = np.empty((2, 8), dtype=np.int64)
     mses = np.empty(2, dtype=np.float32)
     blv, bn, bcells, blim, brel = _lset(_kparams(IQ4_KSS)[0])
-    amax_scale = f32(0.0)
-    for ibl in range(nb):
-        xbl = x[QK_K * ibl:QK_K * ibl + QK_K]
-        sigma2 = _sum_sq(xbl) * f32(2.0 / 256)
-        for ib in range(8):
-            xb = xbl[32 * ib:32 * ib + 32]
-            _weights(xb, qw[QK_K * ibl + 32 * ib:QK_K * ibl + 32 * ib + 32], has_qw, sigma2, True, w)
-            amax = f32(0.0)
-            mx = f32(0.0)
-            for j in range(32):
-                ax = abs(xb[j])
-                if ax > amax:
-                    amax = ax
-                    mx = xb[j]
-            if amax < f32(1e-16):
-                scales[8 * ibl + ib] = f32(0.0)
-                continue
-            _kss_gather(xb, w, xp, wp)
-            d = _kss_search(xp, wp, mx, lanes)
-            scales[8 * ibl + ib] = d
-            amax_scale = max(amax_scale, abs(d))
+    shifts = np.empty(nb * 8, dtype=np.int64)
+    amax_scale = _row_scales32(IQ4_KSS, x, qw, has_qw, lanes, scales, shifts)[0]
     d = amax_scale / f32(127.0)
     _put_f32(out, 0, d)
     if d == 0:
@@ -831,10 +912,9 @@ def _quantize_iq4_kss_row(x, qw, has_qw, out, lanes):
         sigma2 = _sum_sq(xbl) * f32(2.0 / 256)
         for ib in range(8):
             xb = xbl[32 * ib:32 * ib + 32]
-            _weights(xb, qw[QK_K * ibl + 32 * ib:QK_K * ibl + 32 * ib + 32], has_qw, sigma2, True, w)
+            _weights(xb, qw[QK_K * ibl + 32 * ib:QK_K * ibl + 32 * ib + 32], has_qw, sigma2, W_SQ, w)
             _kss_gather(xb, w, xp, wp)
-            l = _nint_fma(f32(0.5), _fma(idv, scales[8 * ibl + ib], f32(127.0)))
-            l = (max(0, min(127, l)) << 1) - 127            # odd: never 0
+            l = _ks_scale(idv, scales[8 * ibl + ib]) - 127      # odd: never 0
             dl = d * f32(l)
             idl = f32(1.0) / dl
             for h in range(2):                  # plain, then shifted levels
@@ -935,15 +1015,6 @@ def _sort_pairs(xb, idx):
             idx[i + 1] = idx[i]
             i -= 1
         idx[i + 1] = k
-
-
-@njit(**_opts)
-def _iq2k_weights(xb, qw, has_qw, sigma2, w):
-    for j in range(xb.shape[0]):
-        if has_qw:
-            w[j] = qw[j] * f32(np.sqrt(_fma(xb[j], xb[j], sigma2)))
-        else:
-            w[j] = f32(0.25) * sigma2 + xb[j] * xb[j]
 
 
 @njit(**_inl)
@@ -1051,9 +1122,37 @@ def _iq2k_search(xb, w, sumx, sumw, idx, pre, max_i1, min_i3, fused_prefix):
 
 
 @njit(**_opts)
+def _iq2_scale(xb, qw, has_qw, sigma2, w, sumx, sumw, idx, pre, max_i1, min_i3, fused_prefix):
+    """IQ2_K / IQ2_KS first pass on one sub-block: its weights into w, then (sum of the
+    weights, scale, shifted) by _iq2k_search (scale 0 where max|x| < 1e-16)."""
+    _weights(xb, qw, has_qw, sigma2, W_SIGMA, w)
+    s = f32(0.0)
+    for j in range(xb.shape[0]):
+        s += w[j]
+    if _amax_mx(xb)[0] < f32(1e-16):
+        return s, f32(0.0), False
+    d, shifted = _iq2k_search(xb, w, sumx, sumw, idx, pre, max_i1, min_i3, fused_prefix)
+    return s, d, shifted
+
+
+@njit(**_opts)
+def _put_iq2(off, idl, ls, xb, w, out, qo, sh, sumqx, sumq2):
+    """IQ2_K / IQ2_KS: xb's 2-bit indices at inverse scale idl to out[qo + j] << sh; returns
+    sumqx, sumq2 plus the sums of w*q*x, w*q*q (q = level * ls)."""
+    tab = IQ2NL_I
+    for j in range(xb.shape[0]):
+        k = _best_index_iq2nl(tab, off, idl * xb[j])
+        out[qo + j] |= np.uint8(k << sh)
+        q = f32(tab[off + k] * ls)
+        t = q * w[j]
+        sumqx = _fma(t, xb[j], sumqx)
+        sumq2 = _fma(t, q, sumq2)
+    return sumqx, sumq2
+
+
+@njit(**_opts)
 def _quantize_iq2_k_block(x, qw, has_qw, out, o):
     """One super-block of 256 values -> 76 bytes at out[o:]."""
-    tab = IQ2NL_I
     for k in range(76):
         out[o + k] = 0
     sigma2 = (f32(1.5) * _sum_sq(x)) * f32(1.0 / 256)
@@ -1067,18 +1166,8 @@ def _quantize_iq2_k_block(x, qw, has_qw, out, o):
     extra = 0
     max_abs_scale = f32(0.0)
     for ib in range(16):
-        xb = x[16 * ib:16 * ib + 16]
-        _iq2k_weights(xb, qw[16 * ib:16 * ib + 16], has_qw, sigma2, w)
-        s = f32(0.0)
-        amax = f32(0.0)
-        for j in range(16):
-            s += w[j]
-            amax = max(amax, abs(xb[j]))
-        sw[ib] = s
-        if amax < f32(1e-16):
-            scales[ib] = f32(0.0)
-            continue
-        d, shifted = _iq2k_search(xb, w, sumx, sumw, idx, pre, 16, 0, True)
+        sw[ib], d, shifted = _iq2_scale(x[16 * ib:16 * ib + 16], qw[16 * ib:16 * ib + 16], has_qw, sigma2,
+                                        w, sumx, sumw, idx, pre, 16, 0, True)
         scales[ib] = d
         if shifted:
             extra |= 1 << ib
@@ -1100,18 +1189,10 @@ def _quantize_iq2_k_block(x, qw, has_qw, out, o):
         if dl != 0:
             off = 4 if (extra >> ib) & 1 else 0
             xb = x[16 * ib:16 * ib + 16]
-            _iq2k_weights(xb, qw[16 * ib:16 * ib + 16], has_qw, sigma2, w)
-            idl = f32(1.0) / dl
+            _weights(xb, qw[16 * ib:16 * ib + 16], has_qw, sigma2, W_SIGMA, w)
             ib32 = ib // 2
-            qo = o + 12 + 32 * (ib32 // 4) + 16 * (ib % 2)
-            sh = 2 * (ib32 % 4)
-            for j in range(16):
-                k = _best_index_iq2nl(tab, off, idl * xb[j])
-                out[qo + j] |= np.uint8(k << sh)
-                q = f32(tab[off + k] * ls)
-                t = q * w[j]
-                sumqx = _fma(t, xb[j], sumqx)
-                sumq2 = _fma(t, q, sumq2)
+            sumqx, sumq2 = _put_iq2(off, f32(1.0) / dl, ls, xb, w, out, o + 12 + 32 * (ib32 // 4) + 16 * (ib % 2),
+                                    2 * (ib32 % 4), sumqx, sumq2)
     dd = sumqx / sumq2 if sumq2 > 0 else d
     _put_u16(out, o, _f16_bits(f32(1.030) * dd))
 
@@ -1119,7 +1200,6 @@ def _quantize_iq2_k_block(x, qw, has_qw, out, o):
 @njit(**_opts)
 def _quantize_iq2_ks_row(x, qw, has_qw, out):
     """One row -> f16 row scale + 70-byte blocks (u16 extra | scales[4] | qs[64]) in out."""
-    tab = IQ2NL_I
     nb = x.shape[0] // QK_K
     for k in range(out.shape[0]):
         out[k] = 0
@@ -1136,18 +1216,9 @@ def _quantize_iq2_ks_row(x, qw, has_qw, out):
         sigma2 = (f32(1.5) * _sum_sq(xbl)) * f32(1.0 / 256)
         extra = 0
         for ib in range(8):
-            xb = xbl[32 * ib:32 * ib + 32]
-            _iq2k_weights(xb, qw[QK_K * ibl + 32 * ib:QK_K * ibl + 32 * ib + 32], has_qw, sigma2, w)
-            s = f32(0.0)
-            amax = f32(0.0)
-            for j in range(32):
-                s += w[j]
-                amax = max(amax, abs(xb[j]))
-            sw[8 * ibl + ib] = s
-            if amax < f32(1e-16):
-                scales[8 * ibl + ib] = f32(0.0)
-                continue
-            d, shifted = _iq2k_search(xb, w, sumx, sumw, idx, pre, 24, 8, False)
+            sw[8 * ibl + ib], d, shifted = _iq2_scale(xbl[32 * ib:32 * ib + 32],
+                                                      qw[QK_K * ibl + 32 * ib:QK_K * ibl + 32 * ib + 32], has_qw,
+                                                      sigma2, w, sumx, sumw, idx, pre, 24, 8, False)
             scales[8 * ibl + ib] = d
             if shifted:
                 extra |= 1 << ib
@@ -1172,170 +1243,12 @@ def _quantize_iq2_ks_row(x, qw, has_qw, out):
                 continue
             off = 4 if (extra >> ib) & 1 else 0
             xb = xbl[32 * ib:32 * ib + 32]
-            _iq2k_weights(xb, qw[QK_K * ibl + 32 * ib:QK_K * ibl + 32 * ib + 32], has_qw, sigma2, w)
-            idl = f32(1.0) / dl
-            qo = o + 6 + 32 * (ib // 4)
-            sh = 2 * (ib % 4)
-            for j in range(32):
-                k = _best_index_iq2nl(tab, off, idl * xb[j])
-                out[qo + j] |= np.uint8(k << sh)
-                q = f32(tab[off + k] * ls)
-                t = q * w[j]
-                sumqx = _fma(t, xb[j], sumqx)
-                sumq2 = _fma(t, q, sumq2)
+            _weights(xb, qw[QK_K * ibl + 32 * ib:QK_K * ibl + 32 * ib + 32], has_qw, sigma2, W_SIGMA, w)
+            sumqx, sumq2 = _put_iq2(off, f32(1.0) / dl, ls, xb, w, out, o + 6 + 32 * (ib // 4), 2 * (ib % 4),
+                                    sumqx, sumq2)
         _put_u16(out, o, extra)
     dd = sumqx / sumq2 if sumq2 > 0 else d
     _put_u16(out, 0, _f16_bits(f32(1.030) * dd))
-
-
-# ----------------------------------------------------------------------------------------
-# IQ3_KS (f16 row scale, 5-bit scales per 32) and IQ5_KS (f32 row scale, as IQ4_KS): the
-# scale search of IQ3_K / IQ5_K per sub-block of 32, then one row scale
-# ----------------------------------------------------------------------------------------
-@njit(**_opts)
-def _ks_params(qtype):
-    """(level set, levels, levels per half, ntry, step, first fit checked, refit) of IQ3_KS /
-    IQ5_KS.  Typed values, not literals: numba would compile a callee per literal argument
-    (see _kparams), and equal literals in both branches stay literals."""
-    no = np.bool_(False)
-    if qtype == IQ3_KS:
-        return np.int64(3), LV3, np.int64(8), np.int64(5), np.int64(1), np.bool_(True), no
-    return np.int64(5), LV5, np.int64(32), np.int64(5), np.int64(1), no, no
-
-
-@njit(**_opts)
-def _quantize_iq3_ks_row(x, qw, has_qw, out, lanes):
-    """One row -> f16 row scale + 102-byte blocks (u16 extra | scales[4] | qs[64] | qh[32])."""
-    nb = x.shape[0] // QK_K
-    bi, lv, n, ntry, step, first_checked, refit = _ks_params(IQ3_KS)
-    blv, bn, bcells, blim, brel = _lset(bi)
-    for k in range(out.shape[0]):
-        out[k] = 0
-    scales = np.empty(nb * 8, dtype=np.float32)
-    w = np.empty(32, dtype=np.float32)
-    amax_scale = f32(0.0)
-    max_scale = f32(0.0)
-    for ibl in range(nb):
-        xbl = x[QK_K * ibl:QK_K * ibl + QK_K]
-        sigma2 = _sum_sq(xbl) * f32(2.0 / 256)
-        o = 2 + 102 * ibl
-        extra = 0
-        for ib in range(8):
-            xb = xbl[32 * ib:32 * ib + 32]
-            _weights(xb, qw[QK_K * ibl + 32 * ib:QK_K * ibl + 32 * ib + 32], has_qw, sigma2, True, w)
-            amax = f32(0.0)
-            for j in range(32):
-                amax = max(amax, abs(xb[j]))
-            if amax < f32(1e-16):
-                scales[8 * ibl + ib] = f32(0.0)
-                continue
-            d, shifted = _search(bi, xb, w, lv, n, ntry, step, first_checked, refit, lanes)
-            if shifted:
-                extra |= 1 << (8 + ib)
-            scales[8 * ibl + ib] = d
-            if abs(d) > amax_scale:
-                amax_scale = abs(d)
-                max_scale = d
-        _put_u16(out, o, extra)
-    d = (-max_scale) * f32(1.0 / 16)
-    _put_u16(out, 0, _f16_bits(d))      # an all-zero row stores -0 (0x8000), as ik does
-    if d == 0:
-        return
-    idv = f32(1.0) / d
-    sumqx = f32(0.0)
-    sumq2 = f32(0.0)
-    for ibl in range(nb):
-        xbl = x[QK_K * ibl:QK_K * ibl + QK_K]
-        sigma2 = _sum_sq(xbl) * f32(2.0 / 256)
-        o = 2 + 102 * ibl
-        extra = np.int64(out[o]) | (np.int64(out[o + 1]) << 8)
-        for ib in range(8):
-            off = n if (extra >> (8 + ib)) & 1 else 0
-            l = max(-16, min(15, _nint_fma(idv, scales[8 * ibl + ib])))
-            ul = l + 16
-            out[o + 2 + ib % 4] |= np.uint8((ul & 15) << (4 * (ib // 4)))
-            extra |= (ul >> 4) << ib
-            dl = d * f32(l)
-            idl = f32(1.0) / dl if dl != 0 else f32(0.0)
-            xb = xbl[32 * ib:32 * ib + 32]
-            _weights(xb, qw[QK_K * ibl + 32 * ib:QK_K * ibl + 32 * ib + 32], has_qw, sigma2, True, w)
-            qo = o + 6 + 32 * (ib // 4)
-            sh = 2 * (ib % 4)
-            for j in range(32):       # (l = 0 still stores the indices of 0)
-                k = _best_index(blv, off, bn, bcells, blim, brel, idl * xb[j])
-                out[qo + j] |= np.uint8((k & 3) << sh)
-                out[o + 70 + j] |= np.uint8((k >> 2) << ib)
-                q = lv[off + k] * f32(l)
-                t = w[j] * q
-                sumqx = _fma(t, xb[j], sumqx)
-                sumq2 = _fma(t, q, sumq2)
-        _put_u16(out, o, extra)
-    if sumq2 > 0:
-        _put_u16(out, 0, _f16_bits(sumqx / sumq2))
-
-
-@njit(**_opts)
-def _quantize_iq5_ks_row(x, qw, has_qw, out, lanes):
-    """One row -> f32 row scale + 168-byte blocks (scales[8] | qs[128] | qh[32])."""
-    nb = x.shape[0] // QK_K
-    bi, lv, n, ntry, step, first_checked, refit = _ks_params(IQ5_KS)
-    blv, bn, bcells, blim, brel = _lset(bi)
-    for k in range(out.shape[0]):
-        out[k] = 0
-    scales = np.empty(nb * 8, dtype=np.float32)
-    w = np.empty(32, dtype=np.float32)
-    amax_scale = f32(0.0)
-    for ibl in range(nb):
-        xbl = x[QK_K * ibl:QK_K * ibl + QK_K]
-        sigma2 = _sum_sq(xbl) * f32(2.0 / 256)
-        o = 4 + 168 * ibl
-        for ib in range(8):
-            xb = xbl[32 * ib:32 * ib + 32]
-            _weights(xb, qw[QK_K * ibl + 32 * ib:QK_K * ibl + 32 * ib + 32], has_qw, sigma2, True, w)
-            amax = f32(0.0)
-            for j in range(32):
-                amax = max(amax, abs(xb[j]))
-            if amax < f32(1e-16):
-                scales[8 * ibl + ib] = f32(0.0)
-                continue
-            d, shifted = _search(bi, xb, w, lv, n, ntry, step, first_checked, refit, lanes)
-            if shifted:
-                out[o + ib] = 1
-            scales[8 * ibl + ib] = d
-            amax_scale = max(amax_scale, abs(d))
-    d = amax_scale / f32(127.0)
-    _put_f32(out, 0, d)
-    if d == 0:
-        return
-    idv = f32(1.0) / d
-    sumqx = f32(0.0)
-    sumq2 = f32(0.0)
-    for ibl in range(nb):
-        xbl = x[QK_K * ibl:QK_K * ibl + QK_K]
-        sigma2 = _sum_sq(xbl) * f32(2.0 / 256)
-        o = 4 + 168 * ibl
-        for ib in range(8):
-            off = n if out[o + ib] & 1 else 0
-            l = _nint_fma(f32(0.5), _fma(idv, scales[8 * ibl + ib], f32(127.0)))
-            l = max(0, min(127, l)) << 1
-            out[o + ib] |= np.uint8(l)
-            l -= 127
-            dl = d * f32(l)
-            idl = f32(1.0) / dl
-            xb = xbl[32 * ib:32 * ib + 32]
-            _weights(xb, qw[QK_K * ibl + 32 * ib:QK_K * ibl + 32 * ib + 32], has_qw, sigma2, True, w)
-            qo = o + 8 + 32 * (ib // 2)
-            sh = 4 * (ib % 2)
-            for j in range(32):
-                k = _best_index(blv, off, bn, bcells, blim, brel, idl * xb[j])
-                out[qo + j] |= np.uint8((k & 15) << sh)
-                out[o + 136 + j] |= np.uint8((k >> 4) << ib)
-                q = lv[off + k] * f32(l)
-                t = w[j] * q
-                sumqx = _fma(t, xb[j], sumqx)
-                sumq2 = _fma(t, q, sumq2)
-    if sumq2 > 0:
-        _put_f32(out, 0, sumqx / sumq2)
 
 
 # ----------------------------------------------------------------------------------------
@@ -1390,15 +1303,6 @@ def _kl_index(idv, x1, x2, w1, w2, cells):
             best = score
             ibest = c
     return ibest
-
-
-@njit(**_opts)
-def _kl_weights(xb, qw, has_qw, sigma2, w):
-    for j in range(32):
-        if has_qw:
-            w[j] = qw[j] * f32(np.sqrt(_fma(xb[j], xb[j], sigma2)))
-        else:
-            w[j] = abs(xb[j])
 
 
 IDXP3 = np.tile(np.arange(1, 9, dtype=np.float32), 2)      # _pick_lanes entries: IQ3_K indices
@@ -1481,30 +1385,9 @@ def _quantize_iq2_kl_row(x, qw, has_qw, out, lanes):
     for k in range(out.shape[0]):
         out[k] = 0
     scales = np.empty(nb * 8, dtype=np.float32)
+    shifts = np.empty(nb * 8, dtype=np.int64)
     w = np.empty(32, dtype=np.float32)
-    max_scale = f32(0.0)
-    amax_scale = f32(0.0)
-    for ibl in range(nb):
-        xbl = x[QK_K * ibl:QK_K * ibl + QK_K]
-        sigma2 = _sum_sq(xbl) * f32(2.25 / 256)
-        for ib in range(8):
-            xb = xbl[32 * ib:32 * ib + 32]
-            _kl_weights(xb, qw[QK_K * ibl + 32 * ib:QK_K * ibl + 32 * ib + 32], has_qw, sigma2, w)
-            amax = f32(0.0)
-            mx = f32(0.0)
-            for j in range(32):
-                ax = abs(xb[j])
-                if ax > amax:
-                    amax = ax
-                    mx = xb[j]
-            if amax < f32(1e-16):
-                scales[8 * ibl + ib] = f32(0.0)
-                continue
-            d = _kl_search(xb, w, mx, lanes)
-            scales[8 * ibl + ib] = d
-            if abs(d) > amax_scale:
-                amax_scale = abs(d)
-                max_scale = d
+    amax_scale, max_scale = _row_scales32(IQ2_KL, x, qw, has_qw, lanes, scales, shifts)
     if amax_scale == 0:
         return                                  # row scale 0, all blocks zero
     d = (-max_scale) * f32(1.0 / 32)
@@ -1518,7 +1401,7 @@ def _quantize_iq2_kl_row(x, qw, has_qw, out, lanes):
         sc_h = 0
         for ib in range(8):
             xb = xbl[32 * ib:32 * ib + 32]
-            _kl_weights(xb, qw[QK_K * ibl + 32 * ib:QK_K * ibl + 32 * ib + 32], has_qw, sigma2, w)
+            _weights(xb, qw[QK_K * ibl + 32 * ib:QK_K * ibl + 32 * ib + 32], has_qw, sigma2, W_ABS, w)
             ls = max(-32, min(31, _nint_fma(idv, scales[8 * ibl + ib])))
             # the best of ls - 1, ls, ls + 1 by weighted squared error
             best_score = _FLT_MAX
@@ -1582,20 +1465,14 @@ def _quantize_rows(x, qtype, imat, has_imat, out, lanes):
         if has_imat:
             _row_weights(imat, xr, block, w)
         orow = out[r]
-        if qtype == IQ4_KS:
-            _quantize_iq4_ks_row(xr, w, has_imat, orow, lanes)
+        if qtype == IQ4_KS or qtype == IQ3_KS or qtype == IQ5_KS:
+            _quantize_ks_row(qtype, xr, w, has_imat, orow, lanes)
             continue
         if qtype == IQ2_KS:
             _quantize_iq2_ks_row(xr, w, has_imat, orow)
             continue
         if qtype == IQ4_KSS:
             _quantize_iq4_kss_row(xr, w, has_imat, orow, lanes)
-            continue
-        if qtype == IQ3_KS:
-            _quantize_iq3_ks_row(xr, w, has_imat, orow, lanes)
-            continue
-        if qtype == IQ5_KS:
-            _quantize_iq5_ks_row(xr, w, has_imat, orow, lanes)
             continue
         if qtype == IQ2_KL:
             _quantize_iq2_kl_row(xr, w, has_imat, orow, lanes)

@@ -82,6 +82,7 @@ import numpy as np
 from numba import njit
 
 from .f32ops import fma_f32 as _fma, nint_fma as _nint_fma, quantizer_rows
+from .iqk import dequant_rows
 from .iqk_quantize import _bi
 from .types import type_info
 
@@ -183,14 +184,7 @@ def dequantize(raw: np.ndarray, qtype: int, n: int, n_per_row: int | None = None
     ti = type_info(qtype)
     if ti.id not in _REF:
         raise ValueError(f"quant.ktquants.dequantize: {ti.name} is not a trellis type")
-    n_per_row = n if n_per_row is None else n_per_row
-    if n_per_row % QK_K:
-        raise ValueError(f"{ti.name}: row length {n_per_row} is not a multiple of {QK_K}")
-    raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1)
-    rb = ti.row_bytes(n_per_row)
-    nrows = -(-n // n_per_row)
-    if raw.size < nrows * rb:
-        raise ValueError(f"{ti.name}: {n} values need {nrows * rb} bytes, got {raw.size}")
+    raw, n_per_row, rb, nrows = dequant_rows(raw, ti, n, n_per_row)
     out = np.empty((nrows, n_per_row), dtype=np.float32)
     for r in range(nrows):
         row = raw[r * rb:(r + 1) * rb]
@@ -601,6 +595,39 @@ def _fit(g, vals, xb, w, idx, o):
     return f32(0.0), f32(0.0)
 
 
+@njit(**_inl)
+def _sums(vals, bidx, g, fl, xb, wb, sumqx, sumq2):
+    """sumqx, sumq2 plus the sums of w*x*q and w*q*q over the 32 // g groups bidx[0:] of a
+    sub-block (q = codebook value * fl; w*x, w*q rounded, then fused), in value order."""
+    for j in range(32 // g):
+        pi = bidx[j]
+        for k in range(g):
+            e = g * j + k
+            q = vals[pi, k] * fl
+            sumqx = _fma(wb[e] * xb[e], q, sumqx)
+            sumq2 = _fma(wb[e] * q, q, sumq2)
+    return sumqx, sumq2
+
+
+@njit(**_opts)
+def _try_scales(cb, amax, scale_0, xb, wb, bidx, best, scale):
+    """IQ4_KT's candidate scales on codebook cb: d = amax / (scale_0 + 8 itry), itry -2..2,
+    then -d, each matched and fitted; returns (best score, its scale, True if one beat
+    `best`; else best, scale, False)."""
+    vals, mid, coff, cmem, cval = cb
+    found = False
+    for itry in range(-2, 3):
+        den = _fma(f32(8.0), f32(itry), scale_0)
+        for a in (amax, -amax):
+            _match(4, mid, coff, cmem, cval, a / den, xb, wb, bidx, 0)
+            dd, sc = _fit(4, vals, xb, wb, bidx, 0)
+            if sc > best:
+                best = sc
+                scale = dd
+                found = True
+    return best, scale, found
+
+
 # ---------------------------------------------------------------------------------------
 # rows
 # ---------------------------------------------------------------------------------------
@@ -780,7 +807,6 @@ def _row_iq12(is1, x, w, cb, out, scales, aidx, bidx):
             else:
                 for ig in range(4):
                     aidx[gi + ig] = bidx[ig]
-            fl = f32(ls)
             for j in range(4):
                 pi = bidx[j]
                 if is1:
@@ -790,11 +816,7 @@ def _row_iq12(is1, x, w, cb, out, scales, aidx, bidx):
                 else:
                     out[ob + 4 + 8 * ib + 2 * j] = pi & 255
                     out[ob + 5 + 8 * ib + 2 * j] = (pi >> 8) & 255
-                for k in range(8):
-                    e = 8 * j + k
-                    q = vals[pi, k] * fl
-                    sumqx = _fma(wb[e] * xb[e], q, sumqx)
-                    sumq2 = _fma(wb[e] * q, q, sumq2)
+            sumqx, sumq2 = _sums(vals, bidx, 8, f32(ls), xb, wb, sumqx, sumq2)
     if sumq2 > 0:
         d = sumqx / sumq2
         _put_f32(out, 0, d * f32(1.07) if is1 else d)
@@ -892,16 +914,11 @@ def _row_iq3(x, w, imat, has_imat, cb, out, scales, qtmp, bidx, xaux):
             ls = (np.int32(out[ob + ib % 4]) >> (4 * (ib // 4))) & 15
             dl = d * f32(ls)
             _match(8, mid, coff, cmem, cval, dl, xaux, wb, bidx, 0)
-            fl = f32(ls)
             for j in range(4):
                 pi = bidx[j]
                 out[ob + 4 + 8 * ib + 2 * j] = pi & 255
                 out[ob + 5 + 8 * ib + 2 * j] = (pi >> 8) & 255
-                for k in range(8):
-                    e = 8 * j + k
-                    q = vals[pi, k] * fl
-                    sumqx = _fma(wb[e] * xaux[e], q, sumqx)
-                    sumq2 = _fma(wb[e] * q, q, sumq2)
+            sumqx, sumq2 = _sums(vals, bidx, 8, f32(ls), xaux, wb, sumqx, sumq2)
     if sumq2 > 0:
         _put_f32(out, 0, sumqx / sumq2)
 
@@ -932,40 +949,16 @@ def _row_iq4(x, w, cb1, cb2, out, scales, bidx, xaux):
             if amax < f32(1e-16):
                 scales[8 * ibl + ib] = f32(0.0)
                 continue
-            best = f32(0.0)
             scale_0 = max(f32(90.0), f32(124.0) * amax / amax_row)
-            for itry in range(-2, 3):
-                den = _fma(f32(8.0), f32(itry), scale_0)
-                _match(4, mid1, coff1, cmem1, cval1, amax / den, xaux, wb, bidx, 0)
-                dp, sp = _fit(4, v1, xaux, wb, bidx, 0)
-                if sp > best:
-                    best = sp
-                    scales[8 * ibl + ib] = dp
-                _match(4, mid1, coff1, cmem1, cval1, -amax / den, xaux, wb, bidx, 0)
-                dm, sm = _fit(4, v1, xaux, wb, bidx, 0)
-                if sm > best:
-                    best = sm
-                    scales[8 * ibl + ib] = dm
+            best, scales[8 * ibl + ib], _ = _try_scales(cb1, amax, scale_0, xaux, wb, bidx, f32(0.0),
+                                                         scales[8 * ibl + ib])
             _match(4, mid2, coff2, cmem2, cval2, scales[8 * ibl + ib], xaux, wb, bidx, 0)
             dd, sc = _fit(4, v2, xaux, wb, bidx, 0)
             if sc > best:
                 scales[8 * ibl + ib] = dd
                 out[ob + 4 * ib] = 1
-            with_offset = False
-            for itry in range(-2, 3):
-                den = _fma(f32(8.0), f32(itry), scale_0)
-                _match(4, mid2, coff2, cmem2, cval2, amax / den, xaux, wb, bidx, 0)
-                dp, sp = _fit(4, v2, xaux, wb, bidx, 0)
-                if sp > best:
-                    best = sp
-                    scales[8 * ibl + ib] = dp
-                    with_offset = True
-                _match(4, mid2, coff2, cmem2, cval2, -amax / den, xaux, wb, bidx, 0)
-                dm, sm = _fit(4, v2, xaux, wb, bidx, 0)
-                if sm > best:
-                    best = sm
-                    scales[8 * ibl + ib] = dm
-                    with_offset = True
+            best, scales[8 * ibl + ib], with_offset = _try_scales(cb2, amax, scale_0, xaux, wb, bidx, best,
+                                                                   scales[8 * ibl + ib])
             if with_offset:
                 out[ob + 4 * ib] = 1
             a = abs(scales[8 * ibl + ib])
@@ -994,7 +987,6 @@ def _row_iq4(x, w, cb1, cb2, out, scales, bidx, xaux):
                 _match(4, mid2, coff2, cmem2, cval2, dl, xaux, wb, bidx, 0)
             else:
                 _match(4, mid1, coff1, cmem1, cval1, dl, xaux, wb, bidx, 0)
-            fl = f32(ls)
             hi = np.int64(0)
             for j in range(8):
                 pi = bidx[j]
@@ -1002,11 +994,7 @@ def _row_iq4(x, w, cb1, cb2, out, scales, bidx, xaux):
                 hi |= np.int64(pi >> 12) << (8 + 3 * j)
                 out[ob + 32 + G] = pi & 255
                 out[ob + 96 + G % 32] |= np.uint8(((pi >> 8) & 15) << (4 * (G // 32)))
-                for k in range(4):
-                    e = 4 * j + k
-                    q = (v2[pi, k] if with2 else v1[pi, k]) * fl
-                    sumqx = _fma(wb[e] * xaux[e], q, sumqx)
-                    sumq2 = _fma(wb[e] * q, q, sumq2)
+            sumqx, sumq2 = _sums(v2 if with2 else v1, bidx, 4, f32(ls), xaux, wb, sumqx, sumq2)
             hi >>= 8
             out[ob + 4 * ib + 1] |= np.uint8(hi & 255)
             out[ob + 4 * ib + 2] |= np.uint8((hi >> 8) & 255)

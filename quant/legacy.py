@@ -11,6 +11,8 @@ Layouts (ggml-common.h of ik_llama.cpp, same as mainline ggml; f16 little-endian
     IQ4_NL  18 bytes   f16 d, qs[16]                   x = d * KVALUES_IQ4NL[nibble]
     MXFP4   17 bytes   u8 e (E8M0), qs[16]             x = 2^(e - 128) * KVALUES_MXFP4[nibble]
                                                        (the e2m1 values doubled, the scale halved)
+    Q8_KV   32 bytes   qs[32] int8                     x = q*d, d the row's
+            (ik_llama.cpp; row meta 8 bytes: f32 d, i32 sum of the row's q)
 
 In every type weight j < 16 of a block takes the low nibble of qs[j], weight j + 16 the
 high nibble.  The 5th bits are the 32-bit little-endian word qh: bit j belongs to weight j.
@@ -19,6 +21,12 @@ Bit-exactness: every product here is exact in f32 (an f16 scale has 11 significa
 the integer factor at most 7), so the only rounding is the final `+ m`.  ik_llama.cpp built
 with -march=native fuses q*d + m into one FMA; with an exact product that gives the same bits
 as the separate multiply and add of NumPy (and of gguf.quants), so all three agree.
+
+Q8_KV (ik's quantize_row_q8_KV, AVX2 path, which is what its x86 builds run): one scale per
+row, d = amax/127 in f32, q = round-half-even(x * (1/d)) with the f32 reciprocal (never
+saturates: |x * (1/d)| < 127.5), the i32 sum of the unsaturated q; an all-zero row stores
+d = sum = 0.  ik's quantize_q8_KV ignores the imatrix.  Its rows are the `rows` of quantize_row
+too (ggml's from_float is called per row).
 
 Q6_0's qh[j % 8] holds the two high bits of values j and j + 16 at bit 4*(j // 8) and
 4*(j // 8) + 2.
@@ -40,8 +48,9 @@ from . import kquants as kq     # the fits (make_qx_quants ...) the legacy imatr
 from .types import type_info
 
 Q4_1_ID, Q5_0_ID, Q5_1_ID, IQ4_NL_ID = 3, 6, 7, 20
-Q4_0_ID, Q8_0_ID, Q6_0_ID, MXFP4_ID = 2, 8, 133, 39
-TYPES = frozenset({Q4_0_ID, Q4_1_ID, Q5_0_ID, Q5_1_ID, Q8_0_ID, Q6_0_ID, IQ4_NL_ID, MXFP4_ID})
+Q4_0_ID, Q8_0_ID, Q6_0_ID, MXFP4_ID, Q8_KV_ID = 2, 8, 133, 39, 151
+TYPES = frozenset({Q4_0_ID, Q4_1_ID, Q5_0_ID, Q5_1_ID, Q8_0_ID, Q6_0_ID, IQ4_NL_ID, MXFP4_ID, Q8_KV_ID})
+Q8_KV_META = 8             # f32 d, i32 sum of the row's quants
 
 # the 16 non-linear levels of IQ4_NL (and IQ4_XS), kvalues_iq4nl in ggml-quants.c
 KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
@@ -76,11 +85,14 @@ def _fifth_bits(qh: np.ndarray) -> np.ndarray:
     return bits << 4
 
 
-def dequantize(raw: np.ndarray, qtype: int, n: int) -> np.ndarray:
-    """The first `n` values (a multiple of 32) of the flat bytes `raw` of a legacy type, as f32."""
+def dequantize(raw: np.ndarray, qtype: int, n: int, n_per_row: int | None = None) -> np.ndarray:
+    """The first `n` values (a multiple of 32) of the flat bytes `raw` of a legacy type, as f32
+    (Q8_KV: rows of n_per_row values, default n, each with its row meta)."""
     ti = type_info(qtype)
     if ti.id not in TYPES:
         raise ValueError(f"{ti.name} is not a legacy type")
+    if ti.id == Q8_KV_ID:
+        return _dequantize_q8_kv(raw, n, n if n_per_row is None else n_per_row)
     b = raw_bytes(raw, qtype, n).reshape(-1, ti.type_size)
     if ti.id == MXFP4_ID:
         return (_KVM_F32[_nibbles(b[:, 1:])] * e8m0_half(b[:, 0:1])).reshape(-1)
@@ -109,6 +121,19 @@ def dequantize(raw: np.ndarray, qtype: int, n: int) -> np.ndarray:
     else:  # IQ4_NL
         y = _KV_F32[_nibbles(b[:, 2:])] * d
     return y.reshape(-1)
+
+
+def _dequantize_q8_kv(raw: np.ndarray, n: int, n_per_row: int) -> np.ndarray:
+    ti = type_info(Q8_KV_ID)
+    if n_per_row <= 0 or n % n_per_row:
+        raise ValueError(f"Q8_KV: {n} values are not whole rows of {n_per_row}")
+    rb = ti.row_bytes(n_per_row)
+    raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    if raw.size < n // n_per_row * rb:
+        raise ValueError(f"Q8_KV: {n} values need {n // n_per_row * rb} bytes, got {raw.size}")
+    r = raw[:n // n_per_row * rb].reshape(-1, rb)
+    d = np.ascontiguousarray(r[:, 0:4]).view(np.float32)
+    return (r[:, Q8_KV_META:].view(np.int8).astype(np.float32) * d).reshape(-1)
 
 
 # ----------------------------------------------------------------------------------------
@@ -190,6 +215,13 @@ def decode_row_legacy(buf, qtype, base, cols, lut, y):
                 v = np.int32(wv[j])
                 lo[j] = d * kv[v & 15]
                 hi[j] = d * kv[v >> 4]
+    elif qtype == Q8_KV_ID:
+        d = np.empty(1, np.uint32)       # the row's f32 scale, from its bits
+        d[0] = _u32_at(buf, base)
+        dv = d.view(np.float32)[0]
+        o = base + 8
+        for j in range(nb * qk):
+            y[j] = dv * np.float32(np.int8(buf[o + j]))
     elif qtype == MXFP4_ID:
         kv = _KVM_F32
         for b in range(nb):
@@ -245,6 +277,8 @@ def quantize(x: np.ndarray, qtype: int, imatrix: np.ndarray | None = None) -> np
     path without imatrix too (weights x^2); IQ4_NL always runs quantize_row_iq4_nl_impl."""
     ti = type_info(qtype)
     x = _rows(x)
+    if ti.id == Q8_KV_ID:
+        return quantize_q8_kv(x)
     if ti.id == IQ4_NL_ID:
         return kq.quantize_iq4(x, imatrix, False)
     if ti.id == MXFP4_ID:
@@ -287,6 +321,9 @@ def quantize_row(x: np.ndarray, qtype: int) -> np.ndarray:
     (Q4_1 capped at 15); Q5_0: d = (the element of largest magnitude, first on ties) / -16,
     q = min(31, trunc(x * (1/d) + 16.5)).  The `* id + c` is one FMA in ik's build."""
     ti = type_info(qtype)
+    if ti.id == Q8_KV_ID:             # a row type: the rows of x's last axis
+        x = np.asarray(x, dtype=np.float32)
+        return quantize_q8_kv(x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1))
     b = _blocks(x)
     nb = b.shape[0]
     f32 = np.float32
@@ -364,3 +401,23 @@ def _quantize_mxfp4(b: np.ndarray) -> np.ndarray:
     q = err.argmin(axis=2).astype(np.uint8)
     q[amax == 0] = 0
     return np.concatenate([e[:, None], q[:, :16] | (q[:, 16:] << 4)], axis=1)
+
+
+def quantize_q8_kv(x: np.ndarray) -> np.ndarray:
+    """f32 rows (nrows, n_per_row), n_per_row a multiple of 32 -> flat Q8_KV bytes, those of ik's
+    quantize_row_q8_KV per row (see the module docstring).  Vectorized NumPy: every step is one
+    f32 operation, as in ik's SIMD code, so the bytes are the same."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    nrows, n = x.shape
+    if n % 32:
+        raise ValueError(f"Q8_KV rows of {n} values are not a multiple of 32")
+    amax = np.abs(x).max(axis=1, keepdims=True) if n else np.zeros((nrows, 1), np.float32)
+    d = (amax / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        mul = np.where(amax != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    q = np.rint(x * mul).astype(np.int32)                 # |q| <= 127: no saturation
+    out = np.empty((nrows, Q8_KV_META + n), dtype=np.uint8)
+    out[:, 0:4] = d.view(np.uint8)
+    out[:, 4:8] = q.sum(axis=1, dtype=np.int32).reshape(-1, 1).view(np.uint8)
+    out[:, 8:] = q.astype(np.int8).view(np.uint8)
+    return out.reshape(-1)

@@ -77,6 +77,8 @@ _TYPES = [
     TypeInfo("IQ2_KT", 153, 256, 68, row_meta=4),
     TypeInfo("IQ3_KT", 154, 256, 100, row_meta=4),
     TypeInfo("IQ4_KT", 155, 256, 128, row_meta=4),
+    # ik_llama.cpp's Q8_KV: per row an f32 scale and the i32 sum of its quants, then int8 values
+    TypeInfo("Q8_KV", 151, 32, 32, row_meta=8),
     # ik_llama.cpp's row-interleaved CPU layouts: groups of 4 or 8 rows stored block by block;
     # the same bytes per row as the plain type (ggml.c type_traits)
     TypeInfo("Q4_0_R8", 202, 32, 18, interleave=8, base="Q4_0"),
@@ -104,6 +106,11 @@ _TYPES = [
     TypeInfo("IQ5_KS_R4", 352, 256, 168, row_meta=4, interleave=4, base="IQ5_KS"),
     TypeInfo("MXFP4_R8", 353, 32, 17, interleave=8, base="MXFP4"),
     TypeInfo("Q8_K_R8", 399, 256, 258, interleave=8, base="Q8_K"),   # 8 f16 scales + 8 x 256 int8 per 8 rows
+    # ik's other special forms (quant.interleaved): bf16 pairs of 16 rows; Q8_K with 16 rows (quants
+    # stored ^ 0x80); Q8_KV's quants of 8 rows, the group header holding only their 8 f32 scales
+    TypeInfo("BF16_R16", 230, 1, 2, interleave=16, base="BF16"),
+    TypeInfo("Q8_K_R16", 397, 256, 258, interleave=16, base="Q8_K"),  # 16 f16 scales + 16 x 256 uint8
+    TypeInfo("Q8_KV_R8", 398, 32, 32, row_meta=4, interleave=8, base="Q8_KV"),
 ]
 
 ALL_TYPES: tuple[TypeInfo, ...] = tuple(_TYPES)

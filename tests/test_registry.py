@@ -88,7 +88,7 @@ def test_derived_sets():
     with pytest.raises(KeyError, match="unknown tensor type"):
         registry.traits("Q9_K")
     # what the kernels are today, written out (the asserts above only check the sets agree)
-    assert len(registry.COMPUTE_TYPES) == 64 and len(registry.INT_DOT_TYPES) == 45
+    assert len(registry.COMPUTE_TYPES) == 68 and len(registry.INT_DOT_TYPES) == 45
     want = {"F16": ("f32", -1), "IQ4_KSS": ("f32", -1), "Q8_0": ("q8", 0), "Q8_0_R8": ("q8", 8),
             "Q4_K": ("block", 0), "Q6_0": ("block", 0), "IQ2_KS": ("block", 0), "Q4_K_R4": ("r4", 4),
             "IQ4_KS_R4": ("r4", 4), "IQ4_XS_R8": ("unpack", -1), "Q8_K_R8": ("unpack", -1), "Q8_K": (None, -1),
