@@ -27,17 +27,23 @@ from quant import simd_r4 as R4  # noqa: E402
 
 
 @njit(cache=True)
-def _dot(kind, qtype, buf, q, s, bs, b16, cols, out):
+def _rdot(kind, qtype, buf, base, stride, n, q, s, bs, b16, cols, k0, out, r):
     """kind 0 / 1: quant.simd_blocks' generic / host (VNNI where present) row dot; 2 / 3: the
-    same of quant.simd_r4's group dot.  All rows of q in one call."""
-    n = q.shape[0]
+    same of quant.simd_r4's group dot; activation rows k0.. of q.  The one test function that
+    holds the four switches over every type (each compiled copy costs seconds cold)."""
+    nt = q.shape[0] - k0
     if kind == 0:
-        return SB.row_dot_generic(qtype, buf, 0, 0, 1, q, s, bs, b16, cols, 0, n, out, 0)
+        return SB.row_dot_generic(qtype, buf, base, stride, n, q, s, bs, b16, cols, k0, nt, out, r)
     if kind == 1:
-        return SB.row_dot(qtype, buf, 0, 0, 1, q, s, bs, b16, cols, 0, n, out, 0)
+        return SB.row_dot(qtype, buf, base, stride, n, q, s, bs, b16, cols, k0, nt, out, r)
     if kind == 2:
-        return R4.group_dot_generic(qtype, buf, 0, 0, 1, q, s, bs, b16, cols, 0, n, out, 0)
-    return R4.group_dot(qtype, buf, 0, 0, 1, q, s, bs, b16, cols, 0, n, out, 0)
+        return R4.group_dot_generic(qtype, buf, base, stride, n, q, s, bs, b16, cols, k0, nt, out, r)
+    return R4.group_dot(qtype, buf, base, stride, n, q, s, bs, b16, cols, k0, nt, out, r)
+
+
+def _dot(kind, qtype, buf, q, s, bs, b16, cols, out):
+    """One row (or group) at byte 0 times all rows of q."""
+    return _rdot(kind, qtype, buf, 0, 0, 1, q, s, bs, b16, cols, 0, out, 0)
 
 
 @njit(cache=True)
@@ -45,10 +51,7 @@ def _many_calls(generic, qtype, buf, stride, n, q, s, bs, b16, cols, calls, out)
     """calls row-dot calls over n rows in one compiled function (as quant.kernels' loops do)."""
     ok = True
     for _ in range(calls):
-        if generic:
-            ok &= SB.row_dot_generic(qtype, buf, 0, stride, n, q, s, bs, b16, cols, 0, q.shape[0], out, 0)
-        else:
-            ok &= R4.group_dot_generic(qtype, buf, 0, stride, n, q, s, bs, b16, cols, 0, q.shape[0], out, 0)
+        ok &= _rdot(0 if generic else 2, qtype, buf, 0, stride, n, q, s, bs, b16, cols, 0, out, 0)
     return ok
 
 
@@ -171,9 +174,10 @@ def test_matmul_few_and_many_tokens_agree(name):
 
 
 @njit(cache=True)
-def _gemm(generic, qtype, buf, stride, rows, cols, q, s, b16, out, r4=False, r8=False):
+def _gemm(generic, qtype, buf, stride, rows, cols, q, s, b16, out, r4, r8):
     """quant.simd_gemm over every 16-row run (tiles start as NaN: rows past `rows` stay so);
-    r4 / r8: the _R4 / _R8 packing (stride: of one row, groups of 4 / 8 rows)."""
+    r4 / r8: the _R4 / _R8 packing (stride: of one row, groups of 4 / 8 rows).  r4 and r8 are
+    always passed (bools): an omitted default is another signature, another cold compile."""
     tu = np.full(16 * cols, 0x7F, np.uint8)
     td = np.full(cols, np.nan, np.float32)
     tw = np.full(cols, np.nan, np.float32)
@@ -218,7 +222,7 @@ def test_tile_gemm_matches_decoder_on_random_bytes(qtype, form):
         buf, y = np.concatenate(rows), np.stack(ys)
         q, s, bs, b16, xa = _act(rng, cols, 7)
         out = np.full((7, 21), np.nan, np.float32)
-        assert _gemm(form == "generic", qtype, buf, rb, 21, cols, q, s, b16, out)
+        assert _gemm(form == "generic", qtype, buf, rb, 21, cols, q, s, b16, out, False, False)
         want, mag = xa @ y.T, np.abs(xa) @ np.abs(y).T
         assert np.all(np.abs(out - want) <= 2e-5 * mag + 1e-30), (cols, out, want)
 
@@ -368,16 +372,8 @@ def test_row_dots_over_a_run_of_rows(name, form):
     assert np.all(np.abs(out[1:, 2:] - want) <= 2e-5 * mag + 1e-30), (out, want)
 
 
-@njit(cache=True)
 def _run_dot(kind, qtype, buf, base, stride, n, q, s, bs, b16, cols, out):
-    k0, nt, r = 1, q.shape[0] - 1, 2
-    if kind == 0:
-        return SB.row_dot_generic(qtype, buf, base, stride, n, q, s, bs, b16, cols, k0, nt, out, r)
-    if kind == 1:
-        return SB.row_dot(qtype, buf, base, stride, n, q, s, bs, b16, cols, k0, nt, out, r)
-    if kind == 2:
-        return R4.group_dot_generic(qtype, buf, base, stride, n, q, s, bs, b16, cols, k0, nt, out, r)
-    return R4.group_dot(qtype, buf, base, stride, n, q, s, bs, b16, cols, k0, nt, out, r)
+    return _rdot(kind, qtype, buf, base, stride, n, q, s, bs, b16, cols, 1, out, 2)
 
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_0"])
