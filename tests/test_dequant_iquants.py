@@ -65,6 +65,8 @@ def _random_blocks(rng: np.random.Generator, name: str, nb: int) -> np.ndarray:
 
 @pytest.mark.parametrize("name", TYPES)
 def test_random_blocks_match_gguf_and_numba(name):
+    if name not in GT.__members__:
+        pytest.skip(f"this gguf package has no {name}")
     rng = np.random.default_rng(type_info(name).id)
     raw = _random_blocks(rng, name, 64)
     bs = type_info(name).block_size
