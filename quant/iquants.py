@@ -168,6 +168,9 @@ def dequantize(raw: np.ndarray, qtype: int, n: int) -> np.ndarray:
 # ----------------------------------------------------------------------------------------
 _opts = dict(cache=True, fastmath=True, nogil=True)
 _SIGNS = sign_byte(np.arange(128))
+_BLOCK_BYTES = np.zeros(32, np.int64)        # type id -> block bytes (quant.types), 0: not in the family
+for _t in TYPES:
+    _BLOCK_BYTES[_t] = type_info(_t).type_size
 
 
 @njit(**_opts)
@@ -196,22 +199,8 @@ def _put1(y, o, dl, gi, dsign):
 @njit(**_opts)
 def decode_row_iquants(buf, qtype, base, cols, lut, y):
     """y[:cols] = the row at byte base of buf (cols a multiple of 256); lut: F16_TO_F32."""
-    tb = 0
-    if qtype == IQ2_XXS:
-        tb = 66
-    elif qtype == IQ2_XS:
-        tb = 74
-    elif qtype == IQ2_S:
-        tb = 82
-    elif qtype == IQ3_XXS:
-        tb = 98
-    elif qtype == IQ3_S:
-        tb = 110
-    elif qtype == IQ1_S:
-        tb = 50
-    elif qtype == IQ1_M:
-        tb = 56
-    else:
+    tb = _BLOCK_BYTES[qtype] if 0 <= qtype < _BLOCK_BYTES.size else 0
+    if tb == 0:
         raise ValueError("decode_row_iquants: not an i-quant")
     for blk in range(cols // QK_K):
         o = base + blk * tb

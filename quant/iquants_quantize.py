@@ -9,8 +9,8 @@ import numpy as np
 from . import iq12_quantize, iq3_quantize
 from .types import type_info
 
-_BY_TYPE = {**{t: iq3_quantize.quantize for t in (18, 21)},
-            **{t: iq12_quantize.quantize for t in (16, 17, 19, 22, 29)}}
+_BY_TYPE = {**{t: iq3_quantize.quantize for t in iq3_quantize.QUANTIZE_TYPES},
+            **{t: iq12_quantize.quantize for t in iq12_quantize.QUANTIZE_TYPES}}
 
 
 def quantize(x: np.ndarray, qtype: int, imatrix: np.ndarray | None = None, require_imatrix: bool = True) -> np.ndarray:

@@ -73,7 +73,7 @@ from . import simd_r4 as _r4  # noqa: E402  (integer dots of the _R4 K-quant / I
 from . import simd_gemm as _gemm  # noqa: E402  (integer GEMM of the simd_blocks types)
 from .iqk import decode_row_iqk  # noqa: E402
 from .iquants import decode_row_iquants  # noqa: E402
-from .ktquants import decode_row_kt_mm  # noqa: E402
+from .ktquants import decode_row_kt, decode_row_kt_mm  # noqa: E402
 from .kquants import decode_row_kquants  # noqa: E402
 from .legacy import decode_row_legacy  # noqa: E402
 from .numeric import F16_TO_F32, f16_at as _f16_at  # noqa: E402,F401
@@ -318,6 +318,17 @@ def dequant_rows(buf, qtype, stride, row_ids, cols, qk, lut, out):
     """out[i, :] = row row_ids[i] as f32, in parallel over i.  out: (len(row_ids), cols)."""
     for i in prange(row_ids.shape[0]):
         decode_row(buf, qtype, row_ids[i] * stride, cols, qk, lut, out[i])
+
+
+@njit(parallel=True, **_opts)
+def dequant_rows_unscaled(buf, qtype, stride, row_ids, cols, qk, lut, out):
+    """dequant_rows as ik's dequantize_row gives the rows (its get_rows): without the matmul
+    factor the trellis types' decoders carry (quant.registry.TypeTraits.matmul_scale)."""
+    for i in prange(row_ids.shape[0]):
+        if qtype < 400 and _DECODER[qtype] == _DEC_KT:
+            decode_row_kt(buf, qtype, row_ids[i] * stride, cols, lut, out[i])
+        else:
+            decode_row(buf, qtype, row_ids[i] * stride, cols, qk, lut, out[i])
 
 
 # ----------------------------------------------------------------------------------------

@@ -469,11 +469,9 @@ def get_rows(w: QTensor, ids: np.ndarray) -> np.ndarray:
     if flat.size and (flat.min() < 0 or flat.max() >= rows):
         raise IndexError(f"row id out of range 0..{rows - 1}")
     out = np.empty((flat.size, cols), dtype=np.float32)
-    tr = registry.traits(qtype)
-    if flat.size and tr.matmul_scale != 1.0:
+    if flat.size and registry.traits(qtype).matmul_scale != 1.0:
         # the kernels' decoders carry ik's matmul factor; a lookup is ik's dequantize_row (get_rows)
-        for i, r in enumerate(flat):
-            out[i] = tr.dequantize(buf[r * stride:r * stride + tr.info.row_bytes(cols)], cols)
+        K.dequant_rows_unscaled(buf, qtype, stride, flat, cols, K.QK, K.F16_TO_F32, out)
     elif flat.size:
         K.dequant_rows(buf, qtype, stride, flat, cols, K.QK, K.F16_TO_F32, out)
     return out.reshape(*ids.shape, cols)

@@ -119,3 +119,23 @@ def test_bad_inputs():
         kt.quantize(np.zeros((1, 256), np.float32), type_info("IQ4_K").id)
     with pytest.raises(ValueError):
         kt.dequantize(np.zeros(10, np.uint8), type_info("IQ4_K").id, 256)
+
+
+@pytest.mark.parametrize("name", ["IQ2_KT", "IQ3_KT", "IQ4_KT"])
+def test_get_rows_is_dequantize_row_and_matmuls_carry_the_factor(name):
+    """A lookup (token embedding) gives ik's dequantize_row values; the engine's decoder (its
+    matmuls' tile path) the row scale times ik's matmul factor (IQ2_KT 1.05, IQ3_KT 1.01)."""
+    from quant import matmul as M
+    from quant.tensor import QTensor
+    t = type_info(name).id
+    x = np.random.default_rng(t).standard_normal((6, 256)).astype(np.float32)
+    w = QTensor.from_raw(kt.quantize(x, t, None), t, (6, 256))
+    ids = np.array([4, 0, 4, 5])
+    plain = kt.dequantize(w.data.reshape(-1), t, 6 * 256, 256).reshape(6, 256)
+    scaled = kt.dequantize(w.data.reshape(-1), t, 6 * 256, 256, matmul_scale=True).reshape(6, 256)
+    assert np.array_equal(M.get_rows(w, ids).view(np.uint32), plain[ids].view(np.uint32))
+    from quant import kernels as K
+    dec = np.empty((6, 256), np.float32)
+    K.dequant_rows(w.data.reshape(-1), t, w.data.shape[1], np.arange(6), 256, K.QK, K.F16_TO_F32, dec)
+    assert np.array_equal(dec.view(np.uint32), scaled.view(np.uint32))
+    assert (kt.MATMUL_SCALE[t] == 1.0) == np.array_equal(plain, scaled)
