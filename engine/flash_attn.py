@@ -38,7 +38,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from quant.gemm import gemm
-from quant.kernels import F16_TO_F32, QK, decode_rows_at, dequant_rows
+from quant.kernels import F16_TO_F32, QK, decode_cache_rows, dequant_rows, tag
 
 from .flash_common import _combine, _exp2, _split_cells
 from .kv_cache import RowStore
@@ -250,9 +250,9 @@ def _attend_range(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, 
             a = acc[g, s, r0:r1]
             mg = m[g, s, r0:r1]
             lg = l[g, s, r0:r1]
-            decode_rows_at(kbuf, kqt, g * khead + j0 * kstride, kstride, nb, dk, QK, lut, kb)
+            decode_cache_rows(kbuf, kqt, g * khead + j0 * kstride, kstride, nb, dk, QK, lut, kb)
             if not v_is_k:
-                decode_rows_at(vbuf, vqt, g * vhead + j0 * vstride, vstride, nb, dv, QK, lut, vb)
+                decode_cache_rows(vbuf, vqt, g * vhead + j0 * vstride, vstride, nb, dv, QK, lut, vb)
             if nb < B:                    # stale rows could hold inf; their p is 0 anyway
                 kb[nb:] = 0.0
                 vb[nb:] = 0.0
@@ -454,7 +454,7 @@ def _read_tile(store: RowStore, c0: int, c1: int, out: np.ndarray) -> np.ndarray
     if store.qtype == F32_ID:
         return store.data[c0:c1].view(np.float32)
     o = out[:c1 - c0]
-    dequant_rows(store.data.reshape(-1), store.qtype, store.data.shape[1], np.arange(c0, c1, dtype=np.int64),
+    dequant_rows(store.data.reshape(-1), tag(store.qtype), store.data.shape[1], np.arange(c0, c1, dtype=np.int64),
                  store.width, QK, F16_TO_F32, o)
     return o
 
@@ -477,7 +477,9 @@ def _flash_blas(q, k, v, n_kv, hkv, dk, dv, cell_pos, q_pos, q_lo, scale, block,
         m = np.full((hkv, rows), -np.inf, dtype=np.float32)
         lsum = np.zeros((hkv, rows), dtype=np.float32)
         acc = np.zeros((hkv, rows, dv), dtype=np.float32)
-        st = np.empty((hkv, rows, block), dtype=np.float32)
+        # one spare column: every slice st[..., :n] has the same ('A') layout, so a full block does
+        # not compile the kernels' C-layout variants in the middle of a timed pass
+        st = np.empty((hkv, rows, block + 1), dtype=np.float32)
         for c0 in range(0, n_kv, block):
             c1 = min(n_kv, c0 + block)
             cp = cell_pos[c0:c1]

@@ -21,7 +21,7 @@ The dot instructions are target intrinsics (llvm.x86.avx512bf16.dpbf16ps.512), s
 may be compiled on a CPU without avx512_bf16: callers check `available()` first and keep the
 f32 kernel as the fallback (and the reference in tests).  Conversions to bf16 round to nearest
 even (vcvtne2ps2bf16, or a generic `fptrunc ... to bfloat`); K rows of f16 / f32 caches are
-converted in place, quantized ones go through quant.kernels.decode_rows_at first.
+converted in place, quantized ones go through quant.kernels.decode_cache_rows first.
 
 Accuracy.  q, k, p and v carry 8 significant bits; products and sums are f32.  Scores in bf16
 alone put ~1e-2 relative (L2) errors on the attention outputs of the 1B DeepSeek-shaped test
@@ -44,7 +44,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from quant.kernels import QK, decode_rows_at
+from quant.kernels import QK, decode_cache_rows
 from quant.simd import cpu_features
 from quant.types import BF16, F16, F32
 
@@ -365,7 +365,7 @@ def _block_to_bf16(buf, qt, base, stride, nb, n, lut, fb, dst, dstride):
             o = (base + i * stride) // 2
             dst[i * dstride:i * dstride + n] = src[o:o + n]
     else:                                 # quantized: the shared decoder, then round
-        decode_rows_at(buf, qt, base, stride, nb, n, QK, lut, fb)
+        decode_cache_rows(buf, qt, base, stride, nb, n, QK, lut, fb)
         _f32_rows_to_bf16(fb, 0, fb.shape[1] * 4, nb, n, dst, dstride)
     for i in range(nb, CB):
         dst[i * dstride:i * dstride + n] = 0

@@ -69,6 +69,7 @@ class RowStore:
     def read(self, n: int, out: np.ndarray | None = None) -> np.ndarray:
         """Rows [0, n) as f32 (n, width)."""
         from quant.kernels import F16_TO_F32, QK, dequant_rows
+        from quant.kernels import tag
         if self.qtype == F32:
             return self.data[:n].view(np.float32)
         if out is None:
@@ -77,7 +78,7 @@ class RowStore:
             np.copyto(out, self.data[:n].view(np.float16))
         elif n:
             buf = self.data.reshape(-1)
-            dequant_rows(buf, self.qtype, self.data.shape[1], np.arange(n, dtype=np.int64), self.width, QK,
+            dequant_rows(buf, tag(self.qtype), self.data.shape[1], np.arange(n, dtype=np.int64), self.width, QK,
                          F16_TO_F32, out)
         return out
 

@@ -25,7 +25,7 @@ _SOURCES = ("quant", "engine")
 _MODEL_KEY = "(model)"          # the attention / MoE / norm kernels every model runs
 _BATCH = 128                    # tokens of the batch pass: DeepSeek's prompt attention path (>= 128) and
 #                                products past quant.gemm.SMALL_WORK
-_FIRST_GUESS_S = 80.0           # no timing recorded here yet: the 2-core test VM's cold figure (README)
+_FIRST_GUESS_S = 30.0           # no timing recorded here yet: the 2-core test VM's cold figure (README)
 
 
 def _sources_key() -> str:

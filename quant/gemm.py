@@ -32,6 +32,7 @@ from numba.extending import intrinsic
 
 from . import blas_threads
 from .kernels import decode_rows_at
+from .typetag import QType
 
 _I32, _I64, _F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112        # CBLAS enum values
@@ -250,10 +251,10 @@ def gemm(a: np.ndarray, b: np.ndarray, out: np.ndarray, trans_b: bool = True, ac
     return out
 
 
-def gemm_tiles(buf: np.ndarray, qtype: int, stride: int, n_rows: int, cols: int, lut: np.ndarray,
+def gemm_tiles(buf: np.ndarray, qtype: int | QType, stride: int, n_rows: int, cols: int, lut: np.ndarray,
                x: np.ndarray, out: np.ndarray, tile_rows: int, qk: int = 32) -> None:
     """out (M, n_rows) = x @ W.T for the packed weight rows of buf (row r at byte r * stride),
-    decoded by each pool thread tile_rows at a time.  x, out: f32 with contiguous rows.
-    Requires available()."""
+    decoded by each pool thread tile_rows at a time (qtype: an id, or a quant.typetag tag).
+    x, out: f32 with contiguous rows.  Requires available()."""
     fn, _, ilp64 = _find()
     _gemm_tiles(fn, ilp64, buf, qtype, stride, n_rows, cols, qk, lut, x, out, tile_rows, numba.get_num_threads())

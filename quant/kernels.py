@@ -78,6 +78,7 @@ from .kquants import decode_row_kquants  # noqa: E402
 from .legacy import decode_row_legacy  # noqa: E402
 from .numeric import F16_TO_F32, f16_at as _f16_at  # noqa: E402,F401
 from .types import BY_ID as _BY_ID  # noqa: E402
+from .typetag import QType, as_group, by_type, make_tag, qid  # noqa: E402
 
 F32_ID, F16_ID, Q4_0_ID, Q8_0_ID, BF16_ID, Q6_0_ID = 0, 1, 2, 8, 30, 133
 Q4_0_R8_ID, Q8_0_R8_ID = 202, 208   # ik_llama.cpp's 8-row interleaved forms (quant.simd)
@@ -91,6 +92,40 @@ _DECODER = _reg.id_table(lambda r: {"legacy": _DEC_LEGACY, "kquants": _DEC_KQUAN
                                     "iquants": _DEC_IQUANTS, "ktquants": _DEC_KT}.get(r.family, 0)
                          if r.decodes and not r.info.interleave else 0, np.int64, 0)
 QK = 32            # weights per block (Q8_0, Q4_0, activation q8)
+
+
+def _group_key(r: _reg.TypeTraits) -> str:
+    """The kernel group of a type (quant.typetag): its family; _R4/_R8 layouts by their plain
+    type's family; Q8_0 / Q4_0 and their _R8 forms (read in place) on their own."""
+    if r.info.interleave:
+        if r.id in (Q4_0_R8_ID, Q8_0_R8_ID):
+            return "r8"
+        base = _reg.TRAITS.get(_interleaved.plain_type(r.id))
+        return f"r:{base.family if base else r.id}"
+    if r.dot == _reg.DOT_Q8:          # Q8_0 / Q4_0 (quant.simd's dots): in nearly every model
+        return "q8"
+    return r.family or f"id{r.id}"
+
+
+def _groups() -> dict[int, frozenset[int]]:
+    by_key: dict[str, set[int]] = {}
+    for t, r in _reg.TRAITS.items():
+        by_key.setdefault(_group_key(r), set()).add(t)
+    return {t: frozenset(ids) for ids in by_key.values() for t in ids}
+
+
+_GROUPS = _groups()
+_R8_IDS = frozenset((Q4_0_R8_ID, Q8_0_R8_ID))
+
+
+def tag(qtype: int) -> QType:
+    """qtype as the kernels' argument that compiles them for its group only (quant.typetag)."""
+    return make_tag(qtype, _GROUPS.get(int(qtype), (int(qtype),)))
+
+
+# the KV-cache types' group (flash attention's decoder): the float types, Q8_0 / Q4_0 and the rest
+# of the legacy family
+_CACHE_TAG = make_tag(F16_ID, _GROUPS[F16_ID] | _GROUPS[Q8_0_ID] | _GROUPS[Q6_0_ID])
 
 _opts = dict(cache=True, fastmath=True, nogil=True)
 
@@ -144,24 +179,25 @@ _R_TABLE = _r_table()
 
 
 @njit(**_opts)
-def _decode_interleaved_rows(buf, qtype, base, stride, n, cols, qk, lut, y):
+def _decode_interleaved_rows(buf, qtype, base, stride, n, cols, qk, lut, y, plain):
     """decode_rows_at for an _R4/_R8 type: row r (from the byte offset; repacked tensors are
     dense, so r = offset // row bytes) is row r % I of the group that starts at row r - r % I.
-    Each group is unpacked once for all of its rows among the n."""
-    il, pt, pbs, pts, pmeta = _R_TABLE[qtype, 0], _R_TABLE[qtype, 1], _R_TABLE[qtype, 2], \
-        _R_TABLE[qtype, 3], _R_TABLE[qtype, 4]
+    Each group is unpacked once for all of its rows among the n, then decoded as the plain type
+    (`plain`: its id, or its tag)."""
+    qt = qtype
+    il, pbs, pts, pmeta = _R_TABLE[qt, 0], _R_TABLE[qt, 2], _R_TABLE[qt, 3], _R_TABLE[qt, 4]
     prb = pmeta + cols // pbs * pts                   # plain row bytes (what unpack_group writes)
-    rb = type_row_bytes(qtype, cols)
-    plain = np.empty((il, prb), np.uint8)
-    flat = plain.reshape(-1)
+    rb = type_row_bytes(qt, cols)
+    rows = np.empty((il, prb), np.uint8)
+    flat = rows.reshape(-1)
     cur = -1
     for i in range(n):
         r = (base + i * stride) // rb
         k = r % il
         if r - k != cur:
             cur = r - k
-            _interleaved.unpack_group(buf, qtype, cur * rb, cols, plain)
-        _decode_plain_rows(flat, pt, k * prb, 0, 1, cols, qk, lut, y[i:i + 1])
+            _interleaved.unpack_group(buf, qt, cur * rb, cols, rows)
+        _decode_plain_rows(flat, plain, k * prb, 0, 1, cols, qk, lut, y[i:i + 1])
 
 
 _ROW_BYTES = np.zeros((400, 3), np.int64)      # type id -> (block size, block bytes, row meta)
@@ -175,19 +211,48 @@ def type_row_bytes(qtype, cols):
     return _ROW_BYTES[qtype, 2] + cols // _ROW_BYTES[qtype, 0] * _ROW_BYTES[qtype, 1]
 
 
+def _pick_rows_at(g: frozenset[int] | None):
+    """decode_rows_at's body: for a tag, the path of its group (an _R8 pair, other _R4/_R8
+    layouts, or plain rows); for an int, the branch over all three."""
+    if g is not None and g <= _R8_IDS:
+        def rows_r8(buf, qtype, base, stride, n, cols, qk, lut, y):
+            _decode_r8_rows(buf, qid(qtype), base, stride, n, cols, qk, lut, y)
+        return rows_r8
+    if g is not None and all(t < 400 and _R_TABLE[t, 0] > 0 and t not in _R8_IDS for t in g):
+        plain = tag(int(_R_TABLE[min(g), 1]))     # a tag of the group of the plain types
+
+        def rows_r(buf, qtype, base, stride, n, cols, qk, lut, y):
+            qt = qid(qtype)
+            _decode_interleaved_rows(buf, qt, base, stride, n, cols, qk, lut, y, as_group(_R_TABLE[qt, 1], plain))
+        return rows_r
+    if g is not None and not any(t < 400 and _R_TABLE[t, 0] > 0 for t in g):
+        def rows_plain(buf, qtype, base, stride, n, cols, qk, lut, y):
+            _decode_plain_rows(buf, qtype, base, stride, n, cols, qk, lut, y)
+        return rows_plain
+
+    def rows_any(buf, qtype, base, stride, n, cols, qk, lut, y):
+        qt = qid(qtype)
+        if qt == Q8_0_R8_ID or qt == Q4_0_R8_ID:
+            _decode_r8_rows(buf, qt, base, stride, n, cols, qk, lut, y)
+        elif qt < 400 and _R_TABLE[qt, 0] > 0:                     # the other _R4/_R8 layouts
+            _decode_interleaved_rows(buf, qt, base, stride, n, cols, qk, lut, y, _R_TABLE[qt, 1])
+        else:
+            _decode_plain_rows(buf, qt, base, stride, n, cols, qk, lut, y)
+    return rows_any
+
+
+_rows_at = by_type(1, _pick_rows_at)
+
+
 @njit(**_opts)
 def decode_rows_at(buf, qtype, base, stride, n, cols, qk, lut, y):
-    """y[i, :cols] = the row at byte base + i * stride as f32, for i < n.
+    """y[i, :cols] = the row at byte base + i * stride as f32, for i < n (qtype: an id, or a
+    quant.typetag tag to compile for that type only).
 
     The one decoder of every type.  The type branch is taken once for all n rows: flash
     attention decodes blocks of short rows (8 cells of 192 values), where a call and a
     branch per row cost 2x its whole generation time for standard heads."""
-    if qtype == Q8_0_R8_ID or qtype == Q4_0_R8_ID:
-        _decode_r8_rows(buf, qtype, base, stride, n, cols, qk, lut, y)
-    elif qtype < 400 and _R_TABLE[qtype, 0] > 0:                     # the other _R4/_R8 layouts
-        _decode_interleaved_rows(buf, qtype, base, stride, n, cols, qk, lut, y)
-    else:
-        _decode_plain_rows(buf, qtype, base, stride, n, cols, qk, lut, y)
+    _rows_at(buf, qtype, base, stride, n, cols, qk, lut, y)
 
 
 @njit(**_opts)
@@ -221,90 +286,144 @@ def _decode_r8_rows(buf, qtype, base, stride, n, cols, qk, lut, y):
 
 
 @njit(**_opts)
-def _decode_plain_rows(buf, qtype, base, stride, n, cols, qk, lut, y):
-    """decode_rows_at for the plain (not row-interleaved) types."""
-    if qtype == Q8_0_ID:
-        qs = buf.view(np.int8)
-        hs = buf.view(np.uint16)        # block scales sit at even offsets (34-byte blocks)
-        for i in range(n):
-            for b in range(cols // qk):
-                o = base + i * stride + b * (qk + 2)
-                d = _half_to_f32(hs[o // 2])
-                wv = qs[o + 2:o + 2 + qk]
-                yv = y[i, b * qk:b * qk + qk]
-                for j in range(qk):
-                    yv[j] = d * np.float32(wv[j])
-    elif qtype == Q4_0_ID:
-        h = qk // 2
-        hs = buf.view(np.uint16)        # 18-byte blocks: scales at even offsets
-        for i in range(n):
-            for b in range(cols // qk):
-                o = base + i * stride + b * (h + 2)
-                d = _half_to_f32(hs[o // 2])
-                wv = buf[o + 2:o + 2 + h]
-                lo = y[i, b * qk:b * qk + h]
-                hi = y[i, b * qk + h:b * qk + qk]
-                for j in range(h):
-                    v = np.int32(wv[j])
-                    lo[j] = d * np.float32((v & 15) - 8)
-                    hi[j] = d * np.float32((v >> 4) - 8)
-    elif qtype == Q6_0_ID:
-        h = qk // 2
-        e = qk // 4
-        for i in range(n):
-            for b in range(cols // qk):
-                o = base + i * stride + b * (2 + e + h)
-                d = _f16_at(buf, o, lut)
-                hv = buf[o + 2:o + 2 + e]
-                wv = buf[o + 2 + e:o + 2 + e + h]
-                lo = y[i, b * qk:b * qk + h]
-                hi = y[i, b * qk + h:b * qk + qk]
-                for j in range(h):
-                    v = np.int32(wv[j])
-                    hb = np.int32(hv[j % e]) >> (4 * (j // e))
-                    lo[j] = d * np.float32(((v & 15) | ((hb << 4) & 0x30)) - 32)
-                    hi[j] = d * np.float32(((v >> 4) | ((hb << 2) & 0x30)) - 32)
-    elif qtype == F16_ID:
-        hv = buf.view(np.uint16)
-        for i in range(n):
-            o = (base + i * stride) // 2
-            src = hv[o:o + cols]
-            dst = y[i]
-            for j in range(cols):
-                dst[j] = _half_to_f32(src[j])
-    elif qtype == BF16_ID:
-        hv = buf.view(np.uint16)
-        for i in range(n):
-            o = (base + i * stride) // 2
-            src = hv[o:o + cols]
-            dst = y[i]
-            for j in range(cols):      # bf16 bits are the top half of an f32
-                dst[j] = _bits_to_f32(np.uint32(src[j]) << np.uint32(16))
-    elif qtype == F32_ID:
-        fv = buf.view(np.float32)
-        for i in range(n):
-            o = (base + i * stride) // 4
-            src = fv[o:o + cols]
-            dst = y[i]
-            for j in range(cols):
-                dst[j] = src[j]
-    elif qtype < 400 and _DECODER[qtype] == _DEC_LEGACY:              # the other legacy types
-        for i in range(n):
-            decode_row_legacy(buf, qtype, base + i * stride, cols, lut, y[i])
-    elif qtype < 400 and _DECODER[qtype] == _DEC_KQUANTS:
-        for i in range(n):
-            decode_row_kquants(buf, qtype, base + i * stride, cols, lut, y[i])
-    elif qtype < 400 and _DECODER[qtype] == _DEC_IQK:
-        for i in range(n):
-            decode_row_iqk(buf, qtype, base + i * stride, cols, lut, y[i])
-    elif qtype < 400 and _DECODER[qtype] == _DEC_IQUANTS:
-        for i in range(n):
-            decode_row_iquants(buf, qtype, base + i * stride, cols, lut, y[i])
-    elif qtype < 400 and _DECODER[qtype] == _DEC_KT:     # with the matmul scale (registry.matmul_scale)
-        for i in range(n):
-            decode_row_kt_mm(buf, qtype, base + i * stride, cols, lut, y[i])
-    else:
-        raise ValueError("decode_rows_at: unsupported type")
+def _rows_q8_0(buf, base, stride, n, cols, qk, lut, y):
+    qs = buf.view(np.int8)
+    hs = buf.view(np.uint16)        # block scales sit at even offsets (34-byte blocks)
+    for i in range(n):
+        for b in range(cols // qk):
+            o = base + i * stride + b * (qk + 2)
+            d = _half_to_f32(hs[o // 2])
+            wv = qs[o + 2:o + 2 + qk]
+            yv = y[i, b * qk:b * qk + qk]
+            for j in range(qk):
+                yv[j] = d * np.float32(wv[j])
+
+
+@njit(**_opts)
+def _rows_q4_0(buf, base, stride, n, cols, qk, lut, y):
+    h = qk // 2
+    hs = buf.view(np.uint16)        # 18-byte blocks: scales at even offsets
+    for i in range(n):
+        for b in range(cols // qk):
+            o = base + i * stride + b * (h + 2)
+            d = _half_to_f32(hs[o // 2])
+            wv = buf[o + 2:o + 2 + h]
+            lo = y[i, b * qk:b * qk + h]
+            hi = y[i, b * qk + h:b * qk + qk]
+            for j in range(h):
+                v = np.int32(wv[j])
+                lo[j] = d * np.float32((v & 15) - 8)
+                hi[j] = d * np.float32((v >> 4) - 8)
+
+
+@njit(**_opts)
+def _rows_q6_0(buf, base, stride, n, cols, qk, lut, y):
+    h = qk // 2
+    e = qk // 4
+    for i in range(n):
+        for b in range(cols // qk):
+            o = base + i * stride + b * (2 + e + h)
+            d = _f16_at(buf, o, lut)
+            hv = buf[o + 2:o + 2 + e]
+            wv = buf[o + 2 + e:o + 2 + e + h]
+            lo = y[i, b * qk:b * qk + h]
+            hi = y[i, b * qk + h:b * qk + qk]
+            for j in range(h):
+                v = np.int32(wv[j])
+                hb = np.int32(hv[j % e]) >> (4 * (j // e))
+                lo[j] = d * np.float32(((v & 15) | ((hb << 4) & 0x30)) - 32)
+                hi[j] = d * np.float32(((v >> 4) | ((hb << 2) & 0x30)) - 32)
+
+
+@njit(**_opts)
+def _rows_f16(buf, base, stride, n, cols, qk, lut, y):
+    hv = buf.view(np.uint16)
+    for i in range(n):
+        o = (base + i * stride) // 2
+        src = hv[o:o + cols]
+        dst = y[i]
+        for j in range(cols):
+            dst[j] = _half_to_f32(src[j])
+
+
+@njit(**_opts)
+def _rows_bf16(buf, base, stride, n, cols, qk, lut, y):
+    hv = buf.view(np.uint16)
+    for i in range(n):
+        o = (base + i * stride) // 2
+        src = hv[o:o + cols]
+        dst = y[i]
+        for j in range(cols):      # bf16 bits are the top half of an f32
+            dst[j] = _bits_to_f32(np.uint32(src[j]) << np.uint32(16))
+
+
+@njit(**_opts)
+def _rows_f32(buf, base, stride, n, cols, qk, lut, y):
+    fv = buf.view(np.float32)
+    for i in range(n):
+        o = (base + i * stride) // 4
+        src = fv[o:o + cols]
+        dst = y[i]
+        for j in range(cols):
+            dst[j] = src[j]
+
+
+# types decoded by their own loop above (the float types, and the legacy types of the KV cache)
+_INLINE_ROWS = frozenset((Q8_0_ID, Q4_0_ID, Q6_0_ID, F16_ID, BF16_ID, F32_ID))
+_FAMILY_ROW = frozenset((_DEC_LEGACY, _DEC_KQUANTS, _DEC_IQK, _DEC_IQUANTS, _DEC_KT))   # decode_row_<family>
+
+
+@njit(**_opts)
+def decode_cache_rows(buf, qtype, base, stride, n, cols, qk, lut, y):
+    """decode_rows_at for the KV-cache types (the float types and the legacy 32-value blocks),
+    qtype an int: kernels compiled once for every cache type (flash attention) hold only these
+    decoders."""
+    _decode_plain_rows(buf, as_group(qtype, _CACHE_TAG), base, stride, n, cols, qk, lut, y)
+
+
+def _pick_plain(g: frozenset[int] | None):
+    """_decode_plain_rows' body: the branches of the group's types only (closure constants:
+    Numba prunes a branch on a False one before typing it), all of them for an int."""
+    fams = {int(_DECODER[t]) for t in g if 0 <= t < 400} if g is not None else _FAMILY_ROW
+    inline = _INLINE_ROWS if g is None else g & _INLINE_ROWS
+    QS8, QS4, QS6, HF, BF, FF = (t in inline for t in (Q8_0_ID, Q4_0_ID, Q6_0_ID, F16_ID, BF16_ID, F32_ID))
+    LG, KQ, IK, IQ, KT = (f in fams for f in (_DEC_LEGACY, _DEC_KQUANTS, _DEC_IQK, _DEC_IQUANTS, _DEC_KT))
+
+    def plain_rows(buf, qtype, base, stride, n, cols, qk, lut, y):
+        qt = qid(qtype)
+        if QS8 and qt == Q8_0_ID:
+            _rows_q8_0(buf, base, stride, n, cols, qk, lut, y)
+        elif QS4 and qt == Q4_0_ID:
+            _rows_q4_0(buf, base, stride, n, cols, qk, lut, y)
+        elif QS6 and qt == Q6_0_ID:
+            _rows_q6_0(buf, base, stride, n, cols, qk, lut, y)
+        elif HF and qt == F16_ID:
+            _rows_f16(buf, base, stride, n, cols, qk, lut, y)
+        elif BF and qt == BF16_ID:
+            _rows_bf16(buf, base, stride, n, cols, qk, lut, y)
+        elif FF and qt == F32_ID:
+            _rows_f32(buf, base, stride, n, cols, qk, lut, y)
+        else:
+            fam = _DECODER[qt] if 0 <= qt < 400 else 0
+            if fam == 0:
+                raise ValueError("decode_rows_at: unsupported type")
+            for i in range(n):
+                if LG and fam == _DEC_LEGACY:
+                    decode_row_legacy(buf, qt, base + i * stride, cols, lut, y[i])
+                elif KQ and fam == _DEC_KQUANTS:
+                    decode_row_kquants(buf, qt, base + i * stride, cols, lut, y[i])
+                elif IK and fam == _DEC_IQK:
+                    decode_row_iqk(buf, qt, base + i * stride, cols, lut, y[i])
+                elif IQ and fam == _DEC_IQUANTS:
+                    decode_row_iquants(buf, qt, base + i * stride, cols, lut, y[i])
+                elif KT and fam == _DEC_KT:
+                    decode_row_kt_mm(buf, qt, base + i * stride, cols, lut, y[i])
+                else:
+                    raise ValueError("decode_rows_at: unsupported type")
+    return plain_rows
+
+
+_decode_plain_rows = by_type(1, _pick_plain)     # decode_rows_at for the plain (not row-interleaved) types
 
 
 @njit(**_opts)
@@ -320,15 +439,29 @@ def dequant_rows(buf, qtype, stride, row_ids, cols, qk, lut, out):
         decode_row(buf, qtype, row_ids[i] * stride, cols, qk, lut, out[i])
 
 
+def _pick_unscaled(g: frozenset[int] | None):
+    """A row without the trellis types' matmul factor: their dequantize_row, else decode_row."""
+    KT = g is None or any(0 <= t < 400 and _DECODER[t] == _DEC_KT for t in g)
+    OTHER = g is None or any(not (0 <= t < 400 and _DECODER[t] == _DEC_KT) for t in g)
+
+    def row(buf, qtype, base, cols, qk, lut, y):
+        qt = qid(qtype)
+        if KT and qt < 400 and _DECODER[qt] == _DEC_KT:
+            decode_row_kt(buf, qt, base, cols, lut, y)
+        elif OTHER:
+            decode_row(buf, qtype, base, cols, qk, lut, y)
+    return row
+
+
+_row_unscaled = by_type(1, _pick_unscaled)
+
+
 @njit(parallel=True, **_opts)
 def dequant_rows_unscaled(buf, qtype, stride, row_ids, cols, qk, lut, out):
     """dequant_rows as ik's dequantize_row gives the rows (its get_rows): without the matmul
     factor the trellis types' decoders carry (quant.registry.TypeTraits.matmul_scale)."""
     for i in prange(row_ids.shape[0]):
-        if qtype < 400 and _DECODER[qtype] == _DEC_KT:
-            decode_row_kt(buf, qtype, row_ids[i] * stride, cols, lut, out[i])
-        else:
-            decode_row(buf, qtype, row_ids[i] * stride, cols, qk, lut, out[i])
+        _row_unscaled(buf, qtype, row_ids[i] * stride, cols, qk, lut, out[i])
 
 
 # ----------------------------------------------------------------------------------------
@@ -525,30 +658,31 @@ def _int_run(qtype, buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, bs, b
     quant.simd_blocks / simd_r4 take TMAX activation rows a call (a weight block unpacked once
     for all of them; the tile of TMAX rows stays in L1 while the run's weight rows pass)."""
     cols = nb * qk
+    qt = qid(qtype)      # a constant when qtype is a tag: LLVM drops the other types' branches
     # b16 is empty for Q8_0 / Q4_0 activations made for the row dots only (quant.matmul._act)
-    if k1 - k0 >= GEMM_MIN and qtype < 400 and _GEMM_WEAVE[qtype] >= 0 and b16.shape[1] * 16 == cols and \
-            _gemm_rows(qtype, _GEMM_WEAVE[qtype], buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16, out):
+    if k1 - k0 >= GEMM_MIN and qt < 400 and _GEMM_WEAVE[qt] >= 0 and b16.shape[1] * 16 == cols and \
+            _gemm_rows(qtype, _GEMM_WEAVE[qt], buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16, out):
         return
-    if qtype < 400 and _R4_KERNEL[qtype]:
+    if qt < 400 and _R4_KERNEL[qt]:
         for kt in range(k0, k1, _blocks.TMAX):
             nt = min(_blocks.TMAX, k1 - kt)
             _r4.group_dot(qtype, buf, ebase + r0 * stride, 4 * stride, (r1 - r0) // 4, q, s, bs, b16, cols, kt, nt,
                           out, r0)
         return
-    if qtype == Q8_0_R8_ID or qtype == Q4_0_R8_ID:
+    if qt == Q8_0_R8_ID or qt == Q4_0_R8_ID:
         for r in range(r0, r1, 8):
             gbase = ebase + r * stride
             for k in range(k0, k1):
-                if qtype == Q8_0_R8_ID:
+                if qt == Q8_0_R8_ID:
                     _simd.group_dot_q8_0_r8(buf, gbase, q[k], s[k], bs[k], nb, out[k], r)
                 else:
                     _simd.group_dot_q4_0_r8(buf, gbase, q[k], s[k], bs[k], nb, out[k], r)
         return
-    if qtype == Q8_0_ID or qtype == Q4_0_ID:
+    if qt == Q8_0_ID or qt == Q4_0_ID:
         for r in range(r0, r1):
             base = ebase + r * stride
             for k in range(k0, k1):
-                if qtype == Q8_0_ID:
+                if qt == Q8_0_ID:
                     out[k, r] = _simd.row_dot_q8_0(buf, base, q[k], s[k], bs[k], nb)
                 else:
                     out[k, r] = _simd.row_dot_q4_0(buf, base, q[k], s[k], bs[k], nb)

@@ -56,6 +56,8 @@ from . import reference
 from .tensor import QTensor, f32_qtensor
 from . import registry
 from .types import BF16, F16, F32, type_info
+from .typetag import QType
+from .kernels import tag
 
 MANY_TOKENS = 16          # from this many activation rows on, use dequantized tiles + BLAS
 _MANY_TOKENS_INT = 8      # ... and this many for Q8_0 / Q4_0 without VNNI (see many_tokens)
@@ -117,6 +119,7 @@ class _View(NamedTuple):
     cols: int
     row_bytes: int
     qtype: int
+    tag: QType      # what the kernels get: compiled for this type only (quant.typetag)
 
 
 def _view(w: QTensor) -> _View:
@@ -160,7 +163,7 @@ def _make_view(w: QTensor) -> _View:
             buf.flags.writeable = False
     else:
         buf = np.lib.stride_tricks.as_strided(d3, shape=(span,), strides=(1,), writeable=False)
-    return _View(buf, int(es), int(stride), int(ne), int(rows), int(cols), int(rb), int(w.qtype))
+    return _View(buf, int(es), int(stride), int(ne), int(rows), int(cols), int(rb), int(w.qtype), tag(w.qtype))
 
 
 def plain_if_no_kernel(w: QTensor) -> QTensor:
@@ -318,7 +321,7 @@ def _few_pairs(va: _View, vb: _View | None, act: tuple[np.ndarray, ...], ge: np.
     geo = (va.buf, va.estride, va.stride, vb.buf, vb.estride, vb.stride, fused, va.rows, va.cols,
            K.QK, K.F16_TO_F32)
     kern = K.matvec_int if va.qtype in K.INT_DOT_TYPES else K.matvec_float
-    kern(va.qtype, *geo, *act, ge, gb, out, outb)
+    kern(va.tag, *geo, *act, ge, gb, out, outb)
 
 
 def _q8_rounded(x: np.ndarray, qs: tuple[np.ndarray, ...] | None = None) -> np.ndarray:
@@ -351,7 +354,7 @@ def _tiles(v: _View, x: np.ndarray, out: np.ndarray) -> None:
     product), else tiles decoded in parallel and handed to numpy's matmul."""
     tr = tile_rows(v.cols, v.rows)
     if G.available() and out.flags.c_contiguous and x.flags.c_contiguous:
-        G.gemm_tiles(v.buf, v.qtype, v.stride, v.rows, v.cols, K.F16_TO_F32, x, out,
+        G.gemm_tiles(v.buf, v.tag, v.stride, v.rows, v.cols, K.F16_TO_F32, x, out,
                      max(16, tr // max(1, numba.get_num_threads()) // 16 * 16), K.QK)
         return
     tile = np.empty((tr, v.cols), dtype=np.float32)
@@ -359,7 +362,7 @@ def _tiles(v: _View, x: np.ndarray, out: np.ndarray) -> None:
     for r0 in range(0, v.rows, tr):
         r1 = min(v.rows, r0 + tr)
         t = tile[:r1 - r0]
-        K.dequant_rows(v.buf, v.qtype, v.stride, ids[r0:r1], v.cols, K.QK, K.F16_TO_F32, t)
+        K.dequant_rows(v.buf, v.tag, v.stride, ids[r0:r1], v.cols, K.QK, K.F16_TO_F32, t)
         np.matmul(x, t.T, out=out[:, r0:r1])
 
 
@@ -471,9 +474,9 @@ def get_rows(w: QTensor, ids: np.ndarray) -> np.ndarray:
     out = np.empty((flat.size, cols), dtype=np.float32)
     if flat.size and registry.traits(qtype).matmul_scale != 1.0:
         # the kernels' decoders carry ik's matmul factor; a lookup is ik's dequantize_row (get_rows)
-        K.dequant_rows_unscaled(buf, qtype, stride, flat, cols, K.QK, K.F16_TO_F32, out)
+        K.dequant_rows_unscaled(buf, tag(qtype), stride, flat, cols, K.QK, K.F16_TO_F32, out)
     elif flat.size:
-        K.dequant_rows(buf, qtype, stride, flat, cols, K.QK, K.F16_TO_F32, out)
+        K.dequant_rows(buf, tag(qtype), stride, flat, cols, K.QK, K.F16_TO_F32, out)
     return out.reshape(*ids.shape, cols)
 
 

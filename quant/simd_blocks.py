@@ -50,6 +50,7 @@ from . import iquants as _iq
 from . import ktquants as _kt
 from .legacy import KVALUES_MXFP4 as _KV_MXFP4
 from .simd import _unpack_q4_0 as _simd_unpack_q4_0, _unpack_q8_0 as _simd_unpack_q8_0
+from .typetag import group_of
 from .simd import HAS_VNNI, cpu_features, stack_scope, _F32, _I8, _I16, _I32, _I64, _vec, _const_i64, _pair_sum, _splat, dpbusd
 
 HAS_AVX2 = "+avx2" in cpu_features()
@@ -1107,11 +1108,13 @@ def dot_intrinsic(records: dict, emit_rows: Callable, width: int, vnni: bool, la
     def dot(typingctx, qtype, buf, base, stride, n, q, s, bs, b16, cols, k0, ntok, out, r):
         if not all(isinstance(x, types.Array) for x in (buf, q, s, bs, b16, out)):
             return None
-        sig = types.boolean(types.int64, buf, types.int64, types.int64, types.int64, q, s, bs, b16, types.int64,
+        recs, qty = for_type(records, qtype)
+        sig = types.boolean(qty, buf, types.int64, types.int64, types.int64, q, s, bs, b16, types.int64,
                             types.int64, types.int64, out, types.int64)
 
         def codegen(context, builder, sig, args):
-            qt, bufv, basev, stridev, nv, cols, k0v, ntokv, rv = (args[i] for i in (0, 1, 2, 3, 4, 9, 10, 11, 13))
+            qt = switch_value(qtype, args[0])
+            bufv, basev, stridev, nv, cols, k0v, ntokv, rv = (args[i] for i in (1, 2, 3, 4, 9, 10, 11, 13))
             wbuf = context.make_array(sig.args[1])(context, builder, bufv)
             act = act_arrays(context, builder, sig.args[5:9], args[5:9], k0v)
             oa = context.make_array(sig.args[12])(context, builder, args[12])
@@ -1130,9 +1133,25 @@ def dot_intrinsic(records: dict, emit_rows: Callable, width: int, vnni: bool, la
                                 dst = builder.bitcast(dst, _vec(_F32, width).as_pointer())
                             builder.store(v, dst, align=4)
                 _one_or_many(builder, ntokv, emit)
-            return type_switch(builder, qt, records, label, case)
+            return type_switch(builder, qt, recs, label, case)
         return sig, codegen
     return dot
+
+
+def for_type(records: dict, qtype: types.Type) -> tuple[dict, types.Type]:
+    """A switch intrinsic's records and qtype argument type: all of them for an int qtype, only
+    the group's (quant.typetag) for a tag, so that a per-group kernel holds only those cases."""
+    g = group_of(qtype)
+    if g is None:
+        return records, types.int64
+    return {t: r for t, r in records.items() if t in g}, qtype
+
+
+def switch_value(qtype: types.Type, arg):
+    """The value type_switch branches on: the argument (an int, or a tag's id), or the id of a
+    one-type group as a constant."""
+    g = group_of(qtype)
+    return _const_i64(next(iter(g))) if g is not None and len(g) == 1 else arg
 
 
 def type_switch(b: ir.IRBuilder, qtype, records: dict, label: str, case: Callable):

@@ -37,8 +37,8 @@ from numba.extending import intrinsic
 
 from .simd import (HAS_VNNI, QK, _F32, _I8, _I32, _const_i64, _splat, _unpack_q4_0_r8, _unpack_q8_0_r8, _vec,
                    dpbusd)
-from .simd_blocks import (BLOCK_DOTS, GEMM_ONLY, BlockDot, _cv, _f16, _f32, _gep, _ld, _per_half, sum_weights,
-                          type_switch)
+from .simd_blocks import (BLOCK_DOTS, GEMM_ONLY, BlockDot, _cv, _f16, _f32, _gep, _ld, _per_half, for_type,
+                          sum_weights, switch_value, type_switch)
 from .simd_r4 import R4_DOTS, R4Dot, _dup8
 
 ROWS = 16          # weight rows per tile (one 512-bit lane each)
@@ -118,11 +118,13 @@ def _pack_intrinsic(records: dict, label: str, case: Callable):
     def pack(typingctx, qtype, buf, base, stride, n, cols, tu, tdsc, tws):
         if not all(isinstance(x, types.Array) for x in (buf, tu, tdsc, tws)):
             return None
-        sig = types.boolean(types.int64, buf, types.int64, types.int64, types.int64, types.int64, tu, tdsc, tws)
+        recs, qty = for_type(records, qtype)
+        sig = types.boolean(qty, buf, types.int64, types.int64, types.int64, types.int64, tu, tdsc, tws)
 
         def codegen(context, builder, sig, args):
             b = builder
-            qt, bufv, basev, stridev, nv, cols = args[:6]
+            qt = switch_value(qtype, args[0])
+            bufv, basev, stridev, nv, cols = args[1:6]
             wbuf = context.make_array(sig.args[1])(context, b, bufv)
             tu_p = b.bitcast(context.make_array(sig.args[6])(context, b, args[6]).data, _I32.as_pointer())
             tdsc_p = context.make_array(sig.args[7])(context, b, args[7]).data
@@ -130,7 +132,7 @@ def _pack_intrinsic(records: dict, label: str, case: Callable):
 
             def at(i):
                 return b.gep(wbuf.data, [b.add(basev, b.mul(i, stridev))])
-            return type_switch(b, qt, records, label,
+            return type_switch(b, qt, recs, label,
                                lambda fmt: case(b, fmt, at, nv, cols, tu_p, tdsc_p, tws_p))
         return sig, codegen
     return pack
