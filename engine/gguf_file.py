@@ -135,6 +135,8 @@ class _Reader(GGUFReader):
             tid = int(raw_dtype[0])
             try:
                 ti = type_info(tid)
+                if ti.internal:
+                    raise KeyError(tid)
             except KeyError:
                 raise ModelFileError(f"tensor '{name}' has unknown type id {tid}") from None
             ne = tuple(int(d) for d in dims.tolist())

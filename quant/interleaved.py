@@ -60,8 +60,10 @@ u16[4]: IQ1_S's fields per 32 values, 3-bit ls, value d (2 ls + 1)(g +- 1/8)), I
 (qs[16], qh[8], scales[4]: a 4-bit ls per 16 values, value d ls (g +- 1/8), not IQ1_M's
 2 ls + 1).  dequantize_iq1_s_r4 / dequantize_iq1_m_r4 decode them (bit-exact with ik);
 iq1_s_r4_to_iq1_s converts IQ1_S_R4 rows to IQ1_S with the same values (256 | n_per_row).
-IQ1_S_R4 is a quant.types type read this way (READ_ONLY: unpack / unpack_fast give IQ1_S rows,
-ikcli does not write it); IQ1_M_R4 has no IQ1_M equivalent and no types entry yet.
+IQ1_M_R4's values have no ggml type (4-bit scales without IQ1_M's 2 ls + 1, one f16 scale per
+row): iq1_m_r4_to_rows moves each row's bytes together into ikcli's own IQ1_M_ROWS layout
+(quant.types, internal; quant.iquants decodes it, quant.simd_blocks has its integer dot).
+unpack / unpack_fast give these forms (NOT_REPACKED); quant.iq1_r4_quantize writes both types.
 
 The ik "online" repacking (+127 for Q8_0_R8 with AVX512, xor 0x88 on ARM, xor 0x80 for
 Q8_K_R8) only exists in memory; files hold the plain-order bytes implemented here.
@@ -112,7 +114,8 @@ R_TYPES_IQ = (Q5_0_R4, Q6_0_R4, MXFP4_R8, IQ2_XXS_R4, IQ2_XS_R4, IQ3_XXS_R4, IQ3
 # ik's remaining special forms (tests/test_special_types.py)
 R_TYPES_SPECIAL = (BF16_R16, Q8_K_R16, Q8_KV_R8)
 ALL_R_TYPES = R_TYPES + R_TYPES_IQ + R_TYPES_SPECIAL
-READ_ONLY = frozenset({IQ1_S_R4})      # read and computed with (as IQ1_S rows), not written
+# ik's own 4-row forms (not repackings): unpacked to IQ1_S / IQ1_M_ROWS rows by conversion
+NOT_REPACKED = frozenset({IQ1_S_R4, IQ1_M_R4})
 QK_K = 256
 _Q8_K_BYTES = 296          # ik's block_q8_K: f32 d, f32 sum, int8 qs[256], int16 bsums[16]
 
@@ -704,8 +707,8 @@ def unpack(raw_r: np.ndarray, qtype_r: int | str, nrows: int, n_per_row: int) ->
     tr = type_info(qtype_r)
     if not tr.interleave:
         raise ValueError(f"{tr.name} is not a row-interleaved (_R4/_R8) type")
-    if tr.id == IQ1_S_R4:
-        return iq1_s_r4_to_iq1_s(raw_r, nrows, n_per_row)
+    if tr.id in NOT_REPACKED:
+        return _NOT_REPACKED_ROWS[tr.id](raw_r, nrows, n_per_row)
     _check_rows(tr, nrows, n_per_row)
     vals, s = _column(tr)
     nb, nrow, meta = n_per_row // vals, tr.interleave, tr.row_meta
@@ -737,8 +740,9 @@ def dequantize(raw_r: np.ndarray, qtype_r: int | str, nrows: int, n_per_row: int
     """R rows -> f32 (nrows, n_per_row), the values of ik's dequantize_row_<type>_r4/_r8.
     dequantize_plain(raw, qtype, n): the reference decoder of plain_type(qtype_r) (quant.registry
     passes it: this module does not know the other families)."""
-    if type_info(qtype_r).id == IQ1_S_R4:
-        return dequantize_iq1_s_r4(raw_r, nrows, n_per_row)
+    if type_info(qtype_r).id in NOT_REPACKED:
+        return (dequantize_iq1_s_r4 if type_info(qtype_r).id == IQ1_S_R4 else dequantize_iq1_m_r4)(
+            raw_r, nrows, n_per_row)
     plain = unpack(raw_r, qtype_r, nrows, n_per_row)
     pt = plain_type(qtype_r)
     y = np.stack([dequantize_plain(plain[r], pt, n_per_row) for r in range(nrows)]) if nrows else \
@@ -805,8 +809,8 @@ def quantize(x: np.ndarray, qtype_r: int | str, imatrix: np.ndarray | None,
     its BF16).  quantize_plain(rows, qtype, imatrix): the base type's ggml_quantize_chunk
     (quant.registry passes it)."""
     tr = type_info(qtype_r)
-    if tr.id in READ_ONLY:
-        raise NotImplementedError(f"quantize: ikcli reads {tr.name} but does not write it")
+    if tr.id in NOT_REPACKED:
+        raise NotImplementedError(f"quantize: {tr.name} is not a repacking (quant.iq1_r4_quantize writes it)")
     x = np.ascontiguousarray(x, dtype=np.float32)
     x = x.reshape(-1, x.shape[-1]) if x.ndim >= 2 else x.reshape(1, -1)
     nrows, n = x.shape
@@ -916,6 +920,25 @@ def iq1_s_r4_to_iq1_s(raw: np.ndarray, nrows: int, n_per_row: int) -> np.ndarray
     return out.reshape(nrows, nsb * 50)
 
 
+# byte k + 4 j of a 28-byte IQ1_M_R4 block (j < 7) is byte j of row k's 7 (qs[4], qh[2], scales)
+_IQ1M_ROW_BYTES = np.array([[k + 4 * j for j in range(7)] for k in range(4)])
+
+
+def iq1_m_r4_to_rows(raw: np.ndarray, nrows: int, n_per_row: int) -> np.ndarray:
+    """IQ1_M_R4 rows -> IQ1_M_ROWS rows (the same row bytes, each row's own bytes together): per
+    row its f16 scale, then per 32 values qs[4] (groups 2h + q: byte 2h + q), qh[2] (byte h:
+    groups 2h / 2h+1 in nibbles, bit 3 of a nibble the delta sign), one byte of two 4-bit ls
+    (half 0 low).  Values as dequantize_iq1_m_r4."""
+    _, B = _iq1_r4_groups(raw, IQ1_M_R4, nrows, n_per_row)
+    ng, nb = nrows // 4, n_per_row // 32
+    head = _as_rows(raw, nrows, iq1_r4_row_bytes(IQ1_M_R4, n_per_row), "IQ1_M_R4").reshape(ng, -1)[:, :8]
+    blocks = B[:, :, _IQ1M_ROW_BYTES].transpose(0, 2, 1, 3).reshape(ng, 4, nb * 7)  # (g, k, b * 7)
+    return np.concatenate([head.reshape(ng, 4, 2), blocks], axis=2).reshape(nrows, 2 + nb * 7)
+
+
+_NOT_REPACKED_ROWS = {IQ1_S_R4: iq1_s_r4_to_iq1_s, IQ1_M_R4: iq1_m_r4_to_rows}
+
+
 # ----------------------------------------------------------------------------------------
 # Numba: one group -> plain rows
 # ----------------------------------------------------------------------------------------
@@ -987,8 +1010,8 @@ def unpack_fast(raw_r: np.ndarray, qtype_r: int | str, nrows: int, n_per_row: in
     tr = type_info(qtype_r)
     if not tr.interleave:
         raise ValueError(f"{tr.name} is not a row-interleaved (_R4/_R8) type")
-    if tr.id == IQ1_S_R4:
-        return iq1_s_r4_to_iq1_s(raw_r, nrows, n_per_row)
+    if tr.id in NOT_REPACKED:
+        return _NOT_REPACKED_ROWS[tr.id](raw_r, nrows, n_per_row)
     _check_rows(tr, nrows, n_per_row)
     rb = tr.row_bytes(n_per_row)
     buf = _as_rows(raw_r, nrows, rb, tr.name).reshape(-1)

@@ -19,6 +19,9 @@ Layouts (ggml-common.h of ik_llama.cpp, the same as mainline; little-endian):
     IQ1_M    56 bytes  qs[32], qh[16] (per 8 values 3 high index bits and the delta sign),
                        scales u16[4]: 3-bit ls per 16 values; the top nibbles of the four
                        words are the f16 block scale
+    IQ1_M_ROWS         ikcli's form of ik's IQ1_M_R4 rows (quant.interleaved.iq1_m_r4_to_rows):
+                       per row an f16 d, then per 32 values 7 bytes: qs[4], qh[2] (as IQ1_M's),
+                       one byte of two 4-bit ls (per 16 values; value d ls / 8 level, no 2 ls + 1)
 
 Seven sign bits select 8 signs: the eighth is their parity (ksigns_iq2xs).  Values, with every
 product exact in f32 (so any evaluation order gives ik's bits):
@@ -44,7 +47,8 @@ from .numeric import raw_bytes
 from .types import type_info
 
 IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M = 16, 17, 18, 19, 21, 22, 29
-TYPES = frozenset({IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M})
+IQ1_M_ROWS = 4                  # internal (quant.types): IQ1_M_R4's rows
+TYPES = frozenset({IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M, IQ1_M_ROWS})
 QK_K = 256
 # ggml_quantize_requires_imatrix: the quantizers of these refuse to run without importance data
 REQUIRES_IMATRIX = frozenset({IQ2_XXS, IQ2_XS, IQ1_S})
@@ -92,7 +96,7 @@ def levels(raw: np.ndarray, qtype: int, n: int) -> tuple[np.ndarray, np.ndarray,
     """The integer form of n values: (d (nb,) f32 block scales, scale (nb, 16) odd integers 2 ls + 1
     per 16 values, level (nb, 256) int32), value = d / DIV * scale * level."""
     ti = type_info(qtype)
-    if ti.id not in TYPES:
+    if ti.id not in TYPES or ti.id == IQ1_M_ROWS:
         raise ValueError(f"{ti.name} is not a mainline i-quant")
     b = raw_bytes(raw, qtype, n).reshape(-1, ti.type_size)
     nb = b.shape[0]
@@ -156,8 +160,26 @@ def levels(raw: np.ndarray, qtype: int, n: int) -> tuple[np.ndarray, np.ndarray,
     return d.astype(np.float32), (2 * sc + 1).astype(np.int32).reshape(nb, 16), lv.reshape(nb, 256).astype(np.int32)
 
 
-def dequantize(raw: np.ndarray, qtype: int, n: int) -> np.ndarray:
-    """The first n values (a multiple of 256) of the flat bytes raw of an i-quant, as f32."""
+def _dequantize_iq1_m_rows(raw: np.ndarray, n: int, n_per_row: int) -> np.ndarray:
+    ti = type_info(IQ1_M_ROWS)
+    nrows = n // n_per_row
+    rows = np.ascontiguousarray(np.asarray(raw).reshape(-1).view(np.uint8)[:nrows * ti.row_bytes(n_per_row)])
+    rows = rows.reshape(nrows, -1)
+    d = _f16(rows[:, :2]).reshape(nrows, 1, 1)
+    B = rows[:, 2:].reshape(nrows, n_per_row // 32, 7).astype(np.int64)
+    qh = np.stack([B[..., 4] & 15, B[..., 4] >> 4, B[..., 5] & 15, B[..., 5] >> 4], axis=2)   # per group of 8
+    g = GRID_IQ1S[B[..., :4] | ((qh & 7) << 8)].astype(np.int32)                             # (r, b, 4, 8)
+    lv = 8 * g + (1 - 2 * ((qh >> 3) & 1))[..., None]
+    ls = np.stack([B[..., 6] & 15, B[..., 6] >> 4], axis=2).astype(np.float32)               # (r, b, 2)
+    dl = (d * ls) * np.float32(0.125)
+    return (np.repeat(dl, 16, axis=2) * lv.reshape(nrows, -1, 32).astype(np.float32)).reshape(-1)
+
+
+def dequantize(raw: np.ndarray, qtype: int, n: int, n_per_row: int | None = None) -> np.ndarray:
+    """The first n values (a multiple of 256) of the flat bytes raw of an i-quant, as f32
+    (IQ1_M_ROWS: rows of n_per_row values, default one row)."""
+    if type_info(qtype).id == IQ1_M_ROWS:
+        return _dequantize_iq1_m_rows(raw, n, n if n_per_row is None else n_per_row).astype(np.float32)
     d, sc, lv = levels(raw, qtype, n)
     dl = (d[:, None] * sc.astype(np.float32)) * np.float32(1.0 / DIV[type_info(qtype).id])
     return (np.repeat(dl, 16, axis=1) * lv.astype(np.float32)).astype(np.float32).reshape(-1)
@@ -169,7 +191,7 @@ def dequantize(raw: np.ndarray, qtype: int, n: int) -> np.ndarray:
 _opts = dict(cache=True, fastmath=True, nogil=True)
 _SIGNS = sign_byte(np.arange(128))
 _BLOCK_BYTES = np.zeros(32, np.int64)        # type id -> block bytes (quant.types), 0: not in the family
-for _t in TYPES:
+for _t in TYPES - {IQ1_M_ROWS}:
     _BLOCK_BYTES[_t] = type_info(_t).type_size
 
 
@@ -198,7 +220,20 @@ def _put1(y, o, dl, gi, dsign):
 
 @njit(**_opts)
 def decode_row_iquants(buf, qtype, base, cols, lut, y):
-    """y[:cols] = the row at byte base of buf (cols a multiple of 256); lut: F16_TO_F32."""
+    """y[:cols] = the row at byte base of buf (cols a multiple of 256; IQ1_M_ROWS: of 32); lut:
+    F16_TO_F32."""
+    if qtype == IQ1_M_ROWS:
+        d = lut[_u16_at(buf, base)]
+        for ib in range(cols // 32):
+            o = base + 2 + 7 * ib
+            sc = np.int64(buf[o + 6])
+            for h in range(2):
+                dl = d * np.float32((sc >> (4 * h)) & 15) * np.float32(0.125)
+                qh = np.int64(buf[o + 4 + h])
+                for q in range(2):
+                    hb = (qh >> (4 * q)) & 15
+                    _put1(y, 32 * ib + 16 * h + 8 * q, dl, np.int64(buf[o + 2 * h + q]) | ((hb & 7) << 8), hb >> 3)
+        return
     tb = _BLOCK_BYTES[qtype] if 0 <= qtype < _BLOCK_BYTES.size else 0
     if tb == 0:
         raise ValueError("decode_row_iquants: not an i-quant")

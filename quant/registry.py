@@ -10,7 +10,8 @@ A record (TypeTraits) binds what the rest of ikcli needs to know about a type:
 The registry is the only module that knows every family.  It sits above them:
 
     types, numeric
-      -> floats, kquants_fast, kquants, legacy, iqk, iqk_quantize, iquants, ktquants, interleaved   (families)
+      -> floats, kquants_fast, kquants, legacy, iqk, iqk_quantize, iquants, ktquants, interleaved,
+         iq1_r4_quantize                                                     (families, quantizers)
       -> simd, simd_blocks, simd_r4, simd_gemm                               (dot kernels)
       -> registry -> kernels -> matmul, reference                            (users)
 
@@ -26,7 +27,8 @@ from typing import Callable
 
 import numpy as np
 
-from . import floats, iqk, iqk_quantize, interleaved, iquants, iquants_quantize, kquants, kquants_fast, ktquants, legacy
+from . import (floats, iq1_r4_quantize, iqk, iqk_quantize, interleaved, iquants, iquants_quantize, kquants,
+               kquants_fast, ktquants, legacy)
 from .simd_blocks import BLOCK_DOTS, GEMM_ONLY
 from .simd_gemm import WEAVE
 from .simd_r4 import R4_DOTS
@@ -110,8 +112,9 @@ def _plain_record(ti: TypeInfo, fam: Family | None) -> TypeTraits:
     fast = None
     if t in kquants_fast.FAST_TYPES:
         fast = (lambda x, im, t=t: kquants_fast.quantize(x, t, im))
-    q = None if fam is None or fam.quantize is None else (lambda x, im, f=fam.quantize, t=t: f(x, t, im))
-    qr = None if fam is None or fam.quantize_row is None else (lambda x, f=fam.quantize_row, t=t: f(x, t))
+    # an internal compute form (quant.types) is never written
+    q = None if fam is None or fam.quantize is None or ti.internal else (lambda x, im, f=fam.quantize, t=t: f(x, t, im))
+    qr = None if fam is None or fam.quantize_row is None or ti.internal else (lambda x, f=fam.quantize_row, t=t: f(x, t))
     dq = None
     if fam is not None and fam.dequantize is not None:    # types with per-row metadata read rows of npr
         dq = (lambda raw, n, npr=None, f=fam.dequantize, t=t: f(raw, t, n, npr)) if ti.row_meta else \
@@ -154,7 +157,10 @@ def _interleaved_record(ti: TypeInfo, plain: dict[int, TypeTraits]) -> TypeTrait
         dot, act = DOT_Q8, ACT_Q8_32
     else:
         dot, act = DOT_UNPACK, (base.act if base else None)
-    q = None if t in interleaved.READ_ONLY else (lambda x, im: interleaved.quantize(x, t, im, quantize_plain))
+    if t in interleaved.NOT_REPACKED:        # ik's own quantizers (quant.iq1_r4_quantize)
+        q = (lambda x, im: iq1_r4_quantize.quantize(x, t, im).reshape(-1))
+    else:
+        q = (lambda x, im: interleaved.quantize(x, t, im, quantize_plain))
     return TypeTraits(ti, "interleaved", q,
                       None, False, None, dq, base is not None and base.decodes, dot, act, WEAVE.get(t, -1),
                       needs_imatrix=False)

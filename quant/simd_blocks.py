@@ -672,6 +672,24 @@ def _unpack_iq1_m(b: ir.IRBuilder, p) -> Block:
     return Block(_scaled_d(b, d, 8), us, sc, _OFF_IQ1)
 
 
+def _unpack_iq1_m_rows(n: int) -> Callable:
+    """IQ1_M_ROWS (quant.iquants): n blocks of 32 values (7 bytes: qs[4], qh[2], two 4-bit ls)
+    as one block of the template; the row's f16 d is the record's row scale, levels 8 g +- 1."""
+    def unpack(b: ir.IRBuilder, p) -> Block:
+        us = []
+        sc = ir.Constant(_vec(_I32, 2 * n), None)
+        for ib in range(n):
+            o = 7 * ib
+            h = [_bits(b, _byte(b, p, o + 4 + (l >> 1)), 4 * (l & 1), 15) for l in range(4)]
+            idx = [b.or_(_byte(b, p, o + l), b.shl(b.and_(h[l], _i32(7)), _i32(8))) for l in range(4)]
+            us.append(_iq1_levels(b, idx, [b.lshr(x, _i32(3)) for x in h]))
+            ls = _byte(b, p, o + 6)
+            sc = b.insert_element(sc, b.and_(ls, _i32(15)), _i32(2 * ib))
+            sc = b.insert_element(sc, b.lshr(ls, _i32(4)), _i32(2 * ib + 1))
+        return Block(ir.Constant(_F32, 0.125), us, sc, _OFF_IQ1)
+    return unpack
+
+
 # ----------------------------------------------------------------------------------------
 # unpackers: ik's trellis types (layouts: quant.ktquants).  A group's levels are generated, not
 # stored: x = index + offset, value k = (the byte sum of KA^(k+1) x & 0x3f3f3f3f) - 126, so the
@@ -814,6 +832,8 @@ BLOCK_DOTS: dict[int, BlockDot] = {
     21: BlockDot("IQ3_S", 256, 110, _OFF_GRID, _unpack_iq3_s),
     19: BlockDot("IQ1_S", 256, 50, _OFF_IQ1, _unpack_iq1_s),
     29: BlockDot("IQ1_M", 256, 56, _OFF_IQ1, _unpack_iq1_m),
+    4: BlockDot("IQ1_M_ROWS", 256, 56, _OFF_IQ1, _unpack_iq1_m_rows(8), "f16",
+                tail=BlockDot("IQ1_M_ROWS", 32, 7, _OFF_IQ1, _unpack_iq1_m_rows(1), "f16")),
     10: BlockDot("Q2_K", 256, 84, 0, _unpack_q2_k),
     11: BlockDot("Q3_K", 256, 110, 4, _unpack_q3_k),
     12: BlockDot("Q4_K", 256, 144, 0, _unpack_q4_k),

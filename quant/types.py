@@ -17,6 +17,8 @@ class TypeInfo:
     row_meta: int = 0  # bytes before a row's blocks (ik_llama.cpp's per-row scales: IQ4_KS, IQ2_KS ...)
     interleave: int = 0  # rows stored interleaved (ik_llama.cpp's _R4 / _R8 CPU layouts), else 0
     base: str = ""       # the plain type whose blocks an interleaved type holds
+    repack: bool = True  # interleaved: a repacking of base's blocks (False: ik quantizes it on its own)
+    internal: bool = False   # an ikcli compute form of another type's rows, never in a GGUF file
 
     def row_bytes(self, n: int) -> int:
         if n % self.block_size:
@@ -92,7 +94,11 @@ _TYPES = [
     TypeInfo("IQ2_XXS_R4", 216, 256, 66, interleave=4, base="IQ2_XXS"),
     TypeInfo("IQ2_XS_R4", 217, 256, 74, interleave=4, base="IQ2_XS"),
     TypeInfo("IQ3_XXS_R4", 218, 256, 98, interleave=4, base="IQ3_XXS"),
-    TypeInfo("IQ1_S_R4", 219, 32, 6, row_meta=2, interleave=4, base="IQ1_S"),   # not a repacking (quant.interleaved)
+    TypeInfo("IQ1_S_R4", 219, 32, 6, row_meta=2, interleave=4, base="IQ1_S", repack=False),  # (quant.interleaved)
+    TypeInfo("IQ1_M_R4", 229, 32, 7, row_meta=2, interleave=4, base="IQ1_M_ROWS", repack=False),
+    # IQ1_M_R4's rows one after the other (quant.interleaved.iq1_m_r4_to_rows): how ikcli computes
+    # with it (no ggml type holds its values); id 4 is ggml's long-removed Q4_2, never in a file
+    TypeInfo("IQ1_M_ROWS", 4, 32, 7, row_meta=2, internal=True),
     TypeInfo("IQ4_NL_R4", 220, 32, 18, interleave=4, base="IQ4_NL"),
     TypeInfo("IQ3_S_R4", 221, 256, 110, interleave=4, base="IQ3_S"),
     TypeInfo("IQ2_S_R4", 222, 256, 82, interleave=4, base="IQ2_S"),
@@ -123,7 +129,7 @@ def interleaved_form(t: int) -> TypeInfo | None:
     """The _R4 / _R8 type that holds type t's blocks row-interleaved, if there is one."""
     name = type_info(t).name
     for ti in _TYPES:
-        if ti.base == name:
+        if ti.base == name and ti.repack:
             return ti
     return None
 
@@ -135,7 +141,8 @@ def type_info(t: int | str) -> TypeInfo:
         if key.isdigit():
             return type_info(int(key))
         if key not in BY_NAME:
-            raise KeyError(f"unknown tensor type '{t}'; valid: {', '.join(sorted(x.name for x in _TYPES))}")
+            raise KeyError(f"unknown tensor type '{t}'; valid: "
+                           f"{', '.join(sorted(x.name for x in _TYPES if not x.internal))}")
         return BY_NAME[key]
     if t not in BY_ID:
         raise KeyError(f"unknown tensor type id {t}")

@@ -171,7 +171,7 @@ def test_unpack_group_rejects_bad_arguments(g):
 
 # ------------------------------------------------------------------ the engine's kernels
 @pytest.mark.parametrize("name", [t.name for t in sorted(BY_ID.values(), key=lambda t: t.id)
-                                  if t.interleave and t.id not in il.READ_ONLY])
+                                  if t.interleave])
 def test_matmul_runs_every_r_type_like_its_plain_type(name):
     """quant.matmul on an _R4/_R8 tensor (3-D, experts) equals the same on the unpacked plain
     rows: decoded values bit for bit; products within f32 rounding (the types with kernels of

@@ -170,6 +170,35 @@ def test_iq1_s_r4_converts_to_iq1_s_exactly(g, key):
     np.testing.assert_array_equal(_bits(y), _bits(want).reshape(-1))
 
 
+@pytest.mark.parametrize("key", ["r", "rand"])
+def test_iq1_m_r4_rows_decode_to_ik_values(g, key):
+    """IQ1_M_R4 -> ikcli's IQ1_M_ROWS: the NumPy reference, the Numba decoder (plain id and
+    kernel tag) and the file path (registry dequantize of the R bytes) give ik's values."""
+    from quant.kernels import tag
+    raw = g[f"IQ1_M_R4/{key}"]
+    want = g["IQ1_M_R4/deq" if key == "r" else "IQ1_M_R4/rand/deq"]
+    nrows, n = want.shape
+    rows = il.iq1_m_r4_to_rows(raw, nrows, n)
+    ti = type_info("IQ1_M_ROWS")
+    assert ti.internal and rows.shape == (nrows, ti.row_bytes(n)) and il.plain_type("IQ1_M_R4") == ti.id
+    np.testing.assert_array_equal(il.unpack_fast(raw, "IQ1_M_R4", nrows, n), rows)
+    np.testing.assert_array_equal(_bits(iquants.dequantize(rows.reshape(-1), ti.id, nrows * n, n)),
+                                  _bits(want).reshape(-1))
+    for qt in (ti.id, tag(ti.id)):
+        y = np.empty((nrows, n), np.float32)
+        decode_rows_at(rows.reshape(-1), qt, 0, rows.shape[1], nrows, n, 32, F16_TO_F32, y)
+        np.testing.assert_array_equal(_bits(y), _bits(want))
+    y = registry.traits("IQ1_M_R4").dequantize(raw.reshape(-1), nrows * n, n)
+    np.testing.assert_array_equal(_bits(y), _bits(want).reshape(-1))
+
+
+def test_iq1_r4_are_not_repackings():
+    """No -rtr / --repack target for IQ1_S / IQ1_M (ik has none: the R4 forms are quantized)."""
+    assert interleaved_form(type_info("IQ1_S").id) is None and interleaved_form(type_info("IQ1_M").id) is None
+    assert type_info("IQ1_M_ROWS").id not in registry.QUANTIZE_TYPES
+    assert {type_info("IQ1_S_R4").id, type_info("IQ1_M_R4").id} <= registry.QUANTIZE_TYPES
+
+
 def test_iq1_r4_bad_shapes(g):
     with pytest.raises(ValueError, match="groups of 4"):
         il.dequantize_iq1_s_r4(g["IQ1_S_R4/r"][:3], 3, 512)

@@ -189,7 +189,7 @@ def test_dry_run_writes_nothing(make_model, tmp_path, capsys):
     (["--custom-q", "attn[=q4_0", "q8_0"], "invalid regex in custom rule 'attn[=q4_0'"),
     (["--output-tensor-type", "zz", "q8_0"], "invalid type 'zz'; valid types:"),
     (["--imatrix", "x.dat", "q8_0"], "failed to open x.dat"),
-    (["--ignore-imatrix-rules", "iq1_s_r4"], "ikcli cannot quantize to"),    # ik's own 4-row IQ1_S: read only
+    (["iq2_bn"], "ikcli cannot quantize to"),    # the BitNet types: not in ikcli
 ])
 def test_errors_are_one_line_and_write_nothing(make_model, tmp_path, capsys, args, needle):
     # 256-wide matrices, so that a 256-block type does not simply fall back

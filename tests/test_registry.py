@@ -9,7 +9,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from quant import floats, interleaved, iqk, iquants, kquants, ktquants, legacy, reference, registry
+from quant import floats, iqk, iquants, kquants, ktquants, legacy, reference, registry
 from quant.matmul import supported
 from quant.types import ALL_TYPES, type_info
 
@@ -75,8 +75,9 @@ def test_derived_sets():
     for t, r in registry.TRAITS.items():
         assert supported(t) == (t in registry.COMPUTE_TYPES) == r.decodes
         if r.decodes:      # the engine computes only with types it can also write and read back
-            assert r.dequantize is not None and r.dot is not None, r.name     # (but for ik's own IQ1_S_R4)
-            assert (r.quantize is not None) == (t not in interleaved.READ_ONLY), r.name
+            assert r.dequantize is not None and r.dot is not None, r.name
+            # ... but for ikcli's internal compute forms (quant.types), never written
+            assert (r.quantize is not None) == (not type_info(t).internal), r.name
         if r.integer_dot:
             assert r.act in (registry.ACT_Q8_32, registry.ACT_Q8_16)
         if r.dot == registry.DOT_UNPACK:
@@ -88,12 +89,13 @@ def test_derived_sets():
     with pytest.raises(KeyError, match="unknown tensor type"):
         registry.traits("Q9_K")
     # what the kernels are today, written out (the asserts above only check the sets agree)
-    assert len(registry.COMPUTE_TYPES) == 68 and len(registry.INT_DOT_TYPES) == 45
+    assert len(registry.COMPUTE_TYPES) == 70 and len(registry.INT_DOT_TYPES) == 46
     want = {"F16": ("f32", -1), "IQ4_KSS": ("f32", -1), "Q8_0": ("q8", 0), "Q8_0_R8": ("q8", 8),
             "Q4_K": ("block", 0), "Q6_0": ("block", 0), "IQ2_KS": ("block", 0), "Q4_K_R4": ("r4", 4),
             "IQ4_KS_R4": ("r4", 4), "IQ4_XS_R8": ("unpack", -1), "Q8_K_R8": ("unpack", -1), "Q8_K": (None, -1),
             "IQ2_XXS": ("block", 0), "IQ1_M": ("block", 0), "MXFP4": ("block", 0), "IQ2_KT": ("block", 0),
-            "IQ5_KS": ("block", 0), "IQ2_XXS_R4": ("unpack", -1)}
+            "IQ5_KS": ("block", 0), "IQ2_XXS_R4": ("unpack", -1), "IQ1_M_ROWS": ("block", 0),
+            "IQ1_M_R4": ("unpack", -1), "IQ1_S_R4": ("unpack", -1)}
     assert registry.traits("IQ2_KT").matmul_scale == 1.05 and registry.traits("IQ4_KT").matmul_scale == 1.0
     assert {n: (registry.traits(n).dot, registry.traits(n).gemm) for n in want} == want
 
