@@ -28,7 +28,7 @@ _BATCH = 128                    # tokens of the batch pass: DeepSeek's prompt at
 _FIRST_GUESS_S = 30.0           # no timing recorded here yet: the 2-core test VM's cold figure (README)
 
 
-def _sources_key() -> str:
+def sources_key() -> str:
     """Changes whenever a kernel source (a module that uses Numba), Numba or the CPU changes, i.e.
     whenever Numba's cache would miss."""
     import numba
@@ -78,7 +78,7 @@ _announced: list[float] = []     # when first_run_notice spoke (perf_counter), f
 def first_run_notice(log: Callable[[str], None]) -> None:
     """Before a model loads: one line when this code has never been warmed here (loading compiles
     too, before warm_up can name the types)."""
-    rec = _load_record(_sources_key())
+    rec = _load_record(sources_key())
     if _MODEL_KEY not in rec["warm"]:
         secs = rec["seconds"]
         guess = sum(secs.values()) if secs else _FIRST_GUESS_S
@@ -94,7 +94,7 @@ def warm_up(ctx, log: Callable[[str], None]) -> float:
 
     m = ctx.model
     names = {qt: type_info(qt).name for qt in m.matrix_types}
-    key = _sources_key()
+    key = sources_key()
     rec = _load_record(key)
     cold = [n for n in [_MODEL_KEY, *sorted(names.values())] if n not in rec["warm"]]
     if cold and not _announced:

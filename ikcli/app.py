@@ -1,6 +1,7 @@
 """The `ikcli` command: a Typer app with one module per subcommand, errors as one line."""
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
@@ -53,7 +54,38 @@ def _checked_argv(cmd, args: list[str], normalize) -> list[str]:
     return args[:k + 1] + normalize(args[k + 1:], _declared(cmd.commands[sub]), sub)
 
 
+def _versioned_numba_cache() -> None:
+    """Numba re-checks a cached kernel only against its own source file, not against the kernels
+    it calls from other modules, so after an update a stale copy could run.  Unless
+    NUMBA_CACHE_DIR is set (or IKCLI_NUMBA_CACHE=source, which keeps Numba's default beside the
+    sources: the test suite), each version of the kernel sources gets its own cache directory,
+    and those of other versions are removed."""
+    if os.environ.get("NUMBA_CACHE_DIR") or os.environ.get("IKCLI_NUMBA_CACHE") == "source":
+        return
+    import shutil
+    import time
+    from pathlib import Path
+
+    import numba
+
+    from engine.warmup import sources_key
+    key = sources_key()
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ikcli" / "numba"
+    try:
+        (base / key).mkdir(parents=True, exist_ok=True)
+        os.utime(base / key)    # in use: kept
+        for old in base.iterdir():
+            if old.name != key and old.is_dir() and time.time() - old.stat().st_mtime > 2 * 86400:
+                shutil.rmtree(old, ignore_errors=True)
+    except OSError:
+        return                  # no writable home: Numba's default (beside the sources)
+    os.environ["NUMBA_CACHE_DIR"] = str(base / key)
+    numba.config.CACHE_DIR = str(base / key)
+
+
 def main(argv: list[str] | None = None) -> None:
+    if argv is None:            # a command run (the tests call main(argv) in their own process)
+        _versioned_numba_cache()
     try:  # recent Typer vendors Click
         from typer import _click as click
     except ImportError:  # pragma: no cover - older Typer depends on Click

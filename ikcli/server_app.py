@@ -200,13 +200,8 @@ _UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "grammar": lambda v: v == "",
     "json_schema": lambda v: v == {},
     "response_format": lambda v: isinstance(v, dict) and v.get("type", "text") == "text",
-    "mirostat": lambda v: v == 0,
-    "typical_p": lambda v: v == 1,
-    "tfs_z": lambda v: v == 1,
-    "dynatemp_range": lambda v: v == 0,
-    "xtc_probability": lambda v: v == 0,
-    "top_n_sigma": lambda v: v == 0,
-    "dry_multiplier": lambda v: v == 0,
+    # ik's adaptive-p sampler (off while the target is negative) is not implemented
+    "adaptive_target": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0,
 }
 
 
@@ -624,9 +619,17 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         if "logit_bias" in data:
             data["logit_bias"] = logit_bias_pairs(data["logit_bias"])
         check_unsupported(data)
+        if data.get("dry_sequence_breakers", None) == []:
+            raise bad_request("Error: dry_sequence_breakers must be a non-empty array of strings")
+        base = data.get("dry_base")
+        if isinstance(base, (int, float)) and not isinstance(base, bool) and base < 1.0:
+            data.pop("dry_base")       # as llama-server: a base below 1 means the server's default
         data = {**default_sampling, **data}
         try:
-            return params_from_request(data)
+            params = params_from_request(data)
+            if tok is not None and getattr(params, "dry_multiplier", 0):
+                params.vocab = tok     # DRY maps its sequence breakers on the model's vocabulary
+            return params
         except ValueError as e:
             raise bad_request(str(e)) from None
         except TypeError as e:

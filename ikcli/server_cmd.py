@@ -61,6 +61,23 @@ def server(
     presence_penalty: float = typer.Option(0.0, "--presence-penalty", help="default presence penalty (0.0 = off)"),
     frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help="default frequency penalty (0.0 = off)"),
     penalize_nl: bool = typer.Option(False, "--penalize-nl", help="penalize the newline token too"),
+    typical: float = typer.Option(1.0, "--typical", help="default locally typical sampling, parameter p (1.0 = off)"),
+    tfs: float = typer.Option(1.0, "--tfs", help="default tail free sampling, parameter z (1.0 = off)"),
+    dynatemp_range: float = typer.Option(0.0, "--dynatemp-range", help="default dynamic temperature range (0.0 = off)"),
+    dynatemp_exp: float = typer.Option(1.0, "--dynatemp-exp", help="default dynamic temperature exponent"),
+    mirostat: int = typer.Option(0, "--mirostat", help="default Mirostat sampling (0 = off, 1 = Mirostat, 2 = Mirostat 2.0); replaces the other samplers"),
+    mirostat_lr: float = typer.Option(0.1, "--mirostat-lr", help="default Mirostat learning rate, parameter eta"),
+    mirostat_ent: float = typer.Option(5.0, "--mirostat-ent", help="default Mirostat target entropy, parameter tau"),
+    xtc_probability: float = typer.Option(0.0, "--xtc-probability", help="default xtc probability (0.0 = off)"),
+    xtc_threshold: float = typer.Option(1.0, "--xtc-threshold", help="default xtc threshold (> 0.5 = off)"),
+    top_n_sigma: float = typer.Option(0.0, "--top-n-sigma", help="default top-n-sigma (<= 0 = off)"),
+    dry_multiplier: float = typer.Option(0.0, "--dry-multiplier", help="default DRY sampling multiplier (0.0 = off)"),
+    dry_base: float = typer.Option(1.75, "--dry-base", help="default DRY sampling base value"),
+    dry_allowed_length: int = typer.Option(2, "--dry-allowed-length", help="default allowed length for DRY sampling"),
+    dry_penalty_last_n: int = typer.Option(-1, "--dry-penalty-last-n", help="default DRY penalty for the last n tokens (0 = off, -1 = the context)"),
+    dry_sequence_breaker: List[str] = typer.Option([], "--dry-sequence-breaker", help="add DRY sequence breakers, one per character of the value (the first use clears the defaults '\\n', ':', '\"', '*'; 'none' clears them all); repeatable"),
+    samplers: Optional[str] = typer.Option(None, "--samplers", help="samplers in order, separated by ';' (default: dry;top_k;tfs_z;typical_p;top_p;min_p;xtc;top_n_sigma;temperature;adaptive_p)"),
+    sampling_seq: Optional[str] = typer.Option(None, "--sampling-seq", help="samplers in order, one letter each (default: dkfypmxntw)"),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="log every request's body and response (as --verbosity 1)"),
     verbosity: int = typer.Option(0, "--verbosity", help="> 0: log every request's body and response (VERB lines)"),
     api_key: List[str] = typer.Option([], "--api-key", help="require this key (Authorization: Bearer KEY) on all endpoints but /health and /v1/models; repeatable"),
@@ -88,7 +105,14 @@ def server(
     sampling = _default_sampling(seed=seed, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                                  repeat_last_n=repeat_last_n, repeat_penalty=repeat_penalty,
                                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                 penalize_nl=penalize_nl)
+                                 penalize_nl=penalize_nl, typical_p=typical, tfs_z=tfs,
+                                 dynatemp_range=dynatemp_range, dynatemp_exponent=dynatemp_exp, mirostat=mirostat,
+                                 mirostat_eta=mirostat_lr, mirostat_tau=mirostat_ent, xtc_probability=xtc_probability,
+                                 xtc_threshold=xtc_threshold, top_n_sigma=top_n_sigma, dry_multiplier=dry_multiplier,
+                                 dry_base=dry_base, dry_allowed_length=dry_allowed_length,
+                                 dry_penalty_last_n=dry_penalty_last_n,
+                                 dry_sequence_breakers=_dry_breakers(dry_sequence_breaker),
+                                 samplers=_sampler_order(samplers, sampling_seq))
     keys = [k for k in api_key]
     if api_key_file is not None:
         try:
@@ -161,7 +185,41 @@ def server(
 
 
 _FLAG_OF = {"temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p",
-            "repeat_last_n": "--repeat-last-n", "repeat_penalty": "--repeat-penalty", "seed": "-s"}
+            "repeat_last_n": "--repeat-last-n", "repeat_penalty": "--repeat-penalty", "seed": "-s",
+            "typical_p": "--typical", "tfs_z": "--tfs", "dynatemp_range": "--dynatemp-range",
+            "dynatemp_exponent": "--dynatemp-exp", "mirostat": "--mirostat", "mirostat_eta": "--mirostat-lr",
+            "mirostat_tau": "--mirostat-ent", "xtc_probability": "--xtc-probability",
+            "xtc_threshold": "--xtc-threshold", "top_n_sigma": "--top-n-sigma", "dry_multiplier": "--dry-multiplier",
+            "dry_base": "--dry-base", "dry_allowed_length": "--dry-allowed-length",
+            "dry_penalty_last_n": "--dry-penalty-last-n"}
+
+
+def _dry_breakers(values: List[str]) -> list[str]:
+    """ik's --dry-sequence-breaker: the first use replaces the defaults, each character of a value is
+    one breaker, and 'none' clears the list."""
+    if not values:
+        from engine.sampling import DEFAULT_DRY_BREAKERS
+        return list(DEFAULT_DRY_BREAKERS)
+    out: list[str] = []
+    for v in values:
+        if v == "none":
+            out.clear()
+        else:
+            out += list(v)
+    return out
+
+
+def _sampler_order(samplers: Optional[str], sampling_seq: Optional[str]):
+    """--samplers (names separated by ';') or --sampling-seq (letters); the default order otherwise."""
+    from engine.sampling import DEFAULT_SAMPLERS, parse_samplers
+    if samplers is not None and sampling_seq is not None:
+        raise CliError("give either --samplers or --sampling-seq, not both")
+    flag, value = (("--samplers", [s for s in samplers.split(";") if s]) if samplers is not None else
+                   ("--sampling-seq", sampling_seq) if sampling_seq is not None else ("", DEFAULT_SAMPLERS))
+    try:
+        return list(parse_samplers(value))
+    except ValueError as e:
+        raise CliError(f"{flag}: {e}") from None
 
 
 def _default_sampling(**given) -> dict:

@@ -12,6 +12,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 sys.path.insert(0, str(ROOT))
+# the `ikcli` processes some tests start use Numba's cache beside the sources, as this process
+# does (ikcli.app: otherwise one directory per version of the kernel sources)
+os.environ.setdefault("IKCLI_NUMBA_CACHE", "source")
 
 
 def _load_script(name: str):

@@ -335,7 +335,7 @@ def test_from_request_reads_known_keys():
 
 
 def test_from_request_defaults_unknown_keys_and_nulls():
-    p = SamplingParams.from_request({"max_tokens": 5, "stream": True, "model": "x", "mirostat": 2,
+    p = SamplingParams.from_request({"max_tokens": 5, "stream": True, "model": "x", "adaptive_target": 0.5,
                                      "temperature": None, "seed": None})
     assert p == SamplingParams()
     assert not hasattr(p, "max_tokens")
@@ -409,3 +409,654 @@ def test_logit_bias_and_ignore_eos_come_first_in_the_chain():
     assert all(s.sample(logits, []) in (0, 2) for _ in range(200))
     with pytest.raises(ValueError, match="token id 7 out of range"):
         Sampler(SamplingParams(logit_bias=((7, 1.0),)), 4)
+
+
+# =============================================================================================
+# ik's other samplers: typical, tfs, xtc, top-n-sigma, dynatemp, DRY, mirostat, min_keep, order
+# =============================================================================================
+
+import copy  # noqa: E402
+
+from engine.sampling import DEFAULT_SAMPLERS, DryVocab, parse_samplers  # noqa: E402
+
+ALL_OFF = dict(top_k=0, top_p=1.0, min_p=0.0, temperature=1.0)
+
+
+def _srt(c):
+    return sorted(c, key=lambda t: (-t[1], t[0]))
+
+
+def _softmax(c):
+    mx = max(v for _, v in c)
+    e = [math.exp(v - mx) for _, v in c]
+    z = sum(e)
+    return [x / z for x in e]
+
+
+def ref_chain(logits, samplers="dkfypmxnt", min_keep=0, top_k=0, top_p=1.0, min_p=0.0, tfs_z=1.0,
+              typical_p=1.0, xtc_probability=0.0, xtc_threshold=1.0, top_n_sigma=0.0, temperature=1.0,
+              dynatemp_range=0.0, dynatemp_exponent=1.0, dry=None) -> dict[int, float]:
+    """ik's sampler_queue written out literally (common/sampling.cpp + src/llama-sampling.cpp):
+    a list of (id, logit) candidates, full sorts, the temperature divides the logits in place.
+    XTC's coin always fires here. dry: a function (candidates) -> candidates."""
+    cand = [(i, float(v)) for i, v in enumerate(logits) if math.isfinite(v)]
+    mk = max(1, min_keep)
+    for s in samplers:
+        if s == "d" and dry is not None:
+            cand = dry(cand)
+        elif s == "k":
+            k = top_k if top_k > 0 else len(cand)
+            cand = _srt(cand)[:min(max(k, mk), len(cand))]
+        elif s == "f" and tfs_z < 1.0 and len(cand) > 2:
+            cand = _srt(cand)
+            p = _softmax(cand)
+            d1 = [p[i] - p[i + 1] for i in range(len(p) - 1)]
+            d2 = [abs(d1[i] - d1[i + 1]) for i in range(len(d1) - 1)]
+            sm = sum(d2)
+            d2 = [x / sm for x in d2] if sm > 1e-6 else [1.0 / len(d2)] * len(d2)
+            cum, last = 0.0, len(cand)
+            for i, x in enumerate(d2):
+                cum += x
+                if cum > tfs_z and i >= mk:
+                    last = i
+                    break
+            cand = cand[:last]
+        elif s == "y" and typical_p < 1.0:
+            cand = _srt(cand)
+            p = _softmax(cand)
+            ent = -sum(x * math.log(x) for x in p if x > 0)
+            score = [abs(-math.log(x) - ent) if x > 0 else math.inf for x in p]
+            idx = sorted(range(len(cand)), key=lambda i: score[i])
+            cum, last = 0.0, len(idx)
+            for j, i in enumerate(idx):
+                cum += p[i]
+                if cum > typical_p and j + 1 >= mk:
+                    last = j + 1
+                    break
+            cand = [cand[i] for i in idx[:last]]
+        elif s == "p" and top_p < 1.0:
+            cand = _srt(cand)
+            p = _softmax(cand)
+            cum, last = 0.0, len(cand)
+            for i, x in enumerate(p):
+                cum += x
+                if cum >= top_p and i + 1 >= mk:
+                    last = i + 1
+                    break
+            cand = cand[:last]
+        elif s == "m" and min_p > 0.0:
+            thr = max(v for _, v in cand) + math.log(min_p)
+            kept = [t for t in cand if t[1] >= thr]
+            if len(kept) >= mk:
+                cand = kept
+            else:                                       # ik's sorted path
+                cand = _srt(cand)
+                i = 1
+                while i < len(cand) and not (cand[i][1] < thr and i >= mk):
+                    i += 1
+                cand = cand[:i]
+        elif s == "x" and xtc_probability > 0 and xtc_threshold <= 0.5 and len(cand) >= 2:
+            cand = _srt(cand)
+            p = _softmax(cand)
+            last = 0
+            for i, x in enumerate(p):
+                if x >= xtc_threshold:
+                    last = i
+                else:
+                    break
+            if len(cand) - last >= mk and last > 0:
+                cand = cand[last:]
+        elif s == "n" and top_n_sigma > 0 and len(cand) >= 4:
+            ls = [v for _, v in cand]
+            mean = sum(ls) / len(ls)
+            sd = math.sqrt(sum((v - mean) ** 2 for v in ls) / len(ls))
+            if sd > 0:
+                thr = max(ls) - top_n_sigma * sd
+                cand = [t for t in cand if t[1] >= thr]
+        elif s == "t":
+            if dynatemp_range > 0:
+                if len(cand) > 1:
+                    lo, hi = max(0.0, temperature - dynatemp_range), max(0.0, temperature + dynatemp_range)
+                    p = _softmax(cand)
+                    ent = -sum(x * math.log(x) for x in p if x > 0)
+                    t = lo + (hi - lo) * (ent / math.log(len(cand))) ** dynatemp_exponent
+                    cand = [(i, v / t) for i, v in cand]
+            else:
+                cand = [(i, v / temperature) for i, v in cand]
+    return {i: x for (i, _), x in zip(cand, _softmax(cand))}
+
+
+def assert_same_dist(sampler, logits, ref: dict, history=(), rtol=1e-6):
+    ids, probs = sampler.distribution(f32(logits), list(history))
+    got = dict(zip(ids.tolist(), probs.tolist()))
+    assert set(got) == set(ref), (sorted(got), sorted(ref))
+    for t in ref:
+        assert got[t] == pytest.approx(ref[t], rel=rtol, abs=1e-12), t
+    assert list(probs) == sorted(probs, reverse=True)      # most likely first
+
+
+def test_default_order_is_iks():
+    letters = {"dry": "d", "top_k": "k", "tfs_z": "f", "typical_p": "y", "top_p": "p", "min_p": "m",
+               "xtc": "x", "top_n_sigma": "n", "temperature": "t", "adaptive_p": "w"}
+    assert "".join(letters[s] for s in DEFAULT_SAMPLERS) == "dkfypmxntw"
+    assert SamplingParams().samplers == DEFAULT_SAMPLERS
+    assert parse_samplers("kpt") == ("top_k", "top_p", "temperature")
+    assert parse_samplers(["top-k", "nucleus", "temp", "typical", "tfs"]) == \
+        ("top_k", "top_p", "temperature", "typical_p", "tfs_z")
+    assert parse_samplers([]) == () and parse_samplers("") == ()
+    for bad in ("kz", ["top_k", "bogus"], 5, [1]):
+        with pytest.raises(ValueError, match="'samplers'"):
+            SamplingParams(samplers=bad)
+
+
+def test_each_sampler_alone_hand_examples():
+    lg = [math.log(p) for p in (0.5, 0.2, 0.15, 0.1, 0.05)]
+    # typical: entropy ~1.33 nats; |surprise - H|: 0.64, 0.28, 0.56, 0.97, 1.67 -> order 1, 2, 0, 3, 4
+    s = make(5, **ALL_OFF, typical_p=0.3)
+    assert sorted(kept(s, lg)) == [1, 2]                # 0.2 + 0.15 = 0.35 > 0.3
+    assert sorted(kept(make(5, **ALL_OFF, typical_p=0.2), lg)) == [1, 2]   # cum must exceed p
+    assert kept(make(5, **ALL_OFF, typical_p=0.1), lg) == [1]
+    # xtc threshold 0.14: 0.5, 0.2, 0.15 are above; all but the least likely of them go
+    assert kept(make(5, **ALL_OFF, xtc_probability=1.0, xtc_threshold=0.14), lg) == [2, 3, 4]
+    assert kept(make(5, **ALL_OFF, xtc_probability=1.0, xtc_threshold=0.6), lg) == [0, 1, 2, 3, 4]
+    assert kept(make(5, **ALL_OFF, xtc_probability=1.0, xtc_threshold=0.51), lg) == [0, 1, 2, 3, 4]  # > 0.5: off
+    # top_n_sigma on logits 0..9: sigma = 2.87, max 9 -> n=1 keeps >= 6.13
+    s = make(10, **ALL_OFF, top_n_sigma=1.0)
+    assert kept(s, np.arange(10.0)) == [9, 8, 7]
+    assert len(kept(make(10, **ALL_OFF, top_n_sigma=0.0), np.arange(10.0))) == 10
+    assert len(kept(make(10, **ALL_OFF, top_n_sigma=-1.0), np.arange(10.0))) == 10
+    assert kept(make(3, **ALL_OFF, top_n_sigma=0.1), [0.0, 1.0, 2.0]) == [2, 1, 0]    # < 4 candidates: off
+    # ik starts its max at 0 (keeps nothing on all-negative logits and aborts); here the true max
+    assert kept(make(10, **ALL_OFF, top_n_sigma=1.0), np.arange(10.0) - 20) == [9, 8, 7]
+    # tfs: a sharp head then a flat tail
+    lg2 = [5.0, 4.0, 1.0, 0.9, 0.8, 0.7, 0.6]
+    ref = ref_chain(lg2, tfs_z=0.5)
+    assert kept(make(7, **ALL_OFF, tfs_z=0.5), lg2) == sorted(ref, key=lambda i: -lg2[i])
+    assert len(kept(make(2, **ALL_OFF, tfs_z=0.0), [1.0, 0.0])) == 2       # <= 2 candidates: off
+
+
+def test_random_chains_match_reference():
+    """Random logits, random parameters, random orders: the same kept set and probabilities as the
+    literal reference, for every sampler with and without min_keep."""
+    rng = np.random.default_rng(11)
+    letters = list("kfypmxnt")
+    for trial in range(250):
+        n = int(rng.integers(2, 70))
+        logits = (rng.standard_normal(n) * rng.uniform(0.3, 4.0) + rng.uniform(-3, 3)).astype(np.float32)
+        if trial % 5 == 0:
+            logits[rng.choice(n, n // 3, replace=False)] = -np.inf
+        if not np.isfinite(logits).any():
+            continue
+        order = "".join(rng.permutation(letters)[: int(rng.integers(0, len(letters) + 1))])
+        kw = dict(
+            min_keep=int(rng.choice([0, 0, 1, 3, 7])),
+            top_k=int(rng.choice([0, 1, 5, 30])), top_p=float(rng.choice([1.0, 0.0, 0.5, 0.9])),
+            min_p=float(rng.choice([0.0, 0.05, 0.3, 1.0])), tfs_z=float(rng.choice([1.0, 0.0, 0.5, 0.95])),
+            typical_p=float(rng.choice([1.0, 0.0, 0.3, 0.9])),
+            xtc_probability=float(rng.choice([0.0, 1.0])), xtc_threshold=float(rng.choice([0.0, 0.05, 0.1, 0.3, 0.6])),
+            top_n_sigma=float(rng.choice([0.0, 0.5, 1.0, 2.5])), temperature=float(rng.choice([0.3, 1.0, 2.0])),
+            dynatemp_range=float(rng.choice([0.0, 0.0, 0.5, 3.0])), dynatemp_exponent=float(rng.choice([0.5, 1.0, 2.0])),
+        )
+        ref = ref_chain(logits, samplers=order, **kw)
+        s = make(n, samplers=order, **kw)
+        assert_same_dist(s, logits, ref, rtol=1e-5)
+        assert s.sample(logits, []) in ref
+
+
+@pytest.mark.parametrize("kw", [dict(top_k=1), dict(top_p=0.0), dict(min_p=1.0), dict(typical_p=0.0),
+                                dict(tfs_z=0.0), dict(xtc_probability=1.0, xtc_threshold=0.0)])
+def test_min_keep_floor_for_each_filter(kw):
+    rng = np.random.default_rng(3)
+    logits = (rng.standard_normal(30) * 3).astype(np.float32)
+    for mk in (0, 1, 4, 29, 30, 50):
+        ref = ref_chain(logits, min_keep=mk, **kw)
+        s = make(30, **{**ALL_OFF, **kw, "min_keep": mk})
+        assert_same_dist(s, logits, ref)
+        if "xtc_probability" not in kw:
+            assert len(ref) == min(max(1, mk), 30) or ("tfs_z" in kw and len(ref) >= max(1, mk))
+    # top_n_sigma takes no min_keep in ik
+    lg = np.array([10.0, 0, 0.1, 0.2, 0.3, 0.4], dtype=np.float32)
+    assert kept(make(6, **ALL_OFF, top_n_sigma=1.0, min_keep=4), lg) == [0]
+
+
+def test_all_masked_with_every_sampler():
+    n = 8
+    masked = np.full(n, -np.inf, dtype=np.float32)
+    for kw in (dict(typical_p=0.5), dict(tfs_z=0.5), dict(xtc_probability=1.0, xtc_threshold=0.1),
+               dict(top_n_sigma=1.0), dict(dynatemp_range=1.0), dict(dry_multiplier=1.0),
+               dict(mirostat=1), dict(mirostat=2), dict(min_keep=5, top_k=2)):
+        s = make(n, **kw)
+        ids, probs = s.distribution(masked, [1, 2, 1, 2, 1, 2])
+        assert ids.size == 0 and probs.size == 0
+        assert 0 <= s.sample(masked, [1, 2, 1, 2, 1, 2]) < n
+    # one token left: every sampler keeps it
+    one = masked.copy()
+    one[5] = -3.0
+    for kw in (dict(typical_p=0.1), dict(tfs_z=0.1), dict(xtc_probability=1.0, xtc_threshold=0.0),
+               dict(top_n_sigma=0.1), dict(dynatemp_range=1.0), dict(mirostat=1), dict(mirostat=2)):
+        assert make(n, **kw).sample(one, []) == 5
+
+
+def test_sampler_order_matters():
+    # temperature 5 before top_p flattens the distribution, so top_p needs more tokens
+    logits = f32([math.log(p) for p in (0.7, 0.2, 0.1)])
+    before = make(3, **{**OFF, "top_p": 0.8, "temperature": 5.0}, samplers="pt")
+    after = make(3, **{**OFF, "top_p": 0.8, "temperature": 5.0}, samplers="tp")
+    assert kept(before, logits) == [0, 1]
+    assert kept(after, logits) == [0, 1, 2]
+    assert_same_dist(after, logits, ref_chain(logits, samplers="tp", top_p=0.8, temperature=5.0))
+    # no samplers: no filter and no temperature (ik runs only what the list names)
+    s = make(3, top_k=1, temperature=0.5, samplers=[])
+    ids, probs = s.distribution(logits, [])
+    np.testing.assert_allclose(probs, [0.7, 0.2, 0.1], rtol=1e-6)
+    # greedy stays greedy whatever the list
+    assert make(3, temperature=0.0, samplers="").sample(f32([0, 3, 1]), []) == 1
+
+
+def test_dynatemp_maps_entropy_to_temperature():
+    flat = f32([0.0] * 8)                      # max entropy: temp + range
+    peaked = f32([20.0] + [0.0] * 7)           # ~0 entropy: max(0, temp - range)
+    for lg in (flat, peaked, f32([2.0, 1.0, 0.5, 0.0, -1.0, -1.5, -2.0, -4.0])):
+        for exp in (0.5, 1.0, 2.0):
+            ref = ref_chain(lg, samplers="t", temperature=1.0, dynatemp_range=0.7, dynatemp_exponent=exp)
+            assert_same_dist(make(8, **ALL_OFF, dynatemp_range=0.7, dynatemp_exponent=exp), lg, ref)
+    # range larger than the temperature: the minimum is 0, and a 0 temperature is the argmax
+    s = make(4, **{**ALL_OFF, "temperature": 0.5}, dynatemp_range=1.0)
+    ids, probs = s.distribution(f32([2000.0, 0.0, 0.0, 0.0]), [])
+    assert ids[0] == 0 and probs[0] == pytest.approx(1.0)
+
+
+# --- XTC's coin -------------------------------------------------------------------------------
+
+def test_xtc_coin_with_a_fixed_seed():
+    # tokens 0 and 1 are above the threshold; when XTC fires, token 0 can never come
+    logits = f32([3.0, 2.8] + [0.0] * 10)
+    kw = dict(**ALL_OFF, xtc_probability=0.5, xtc_threshold=0.1, seed=77)
+    s = make(12, **kw)
+    fired, toks = 0, []
+    for _ in range(300):
+        coin = copy.deepcopy(s.xtc_rng).random() <= 0.5
+        tok = s.sample(logits, [])
+        toks.append(tok)
+        if coin:
+            fired += 1
+            assert tok != 0
+        assert s.distribution(logits, [], xtc_fires=coin)[0].tolist().count(0) == (0 if coin else 1)
+    assert 120 < fired < 180
+    assert toks.count(0) > 40                       # without the coin token 0 is the most likely
+    # reproducible, and the main stream advances one draw per token whatever XTC does
+    again = make(12, **kw)
+    assert [again.sample(logits, []) for _ in range(300)] == toks
+    plain = make(12, **ALL_OFF, seed=77)
+    for _ in range(300):
+        plain.sample(logits, [])
+    assert plain.rng.bit_generator.state == s.rng.bit_generator.state
+    # probability 1 always fires and draws no coin
+    sure = make(12, **{**kw, "xtc_probability": 1.0})
+    state = sure.xtc_rng.bit_generator.state
+    assert all(sure.sample(logits, []) != 0 for _ in range(50))
+    assert sure.xtc_rng.bit_generator.state == state
+
+
+# --- mirostat ---------------------------------------------------------------------------------
+
+def _ref_mirostat_v2(logits, temp, mu):
+    c = _srt([(i, float(v) / temp) for i, v in enumerate(logits) if math.isfinite(v)])
+    p = _softmax(c)
+    k = next((i for i, x in enumerate(p) if -math.log2(x) > mu), len(c))
+    c = c[:max(k, 1)]
+    return dict(zip([i for i, _ in c], _softmax(c)))
+
+
+def _ref_mirostat_v1(logits, temp, mu, n_vocab, m=100):
+    c = _srt([(i, float(v) / temp) for i, v in enumerate(logits) if math.isfinite(v)])
+    p = _softmax(c)
+    num = den = 0.0
+    for i in range(min(m - 1, len(c) - 1)):
+        t = math.log((i + 2) / (i + 1))
+        b = math.log(p[i] / p[i + 1])
+        num, den = num + t * b, den + t * t
+    s_hat = num / den
+    eps = s_hat - 1
+    k = (eps * 2 ** mu / (1 - n_vocab ** (-eps))) ** (1 / s_hat)
+    kk = int(k) if math.isfinite(k) and k < 2 ** 31 else 0
+    kk = len(c) if kk <= 0 else min(kk, len(c))            # ik's top_k(k <= 0): all of them
+    full = dict(zip([i for i, _ in c], p))
+    c = c[:kk]
+    return dict(zip([i for i, _ in c], _softmax(c))), full
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_mirostat_mu_update_over_tokens(version):
+    n, tau, eta, temp = 300, 5.0, 0.2, 0.9
+    rng = np.random.default_rng(version)
+    s = make(n, mirostat=version, mirostat_tau=tau, mirostat_eta=eta, temperature=temp, top_k=1, seed=5)
+    mu = 0.0                                       # ik's common_sampler starts mu at 0
+    assert s.mirostat_mu == mu
+    mus, sizes = [], []
+    hist: list[int] = []
+    for step in range(40):
+        logits = (rng.standard_normal(n) * 4.0).astype(np.float32)
+        if version == 2:
+            ref = _ref_mirostat_v2(logits, temp, mu)
+            full = None
+        else:
+            ref, full = _ref_mirostat_v1(logits, temp, mu, n)
+        assert_same_dist(s, logits, ref, history=hist, rtol=1e-6)
+        tok = s.sample(logits, hist)
+        assert tok in ref
+        surprise = -math.log2(ref[tok] if version == 2 else full[tok])
+        mu -= eta * (surprise - tau)
+        assert s.mirostat_mu == pytest.approx(mu, rel=1e-9, abs=1e-9)
+        mus.append(mu)
+        sizes.append(len(ref))
+        hist.append(tok)
+    # mu climbs from 0 towards where the surprise averages tau; the cut widens with it (top_k=1 is ignored)
+    assert mus[-1] > 1.0 and max(sizes) > 1
+    # the same seed repeats the whole run
+    again = make(n, mirostat=version, mirostat_tau=tau, mirostat_eta=eta, temperature=temp, top_k=1, seed=5)
+    rng = np.random.default_rng(version)
+    h2: list[int] = []
+    for _ in range(40):
+        h2.append(again.sample((rng.standard_normal(n) * 4.0).astype(np.float32), h2))
+    assert h2 == hist and again.mirostat_mu == s.mirostat_mu
+
+
+def test_mirostat_v1_k_below_one_keeps_every_token():
+    # ik's top_k(int(k)) with int(k) <= 0 keeps the whole vocab: at mu = 0 on a flat-ish
+    # distribution v1 samples from everything, and a high surprise pushes mu further down
+    rng = np.random.default_rng(2)
+    logits = (rng.standard_normal(300) * 0.5).astype(np.float32)
+    s = make(300, mirostat=1, temperature=1.0)
+    ref, _ = _ref_mirostat_v1(logits, 1.0, 0.0, 300)
+    assert len(ref) == 300 and len(kept(s, logits)) == 300
+    s.sample(logits, [])
+    assert s.mirostat_mu < 0
+
+
+def test_mirostat_skips_the_chain_and_greedy_skips_mirostat():
+    logits = f32([2.0, 1.9, 1.8, 1.7, -5.0])
+    s = make(5, mirostat=2, top_k=1, min_p=0.9, dry_multiplier=5.0, xtc_probability=1.0, xtc_threshold=0.0)
+    s.mirostat_mu = 50.0                           # a wide cut: every token
+    assert sorted(kept(s, logits, [0, 1, 0, 1, 0])) == [0, 1, 2, 3, 4]
+    g = make(5, mirostat=2, temperature=0.0)
+    assert g.sample(logits, []) == 0 and g.mirostat_mu == 0.0
+
+
+# --- DRY --------------------------------------------------------------------------------------
+
+class ToyTokenizer:
+    """Token pieces and a greedy longest-match encoder (what DryVocab.of reads from a tokenizer)."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.pieces = pieces
+        self.n_vocab = len(pieces)
+
+    def token_to_bytes(self, t: int, special: bool = True) -> bytes:
+        return self.pieces[t]
+
+    def encode(self, text: str, add_special: bool = False, parse_special: bool = False) -> list[int]:
+        b, out, i = text.encode("utf-8"), [], 0
+        while i < len(b):
+            j = max((j for j, p in enumerate(self.pieces) if p and b.startswith(p, i)), key=lambda j: len(self.pieces[j]))
+            out.append(j)
+            i += len(self.pieces[j])
+        return out
+
+
+TOY = ToyTokenizer([b"a", b"b", b"c", b"d", b"\n", b":", b" ", b"x", b"y", b"ab", b"x:", b"yx", b"##", b"#",
+                    b"q#", b"end\n\nok", b"*", b"\"", b"z"])
+
+
+def ref_breakers(tok: ToyTokenizer, breakers) -> dict[int, list[tuple]]:
+    """ik's get_overlapping_token_sequences, literally, over every token."""
+    out: dict[int, list[tuple]] = {}
+    for s in breakers:
+        b = s.encode("utf-8")[:40]
+        if not b:
+            continue
+        for t, w in enumerate(tok.pieces):
+            if b in w:
+                out.setdefault(t, [])
+                if () not in out[t]:
+                    out[t].append(())
+                continue
+            pos = -1
+            while True:
+                pos = w.find(b[:1], pos + 1)
+                if pos < 0:
+                    break
+                i, match = 1, True
+                while i < len(b) and i + pos < len(w):
+                    if w[pos + i] != b[i]:
+                        match = False
+                        break
+                    i += 1
+                if match:
+                    tail = tuple(tok.encode(b[i:].decode()))[:20]
+                    if tail not in out.setdefault(t, []):
+                        out[t].append(tail)
+    return out
+
+
+def ref_dry(history, n_vocab, brk, mult, base, allowed, last_n) -> dict[int, float]:
+    """ik's llama_sampler_dry_apply with a naive repeat count: token -> penalty."""
+    L = min(len(history) if last_n == -1 else min(len(history), last_n), n_vocab)
+    if L <= allowed:
+        return {}
+    w = list(history[len(history) - L:])
+
+    def rat(i):
+        return w[L - 1 - i]
+    rep_limit = L
+    for i in range(L):
+        if rat(i) not in brk:
+            continue
+        longest = -1
+        for tail in brk[rat(i)]:
+            k = len(tail)
+            if longest < k <= i and all(tail[o] == rat(i - o - 1) for o in range(k)):
+                longest = k
+        if longest >= 0:
+            rep_limit = i - longest
+            break
+    if rep_limit < allowed:
+        return {}
+    best: dict[int, int] = {}
+    for i in range(L - 1):                 # the repetition ending at i; w[i + 1] would extend it
+        n = 0
+        while n <= i and w[i - n] == w[L - 1 - n]:
+            n += 1
+        n = min(n, rep_limit)
+        if n >= allowed:
+            best[w[i + 1]] = max(best.get(w[i + 1], 0), n)
+    single = {t for t, tails in brk.items() if () in tails}
+    max_exp = int(88.7228391 / math.log(base)) if base > 1.000001 else 0
+    out = {}
+    for t, n in best.items():
+        if t in single:
+            continue
+        e = n - allowed
+        if max_exp > 0:
+            e = min(e, max_exp)
+        out[t] = mult * base ** e
+    return out
+
+
+def dry_logits(sampler, logits, history) -> np.ndarray:
+    """The logits after the sampler's chain (DRY alone here: the other filters are off)."""
+    c = sampler._candidates(f32(logits))
+    for op in sampler._ops:
+        op(c, list(history), True)
+    out = np.full(len(logits), -np.inf)
+    out[c.id_array()] = c.vals
+    return out
+
+
+def test_dry_breaker_mapping_matches_reference():
+    for breakers in (["\n", ":", "\"", "*"], ["x:"], ["##"], ["q##"], ["end\n\nok"], ["\n\n"], ["", "ab"]):
+        got = DryVocab.of(TOY).breakers(breakers)
+        ref = ref_breakers(TOY, breakers)
+        assert {t: sorted(v) for t, v in got.tails.items()} == {t: sorted(v) for t, v in ref.items()}, breakers
+    b = DryVocab.of(TOY).breakers(["x:"])
+    assert (7,) not in b.tails and b.tails[7] == [(5,)] and b.tails[10] == [()]     # "x" + ":" ; "x:" itself
+    assert b.tails[11] == [(5,)]                                                       # "yx" ends with "x"
+    assert DryVocab.of(TOY) is DryVocab.of(TOY)                                        # built once per tokenizer
+    # no tokenizer: only tokens holding a whole breaker count
+    plain = DryVocab([b"a", b"x", b"x:", b":"]).breakers(["x:"])
+    assert plain.tails == {2: [()]}
+
+
+def test_dry_on_iks_example():
+    # Last N tokens: a b c c b c y a b c -> c extends a repeat of 3, y one of 2 (ik's comment)
+    a, b, c, y = 0, 1, 2, 8
+    hist = [a, b, c, c, b, c, y, a, b, c]
+    logits = np.zeros(TOY.n_vocab, dtype=np.float32)
+    s = Sampler(SamplingParams(**ALL_OFF, dry_multiplier=0.5, dry_base=2.0, dry_allowed_length=2,
+                               dry_sequence_breakers=()), TOY.n_vocab, vocab=TOY)
+    got = dry_logits(s, logits, hist)
+    exp = np.zeros(TOY.n_vocab)
+    exp[c], exp[y] = -0.5 * 2.0, -0.5
+    np.testing.assert_allclose(got, exp, atol=1e-6)
+
+
+@pytest.mark.parametrize("breakers", [(), ("\n",), ("\n", ":"), ("x:",), ("q##",)])
+def test_dry_repeated_sequence_with_and_without_breakers(breakers):
+    toks = {p: i for i, p in enumerate(TOY.pieces)}
+    a, b, c, nl, x, col, q, hh = (toks[k] for k in (b"a", b"b", b"c", b"\n", b"x", b":", b"q#", b"##"))
+    hist = [a, b, c, x, col, a, b, c, nl, a, b, c, q, hh, a, b, c, nl, a, b]
+    logits = np.linspace(0.0, 1.0, TOY.n_vocab).astype(np.float32)
+    for mult, base, allowed, last_n in ((0.8, 1.75, 2, -1), (1.0, 3.0, 1, -1), (0.5, 1.0, 0, 12), (2.0, 1.75, 3, 7)):
+        s = Sampler(SamplingParams(**ALL_OFF, dry_multiplier=mult, dry_base=base, dry_allowed_length=allowed,
+                                   dry_penalty_last_n=last_n, dry_sequence_breakers=breakers), TOY.n_vocab, vocab=TOY)
+        pen = ref_dry(hist, TOY.n_vocab, ref_breakers(TOY, breakers), mult, base, allowed, last_n)
+        exp = logits.astype(np.float64).copy()
+        for t, v in pen.items():
+            exp[t] -= v
+        np.testing.assert_allclose(dry_logits(s, logits, hist), exp, rtol=1e-6, atol=1e-5)
+    # the hand case: with "\n" a breaker the run "a b" after the last newline is short: c gets the
+    # base penalty; without breakers "a b c \n a b" repeats (6 tokens): 2 ^ (6 - 2)
+    s = Sampler(SamplingParams(**ALL_OFF, dry_multiplier=1.0, dry_base=2.0, dry_sequence_breakers=breakers),
+                TOY.n_vocab, vocab=TOY)
+    out = dry_logits(s, np.zeros(TOY.n_vocab, dtype=np.float32), hist)
+    if "\n" in breakers:
+        assert out[c] == pytest.approx(-1.0) and out[nl] == 0.0
+    elif not breakers:
+        assert out[c] == pytest.approx(-16.0)
+
+
+def test_dry_random_histories_match_reference():
+    rng = np.random.default_rng(21)
+    breakers = ("\n", ":", "x:", "##")
+    brk = ref_breakers(TOY, breakers)
+    for trial in range(60):
+        hist = rng.integers(0, 6, int(rng.integers(0, 120))).tolist()   # a small alphabet: many repeats
+        if trial % 3 == 0:
+            hist = (hist[:10] * 12)[: int(rng.integers(20, 120))]        # periodic
+        mult = float(rng.choice([0.3, 1.0, -0.5]))
+        base = float(rng.choice([1.0, 1.75, 5.0, 1000.0]))
+        allowed = int(rng.integers(0, 5))
+        last_n = int(rng.choice([-1, 5, 40, 500]))
+        use = breakers if trial % 2 else ()
+        logits = rng.standard_normal(TOY.n_vocab).astype(np.float32)
+        s = Sampler(SamplingParams(**ALL_OFF, dry_multiplier=mult, dry_base=base, dry_allowed_length=allowed,
+                                   dry_penalty_last_n=last_n, dry_sequence_breakers=use), TOY.n_vocab, vocab=TOY)
+        pen = ref_dry(hist, TOY.n_vocab, brk if use else {}, mult, base, allowed, last_n)
+        exp = logits.astype(np.float64).copy()
+        for t, v in pen.items():
+            exp[t] -= v
+        np.testing.assert_allclose(dry_logits(s, logits, hist), exp, rtol=1e-6, atol=1e-5)
+
+
+def test_dry_window_limits_and_switches():
+    hist = [0, 1, 2, 0, 1, 2, 0, 1]
+    logits = np.zeros(TOY.n_vocab, dtype=np.float32)
+
+    def pen(**kw):
+        s = Sampler(SamplingParams(**ALL_OFF, dry_sequence_breakers=(), **kw), TOY.n_vocab, vocab=TOY)
+        return -dry_logits(s, logits, hist)[2]
+    assert pen(dry_multiplier=1.0) > 0
+    assert pen(dry_multiplier=0.0) == 0                         # off
+    assert pen(dry_multiplier=1.0, dry_penalty_last_n=0) == 0   # off
+    assert pen(dry_multiplier=1.0, dry_base=0.5) == 0           # base < 1: off
+    assert pen(dry_multiplier=1.0, dry_penalty_last_n=2) == 0   # window too short to repeat
+    assert pen(dry_multiplier=1.0, dry_allowed_length=8) == 0   # window not longer than allowed
+    # ik sizes DRY's context by the vocabulary: a 4-token vocab looks at the last 4 tokens only
+    small = Sampler(SamplingParams(**ALL_OFF, dry_multiplier=1.0, dry_allowed_length=1, dry_sequence_breakers=()), 4)
+    ids, probs = small.distribution(np.zeros(4, dtype=np.float32), [3, 3, 3, 3, 3, 0, 1, 2, 0, 1])
+    assert dict(zip(ids.tolist(), probs.tolist()))[3] == pytest.approx(probs.max())   # the old 3s are out of sight
+    # without a vocabulary DRY still runs, with no sequence breakers
+    bare = Sampler(SamplingParams(**ALL_OFF, dry_multiplier=1.0), TOY.n_vocab)
+    assert -dry_logits(bare, logits, hist)[2] > 0
+    # a huge base is clamped so the penalty stays a float
+    big = Sampler(SamplingParams(**ALL_OFF, dry_multiplier=1.0, dry_base=1e30, dry_allowed_length=0,
+                                 dry_sequence_breakers=()), TOY.n_vocab, vocab=TOY)
+    ids, probs = big.distribution(logits, [0] * 30)
+    assert np.isfinite(probs).all() and 0 in ids.tolist()
+
+
+def test_dry_vocab_from_the_demo_tokenizer():
+    from ikcli.defaults import demo_model
+    from engine.tokenizer import Tokenizer
+    import os
+    if not os.path.exists(demo_model()):
+        pytest.skip("no demo model")
+    tk = Tokenizer.from_gguf(demo_model())
+    dv = DryVocab.of(tk)
+    assert DryVocab.of(tk) is dv
+    brk = dv.breakers(SamplingParams().dry_sequence_breakers)
+    with_nl = [t for t in range(tk.n_vocab) if b"\n" in tk.token_to_bytes(t)]
+    assert with_nl and set(with_nl) <= set(brk.single.tolist())
+    # through the params, as the server passes it
+    p = SamplingParams(dry_multiplier=0.8, seed=1)
+    p.vocab = tk
+    s = Sampler(p, tk.n_vocab)
+    assert s._dry_breakers is brk
+    ids = tk.encode("to be or not to be, to be or not to be, to be or", add_special=False)
+    assert 0 <= s.sample(np.zeros(tk.n_vocab, dtype=np.float32), ids) < tk.n_vocab
+
+
+# --- request fields ---------------------------------------------------------------------------
+
+def test_from_request_new_fields():
+    body = {"min_keep": 2, "typical_p": 0.9, "tfs_z": 0.95, "dynatemp_range": 0.5, "dynatemp_exponent": 2,
+            "mirostat": 2, "mirostat_tau": 4, "mirostat_eta": 0.2, "xtc_probability": 0.5, "xtc_threshold": 0.1,
+            "top_n_sigma": 1.5, "dry_multiplier": 0.8, "dry_base": 2, "dry_allowed_length": 3,
+            "dry_penalty_last_n": 256, "dry_sequence_breakers": ["\n", "###"], "samplers": "dkt"}
+    p = SamplingParams.from_request(body)
+    for k, v in body.items():
+        if k == "samplers":
+            assert p.samplers == ("dry", "top_k", "temperature")
+        elif k == "dry_sequence_breakers":
+            assert p.dry_sequence_breakers == ("\n", "###")
+        else:
+            assert getattr(p, k) == v and type(getattr(p, k)) is type(getattr(SamplingParams(), k)), k
+    d = SamplingParams()
+    assert (d.min_keep, d.typical_p, d.tfs_z, d.mirostat, d.mirostat_tau, d.mirostat_eta, d.xtc_probability,
+            d.xtc_threshold, d.top_n_sigma, d.dry_multiplier, d.dry_base, d.dry_allowed_length,
+            d.dry_penalty_last_n, d.dry_sequence_breakers, d.dynatemp_range, d.dynatemp_exponent) == \
+        (0, 1.0, 1.0, 0, 5.0, 0.1, 0.0, 1.0, 0.0, 0.0, 1.75, 2, -1, ("\n", ":", "\"", "*"), 0.0, 1.0)
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"mirostat": 3}, "mirostat"), ({"mirostat": True}, "mirostat"), ({"typical_p": 1.5}, "typical_p"),
+    ({"tfs_z": -0.1}, "tfs_z"), ({"min_keep": -1}, "min_keep"), ({"xtc_probability": 2}, "xtc_probability"),
+    ({"top_n_sigma": "x"}, "top_n_sigma"), ({"dry_penalty_last_n": -2}, "dry_penalty_last_n"),
+    ({"dry_allowed_length": 1.5}, "dry_allowed_length"), ({"dry_sequence_breakers": "\n"}, "dry_sequence_breakers"),
+    ({"dry_sequence_breakers": [1]}, "dry_sequence_breakers"), ({"samplers": ["top_k", "dist"]}, "samplers"),
+    ({"samplers": 3}, "samplers"), ({"dynatemp_range": float("inf")}, "dynatemp_range"),
+])
+def test_from_request_rejects_bad_new_values(body, field):
+    with pytest.raises(ValueError, match=f"'{field}'"):
+        SamplingParams.from_request(body)
+
+
+def test_params_vocab_is_shared_not_copied_or_reported():
+    import dataclasses
+    p = SamplingParams(dry_multiplier=0.5)
+    p.vocab = TOY
+    q = copy.deepcopy(p)                        # the server deep-copies params per prompt
+    assert q.vocab is TOY and q == p and q is not p
+    assert "vocab" not in dataclasses.asdict(p) and SamplingParams().vocab is None
+    assert "vocab" not in {f.name for f in dataclasses.fields(SamplingParams)}
+    assert SamplingParams.from_request({"vocab": "x"}).vocab is None         # never read from a request

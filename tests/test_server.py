@@ -390,8 +390,13 @@ BAD_REQUESTS = [
     ("/completion", {"prompt": "x", "ignore_eos": "yes"}, "ignore_eos"),
     # output-changing llama.cpp fields this server does not implement: refused, not silently dropped
     ("/completion", {"prompt": "x", "grammar": "root ::= \"a\""}, "grammar"),
-    ("/completion", {"prompt": "x", "mirostat": 2}, "mirostat"),
-    ("/completion", {"prompt": "x", "typical_p": 0.5, "tfs_z": 0.9}, "'typical_p', 'tfs_z'"),
+    ("/completion", {"prompt": "x", "adaptive_target": 0.5}, "'adaptive_target': not supported"),
+    # ik's other samplers are implemented: bad values are named
+    ("/completion", {"prompt": "x", "mirostat": 3}, "mirostat"),
+    ("/completion", {"prompt": "x", "typical_p": 1.5}, "typical_p"),
+    ("/completion", {"prompt": "x", "samplers": "kpz"}, "samplers"),
+    ("/completion", {"prompt": "x", "dry_sequence_breakers": []}, "dry_sequence_breakers must be a non-empty array"),
+    ("/completion", {"prompt": "x", "dry_sequence_breakers": [1]}, "dry_sequence_breakers"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": "9"},
@@ -435,6 +440,28 @@ def test_request_fields_reach_the_engine(fake):
     p = fake.engine.submitted[-1][1]
     assert {k: getattr(p, k) for k in body if k not in ("prompt", "n_predict")} == \
         {k: v for k, v in body.items() if k not in ("prompt", "n_predict")}
+
+
+def test_new_sampler_fields_round_trip(fake):
+    """ik's other samplers' request fields reach the engine's SamplingParams and come back in
+    generation_settings; DRY gets the model's vocabulary; dry_base < 1 means the server's default."""
+    fields = {"min_keep": 2, "typical_p": 0.9, "tfs_z": 0.95, "dynatemp_range": 0.25, "dynatemp_exponent": 1.5,
+              "mirostat": 2, "mirostat_tau": 4.5, "mirostat_eta": 0.2, "xtc_probability": 0.5, "xtc_threshold": 0.1,
+              "top_n_sigma": 1.5, "dry_multiplier": 0.8, "dry_base": 2.0, "dry_allowed_length": 3,
+              "dry_penalty_last_n": 64, "dry_sequence_breakers": ["\n", "###"]}
+    d = httpx.post(fake.base + "/completion", json={"prompt": "x", "n_predict": 1, **fields, "samplers": "dkt"}).json()
+    p = fake.engine.submitted[-1][1]
+    assert {k: getattr(p, k) for k in fields} == {**fields, "dry_sequence_breakers": ("\n", "###")}
+    assert p.samplers == ("dry", "top_k", "temperature") and p.vocab is fake.engine.model.tokenizer
+    gs = d["generation_settings"]
+    assert {k: gs[k] for k in fields} == fields and gs["samplers"] == ["dry", "top_k", "temperature"]
+    httpx.post(fake.base + "/completion", json={"prompt": "x", "n_predict": 1, "samplers": ["top_k", "temperature"],
+                                                "dry_base": 0.5}).raise_for_status()
+    p = fake.engine.submitted[-1][1]
+    assert p.samplers == ("top_k", "temperature") and p.dry_base == 1.75 and p.vocab is None
+    props = httpx.get(fake.base + "/props").json()["default_generation_settings"]
+    assert props["samplers"] == ["dry", "top_k", "tfs_z", "typical_p", "top_p", "min_p", "xtc", "top_n_sigma",
+                                 "temperature", "adaptive_p"] and props["xtc_threshold"] == 1.0
 
 
 def test_server_defaults_seed_and_n_predict_cap():
@@ -542,7 +569,13 @@ def test_cli_errors_before_loading(capsys):
                           (["--chat-template-file", "/no/such/file.jinja"], "cannot read chat template file"),
                           (["--api-key-file", "/no/such/keys.txt"], "failed to open file '/no/such/keys.txt'"),
                           (["--top-p", "1.5"], "--top-p: Sampling parameter 'top_p' must be between 0 and 1"),
-                          (["--repeat-penalty", "0"], "--repeat-penalty: Sampling parameter 'repeat_penalty' must be > 0")):
+                          (["--repeat-penalty", "0"], "--repeat-penalty: Sampling parameter 'repeat_penalty' must be > 0"),
+                          (["--mirostat", "3"], "--mirostat: Sampling parameter 'mirostat' must be 0"),
+                          (["--typical", "2"], "--typical: Sampling parameter 'typical_p'"),
+                          (["--dry-penalty-last-n", "-2"], "--dry-penalty-last-n: Sampling parameter"),
+                          (["--samplers", "top_k;bogus"], "--samplers: Sampling parameter 'samplers': unknown sampler 'bogus'"),
+                          (["--sampling-seq", "kq"], "--sampling-seq: Sampling parameter 'samplers': unknown sampler letter 'q'"),
+                          (["--samplers", "top_k", "--sampling-seq", "k"], "either --samplers or --sampling-seq")):
             with pytest.raises(SystemExit) as e:
                 main(["server", *args])
             assert e.value.code == 1
@@ -1109,6 +1142,20 @@ def test_logit_bias_and_ignore_eos(server):
     assert oai["choices"][0]["text"] == banned["content"]
     r = httpx.post(server.base + "/completion", json={**body, "ignore_eos": True}, timeout=60)
     assert r.status_code == 200 and r.json()["tokens_predicted"] == 8
+
+
+@real
+def test_real_new_samplers(server):
+    """A real generation with each of ik's other samplers on: it runs, is reproducible by seed, and
+    greedy is untouched by them."""
+    greedy = _complete(server.base, "ROMEO:", seed=1, n=8, temperature=0)["content"]
+    for extra in ({"mirostat": 1}, {"mirostat": 2, "mirostat_tau": 3.0},
+                  {"dry_multiplier": 0.8, "dry_allowed_length": 1, "typical_p": 0.9, "tfs_z": 0.95},
+                  {"xtc_probability": 0.5, "xtc_threshold": 0.1, "top_n_sigma": 1.0, "dynatemp_range": 0.5,
+                   "min_keep": 3, "samplers": "dnxykt"}):
+        a = _complete(server.base, "ROMEO:", seed=9, n=8, **extra)
+        assert a["content"] and a["content"] == _complete(server.base, "ROMEO:", seed=9, n=8, **extra)["content"]
+        assert _complete(server.base, "ROMEO:", seed=1, n=8, temperature=0, **extra)["content"] == greedy
 
 
 def test_metrics_and_apply_template(make_model):

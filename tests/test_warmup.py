@@ -1,6 +1,8 @@
 """The warm-up run: the first-run notice and its record, a clean cache afterwards, unchanged results."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -20,7 +22,7 @@ def test_notice_until_warmed_then_silent(record_dir):
     assert len(lines) == 1 and "first run of these kernels here" in lines[0] and \
         f"~{warmup._FIRST_GUESS_S:.0f} s" in lines[0]
     warmup._announced.clear()
-    key = warmup._sources_key()
+    key = warmup.sources_key()
     warmup._save_record({"key": key, "warm": [warmup._MODEL_KEY, "Q4_K"], "seconds": {warmup._MODEL_KEY: 30.0}})
     lines.clear()
     warmup.first_run_notice(lines.append)
@@ -44,7 +46,7 @@ def test_warm_up_leaves_an_empty_cache_and_records_types(record_dir, make_model)
     assert ctx.n_past == 0
     assert lines[0].startswith("warmup: compiling kernels for ") and "Q8_0" in lines[0]
     assert lines[-1].startswith("warmup: kernels ready in ")
-    rec = warmup._load_record(warmup._sources_key())
+    rec = warmup._load_record(warmup.sources_key())
     assert {"Q8_0", warmup._MODEL_KEY} <= set(rec["warm"]) and set(rec["seconds"]) >= {"Q8_0", warmup._MODEL_KEY}
     lines.clear()
     warmup.warm_up(ctx, lines.append)                     # warm now: nothing to say
@@ -86,3 +88,27 @@ def test_results_do_not_depend_on_the_warm_up(capsys):
     assert code == 0 and FINAL_PPL.search(warm)
     code, cold, err2 = cli(capsys, "perplexity", "-c", "64", "--chunks", "2", "-t", "2", "--no-warmup")
     assert code == 0 and cold == warm and "warmup:" not in err2
+
+
+def test_command_runs_cache_kernels_per_source_version(tmp_path, monkeypatch):
+    """A command run (ikcli.app.main without argv) puts Numba's cache in a directory keyed by the
+    kernel sources (a stale kernel calling changed code can never be loaded); old versions' go."""
+    import numba
+    from engine import warmup
+    from ikcli import app
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    monkeypatch.delenv("IKCLI_NUMBA_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(numba.config, "CACHE_DIR", numba.config.CACHE_DIR)      # restored afterwards
+    base = tmp_path / "ikcli" / "numba"
+    (base / "old").mkdir(parents=True)
+    (base / "recent").mkdir()
+    os.utime(base / "old", (0, 0))
+    app._versioned_numba_cache()
+    want = base / warmup.sources_key()
+    assert os.environ["NUMBA_CACHE_DIR"] == str(want) == numba.config.CACHE_DIR and want.is_dir()
+    assert not (base / "old").exists() and (base / "recent").exists()
+    monkeypatch.setenv("IKCLI_NUMBA_CACHE", "source")                         # the test suite's setting
+    monkeypatch.delenv("NUMBA_CACHE_DIR")
+    app._versioned_numba_cache()
+    assert "NUMBA_CACHE_DIR" not in os.environ
