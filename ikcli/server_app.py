@@ -6,7 +6,10 @@ events into JSON or server-sent events.  Events cross from the engine thread int
 with `loop.call_soon_threadsafe` into one asyncio.Queue per request, so the loop is never blocked.
 
 Endpoints: POST /completion (llama.cpp's own), POST /v1/completions, POST /v1/chat/completions
-(OpenAI), GET /v1/models, GET /health, GET /props, GET /slots, POST /tokenize, POST /detokenize.
+(OpenAI), POST /v1/messages (Anthropic), GET /v1/models, GET /health, GET /props, GET /v1/props,
+GET /version, GET /slots, GET /metrics, POST /tokenize, POST /detokenize, POST /apply-template.
+OpenAI answers carry llama-server's system_fingerprint ("b<build>-<commit>"; here ikcli's version
+and "ikcli") and usage.prompt_tokens_details.cached_tokens (prompt tokens reused from the slot).
 Errors are JSON in OpenAI's shape: {"error": {"code": 400, "message": "...", "type": "..."}}.
 """
 from __future__ import annotations
@@ -400,8 +403,24 @@ def oai_finish_reason(ev) -> str:
     return "length" if ev.finish_reason == "length" else "stop"
 
 
-def usage_json(n_prompt: int, n_gen: int) -> dict:
-    return {"completion_tokens": n_gen, "prompt_tokens": n_prompt, "total_tokens": n_prompt + n_gen}
+def usage_json(n_prompt: int, n_gen: int, n_cached: int = 0) -> dict:
+    """OpenAI's usage object as llama-server writes it; n_cached: the prompt tokens taken from the
+    slot's cache (cache_prompt reuse) rather than read again."""
+    return {"completion_tokens": n_gen, "prompt_tokens": n_prompt, "total_tokens": n_prompt + n_gen,
+            "prompt_tokens_details": {"cached_tokens": n_cached}}
+
+
+def _system_fingerprint() -> str:
+    """llama-server's system_fingerprint is "b<build number>-<commit>"; ikcli has no build number or
+    commit baked in, so its package version stands for the build and "ikcli" for the commit."""
+    try:
+        from ikcli import __version__
+    except ImportError:     # pragma: no cover - a partial install
+        __version__ = "0"
+    return f"b{__version__}-ikcli"
+
+
+SYSTEM_FINGERPRINT = _system_fingerprint()
 
 
 # ------------------------------------------------------------------------------------------- app
@@ -807,6 +826,14 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
     def counts(gen: Generation, i: int, ev) -> tuple[int, int]:
         return (ev.n_prompt if ev.n_prompt else len(gen.prompts[i])), ev.n_generated
 
+    def n_cached(gen: Generation, i: int, ev) -> int:
+        """The prompt tokens job i reused from its slot's cache: the engine reads only the rest, and
+        its timings count those (prompt_n), so the difference is what the cache supplied."""
+        if ev.timings is None:
+            return 0
+        n_prompt = counts(gen, i, ev)[0]
+        return max(0, min(n_prompt, n_prompt - int(ev.timings.prompt_n)))
+
     # ------------------------------------------------------------------------ simple endpoints
     @app.get("/health")
     @app.get("/v1/health")
@@ -1000,22 +1027,25 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         cmpl_id, created = _rand_id("cmpl-"), int(time.time())
 
         def head() -> dict:
-            return {"id": cmpl_id, "object": "text_completion", "created": created, "model": alias}
+            return {"id": cmpl_id, "object": "text_completion", "created": created, "model": alias,
+                    "system_fingerprint": SYSTEM_FINGERPRINT}
 
         if not stream:
             results = await collect(request, gen)
-            choices, n_prompt_total, n_gen_total = [], 0, 0
+            choices, n_prompt_total, n_gen_total, n_cached_total = [], 0, 0, 0
             last_timings = None
             for i in range(len(prompts)):
                 ev = results[i]["final"]
                 n_prompt, n_gen = counts(gen, i, ev)
                 n_prompt_total += n_prompt
                 n_gen_total += n_gen
+                n_cached_total += n_cached(gen, i, ev)
                 last_timings = timings_json(ev.timings, n_ctx_slot, n_prompt + n_gen)
                 choices.append({"text": "".join(results[i]["text"]), "index": i,
                                 "logprobs": oai_logprobs(params, results[i]["probs"]),
                                 "finish_reason": oai_finish_reason(ev)})
-            return {**head(), "choices": choices, "usage": usage_json(n_prompt_total, n_gen_total),
+            return {**head(), "choices": choices,
+                    "usage": usage_json(n_prompt_total, n_gen_total, n_cached_total),
                     "timings": last_timings}
 
         async def chunks() -> AsyncIterator[str]:
@@ -1031,7 +1061,7 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
                     n_prompt, n_gen = counts(gen, i, ev)
                     yield sse({**head(), "choices": [{"text": "", "index": i, "logprobs": None,
                                                       "finish_reason": oai_finish_reason(ev)}],
-                               "usage": usage_json(n_prompt, n_gen),
+                               "usage": usage_json(n_prompt, n_gen, n_cached(gen, i, ev)),
                                "timings": timings_json(ev.timings, n_ctx_slot, n_prompt + n_gen)})
             yield "data: [DONE]\n\n"
 
@@ -1055,7 +1085,7 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
 
         def head() -> dict:
             return {"id": cmpl_id, "object": "chat.completion.chunk" if stream else "chat.completion",
-                    "created": created, "model": alias}
+                    "created": created, "model": alias, "system_fingerprint": SYSTEM_FINGERPRINT}
 
         if not stream:
             results = await collect(request, gen)
@@ -1066,7 +1096,7 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
             if params.n_probs > 0:
                 choice["logprobs"] = oai_logprobs(params, results[0]["probs"])
             return {**head(), "choices": [choice],
-                    "usage": usage_json(n_prompt, n_gen),
+                    "usage": usage_json(n_prompt, n_gen, n_cached(gen, 0, ev)),
                     "timings": timings_json(ev.timings, n_ctx_slot, n_prompt + n_gen)}
 
         async def chunks() -> AsyncIterator[str]:
@@ -1083,7 +1113,7 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
                     return
                 if ev.done:
                     n_prompt, n_gen = counts(gen, 0, ev)
-                    usage = usage_json(n_prompt, n_gen)
+                    usage = usage_json(n_prompt, n_gen, n_cached(gen, 0, ev))
                     timings = timings_json(ev.timings, n_ctx_slot, n_prompt + n_gen)
                     last = {**head(), "choices": [{"index": 0, "finish_reason": oai_finish_reason(ev), "delta": {}}],
                             "usage": usage}
@@ -1134,8 +1164,8 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
 
     def anthropic_usage(gen: Generation, ev) -> dict:
         n_prompt, n_gen = counts(gen, 0, ev)
-        fed = ev.timings.prompt_n if ev.timings is not None else n_prompt
-        return {"cache_read_input_tokens": n_prompt - fed, "input_tokens": fed, "output_tokens": n_gen}
+        cached = n_cached(gen, 0, ev)
+        return {"cache_read_input_tokens": cached, "input_tokens": n_prompt - cached, "output_tokens": n_gen}
 
     def anthropic_stop(ev) -> tuple[str, Optional[str]]:
         kind = stop_type(ev)

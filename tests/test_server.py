@@ -148,6 +148,7 @@ class FakeEngine:
                  fail_after: int = -1):
         self.n_parallel, self.n_ctx_slot, self.delay, self.answer = n_parallel, n_ctx_slot, delay, answer
         self.fail_after = fail_after      # >= 0: the "engine" gives up after that many tokens
+        self.reuse = 0                    # prompt tokens each job "finds in its slot's cache" (not read again)
         self.slots: list = [None] * n_parallel
         self.cv = threading.Condition()
         self.finals: "queue.Queue[FakeEvent]" = queue.Queue()
@@ -216,7 +217,8 @@ class FakeEngine:
                     time.sleep(self.delay)
             rest = "" if reason == "cancelled" else text[sent:]
             ms = 1e3 * (time.perf_counter() - t0)
-            ev = FakeEvent(rest, None, True, reason, word, len(prompt), n, FakeTimings(len(prompt), 1.0, n, ms))
+            n_read = len(prompt) - min(self.reuse, len(prompt) - 1)
+            ev = FakeEvent(rest, None, True, reason, word, len(prompt), n, FakeTimings(n_read, 1.0, n, ms))
             self.finals.put(ev)
             on_event(ev)
         finally:
@@ -292,7 +294,81 @@ def test_limits_and_stop_strings(fake):
     assert c["choices"][0]["text"] == "Hel" and c["choices"][0]["finish_reason"] == "length"
     c = httpx.post(fake.base + "/v1/completions", json={"prompt": "x", "stop": "from"}).json()
     assert c["choices"][0]["text"] == "Hello " and c["choices"][0]["finish_reason"] == "stop"
-    assert c["usage"] == {"completion_tokens": 10, "prompt_tokens": 2, "total_tokens": 12}
+    assert c["usage"] == {"completion_tokens": 10, "prompt_tokens": 2, "total_tokens": 12,
+                          "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def test_system_fingerprint_cached_tokens_and_truncated():
+    """OpenAI answers carry system_fingerprint (llama-server's "b<build>-<commit>" form) in every object
+    and chunk, and usage.prompt_tokens_details.cached_tokens: the prompt tokens the slot's cache
+    supplied (the engine's prompt_n counts only those it read); /completion says truncated: false."""
+    from ikcli import __version__
+    eng = FakeEngine()
+    eng.reuse = 5
+    srv = ServerThread(_fake_app(eng, log_requests=False))
+    fp = f"b{__version__}-ikcli"
+    try:
+        msgs = [{"role": "user", "content": "Hi there"}]
+        d = httpx.post(srv.base + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 3}).json()
+        assert d["system_fingerprint"] == fp and re.fullmatch(r"b[^-]+-\w+", fp)
+        assert d["usage"]["prompt_tokens_details"] == {"cached_tokens": 5}
+        assert d["timings"]["prompt_n"] == d["usage"]["prompt_tokens"] - 5
+        events = stream_post(srv.base, "/v1/chat/completions", {"messages": msgs, "stream": True, "max_tokens": 3,
+                                                                "stream_options": {"include_usage": True}})
+        assert all(e["system_fingerprint"] == fp for e in events[:-1])
+        assert events[-2]["usage"]["prompt_tokens_details"] == {"cached_tokens": 5}
+        c = httpx.post(srv.base + "/v1/completions", json={"prompt": ["abcdefgh", "ijklmnop"], "max_tokens": 2}).json()
+        assert c["system_fingerprint"] == fp and c["usage"]["prompt_tokens_details"] == {"cached_tokens": 10}
+        events = stream_post(srv.base, "/v1/completions", {"prompt": "abcdefgh", "max_tokens": 2, "stream": True})
+        assert all(e["system_fingerprint"] == fp for e in events[:-1])
+        assert events[-2]["usage"]["prompt_tokens_details"] == {"cached_tokens": 5}
+        a = httpx.post(srv.base + "/v1/messages", json={"max_tokens": 2, "messages": msgs}).json()
+        assert a["usage"]["cache_read_input_tokens"] == 5
+        assert a["usage"]["input_tokens"] + 5 == d["usage"]["prompt_tokens"]
+        eng.reuse = 0
+        d = httpx.post(srv.base + "/completion", json={"prompt": "abc", "n_predict": 2}).json()
+        assert d["truncated"] is False and "system_fingerprint" not in d
+        events = stream_post(srv.base, "/completion", {"prompt": "abc", "n_predict": 2, "stream": True})
+        assert events[-1]["truncated"] is False
+    finally:
+        srv.stop()
+
+
+def test_llama_server_parity_on_fake(fake):
+    """/version (ik's fields), /v1/props, /health?include_slots, /detokenize joining the pieces as
+    tokens_to_str (leading space and special tokens kept), CORS as llama-server's pre-routing
+    handler, and the "2 assistant messages at the end" rule as a 400 in OpenAI's error shape."""
+    assert httpx.get(fake.base + "/version").json() == {"version": 4, "features": {"sql": False,
+                                                                                    "zstd_compression": False}}
+    assert httpx.get(fake.base + "/v1/props").json() == {
+        "model_name": "fake-model", "model_path": "/models/fake-model.gguf",
+        "modalities": {"vision": False, "audio": False}, "n_ctx": 192}
+    assert "slots" not in httpx.get(fake.base + "/health").json()
+    h = httpx.get(fake.base + "/health?include_slots").json()
+    assert [(s["id"], s["n_ctx"]) for s in h["slots"]] == [(0, 96), (1, 96)]
+    toks = [BOS, ord(" ") + 3, ord("a") + 3]
+    assert httpx.post(fake.base + "/detokenize", json={"tokens": toks}).json() == {"content": "<s> a"}
+    assert httpx.post(fake.base + "/detokenize", json={"tokens": toks[1:]}).json() == {"content": " a"}
+    assert httpx.post(fake.base + "/detokenize", json={}).json() == {"content": ""}
+    origin = {"Origin": "http://ui.example:5173"}
+    r = httpx.options(fake.base + "/completion", headers={**origin, "Access-Control-Request-Method": "POST",
+                                                          "Access-Control-Request-Headers": "authorization"})
+    assert r.status_code == 200 and r.text == ""
+    assert {k: r.headers[k] for k in ("access-control-allow-origin", "access-control-allow-credentials",
+                                      "access-control-allow-methods", "access-control-allow-headers")} == {
+        "access-control-allow-origin": "http://ui.example:5173", "access-control-allow-credentials": "true",
+        "access-control-allow-methods": "GET, POST", "access-control-allow-headers": "*"}
+    r = httpx.post(fake.base + "/tokenize", json={"content": "a"}, headers=origin)
+    assert r.headers["access-control-allow-origin"] == "http://ui.example:5173"
+    two = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"},
+           {"role": "assistant", "content": "b"}]
+    for path in ("/v1/chat/completions", "/apply-template"):
+        err = assert_error(httpx.post(fake.base + path, json={"messages": two}), 400)
+        assert err["message"] == "Cannot have 2 or more assistant messages at the end of the list."
+    n = len(fake.engine.submitted)
+    ok = [two[1], two[0], two[2]]   # assistant messages, but not two at the end: served
+    assert httpx.post(fake.base + "/v1/chat/completions", json={"messages": ok, "max_tokens": 1}).status_code == 200
+    assert len(fake.engine.submitted) == n + 1
 
 
 def test_prompt_forms(fake):
@@ -323,7 +399,8 @@ def test_chat_template_usage_and_stream(fake):
     assert d["choices"][0]["finish_reason"] == "length"
     rendered = "<system>Be brief.\n<user>Hi\n<assistant>"
     assert fake.engine.submitted[-1][0] == fake.engine.tokenize(rendered, True)
-    assert d["usage"] == {"prompt_tokens": 1 + len(rendered), "completion_tokens": 5, "total_tokens": 6 + len(rendered)}
+    assert d["usage"] == {"prompt_tokens": 1 + len(rendered), "completion_tokens": 5, "total_tokens": 6 + len(rendered),
+                          "prompt_tokens_details": {"cached_tokens": 0}}
     assert d["timings"]["predicted_n"] == 5
 
     events = stream_post(fake.base, "/v1/chat/completions",
@@ -1079,6 +1156,22 @@ def test_llama_server_simple_endpoints_and_cors(server):
     r = httpx.post(server.base + "/v1/chat/completions", json={"messages": [
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]})
     assert r.status_code == 400 and "Cannot have 2 or more assistant messages at the end" in r.text
+
+
+@real
+def test_real_cached_tokens(server):
+    """usage.prompt_tokens_details.cached_tokens on the real engine: the same conversation again finds
+    its prefix in a slot (cache_prompt) and reports the reused tokens; cache_prompt: false reports 0."""
+    body = {"messages": [{"role": "user", "content": "Tell me about the king, the queen and all of the lords."}],
+            "max_tokens": 2, "temperature": 0}
+    httpx.post(server.base + "/v1/chat/completions", json=body, timeout=60).raise_for_status()
+    d = httpx.post(server.base + "/v1/chat/completions", json=body, timeout=60).json()
+    cached = d["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 16 <= cached < d["usage"]["prompt_tokens"], d["usage"]
+    assert cached == d["usage"]["prompt_tokens"] - d["timings"]["prompt_n"]
+    d = httpx.post(server.base + "/v1/chat/completions", json={**body, "cache_prompt": False}, timeout=60).json()
+    assert d["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert d["system_fingerprint"].startswith("b")
 
 
 @real
