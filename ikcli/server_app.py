@@ -205,6 +205,9 @@ _UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "response_format": lambda v: isinstance(v, dict) and v.get("type", "text") == "text",
     # ik's adaptive-p sampler (off while the target is negative) is not implemented
     "adaptive_target": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0,
+    # slots are picked by the longest cached prefix; a request cannot name one yet
+    "id_slot": lambda v: v == -1,
+    "banned_strings": lambda v: v == [],
 }
 
 
@@ -722,8 +725,19 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         if isinstance(messages, list) and len(messages) >= 2 and all(
                 isinstance(m, dict) and m.get("role") == "assistant" for m in messages[-2:]):
             raise bad_request("Cannot have 2 or more assistant messages at the end of the list.")
+        # llama-server's template variables: add_generation_prompt (default true) and the request's
+        # chat_template_kwargs (enable_thinking, reasoning_effort, ...) as extra variables
+        agp = _field(body, "add_generation_prompt")
+        agp = True if agp is _MISSING or agp is None else agp
+        if not isinstance(agp, bool):
+            raise bad_request("'add_generation_prompt' must be a boolean")
+        kwargs = _field(body, "chat_template_kwargs")
+        kwargs = {} if kwargs is _MISSING or kwargs is None else kwargs
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise bad_request("'chat_template_kwargs' must be an object")
         try:
-            prompt, _kind = await asyncio.to_thread(render_chat, messages, template, bos_token, eos_token, True)
+            prompt, _kind = await asyncio.to_thread(render_chat, messages, template, bos_token, eos_token, agp,
+                                                    extra_vars=kwargs or None)
         except ValueError as e:
             raise bad_request(f"cannot apply the chat template: {e}") from None
         return prompt

@@ -334,6 +334,29 @@ def test_system_fingerprint_cached_tokens_and_truncated():
         srv.stop()
 
 
+def test_template_variables_and_refused_slot_fields():
+    """add_generation_prompt and chat_template_kwargs reach the template (as llama-server passes
+    them); id_slot and banned_strings, which this server cannot honour yet, are a 400 unless off."""
+    tpl = ("{% if enable_thinking %}T:{% endif %}{% for m in messages %}{{ m['content'] }};{% endfor %}"
+           "{% if add_generation_prompt %}>{% endif %}")
+    srv = ServerThread(_fake_app(FakeEngine(), chat_template=tpl, log_requests=False))
+    try:
+        msgs = [{"role": "user", "content": "hi"}]
+        apply = lambda **kw: httpx.post(srv.base + "/apply-template", json={"messages": msgs, **kw})
+        assert apply().json() == {"prompt": "hi;>"}
+        assert apply(add_generation_prompt=False).json() == {"prompt": "hi;"}
+        assert apply(chat_template_kwargs={"enable_thinking": True}).json() == {"prompt": "T:hi;>"}
+        assert apply(chat_template_kwargs=None, add_generation_prompt=None).json() == {"prompt": "hi;>"}
+        assert_error(apply(add_generation_prompt="no"), 400)
+        assert_error(apply(chat_template_kwargs=[1]), 400)
+        url = srv.base + "/v1/chat/completions"
+        for field, off, on in (("id_slot", -1, 0), ("banned_strings", [], ["x"])):
+            assert httpx.post(url, json={"messages": msgs, field: off, "max_tokens": 2}).status_code == 200
+            assert field in assert_error(httpx.post(url, json={"messages": msgs, field: on}), 400)["message"]
+    finally:
+        srv.stop()
+
+
 def test_llama_server_parity_on_fake(fake):
     """/version (ik's fields), /v1/props, /health?include_slots, /detokenize joining the pieces as
     tokens_to_str (leading space and special tokens kept), CORS as llama-server's pre-routing
