@@ -224,6 +224,9 @@ def _rand_id(prefix: str) -> str:
 
 # -------------------------------------------------------------------- engine events -> the event loop
 
+_SEED_SPAN = 2 ** 64   # sampling seeds are 0 .. 2**64-1 (-1: random); a child's seed + j wraps in that range
+
+
 class Generation:
     """The engine jobs of one request.  The engine calls on_event on its own thread; the events are
     put into this request's asyncio.Queue on the loop's thread (call_soon_threadsafe)."""
@@ -247,14 +250,23 @@ class Generation:
         return on_event
 
     def submit(self, engine, prompts: list[list[int]], params, n_predict: int, stop: list[str],
-               cache_prompt: bool = True) -> None:
+               cache_prompt: bool = True, n_cmpl: int = 1) -> None:
+        """One job per prompt and choice: n_cmpl jobs of each prompt, job p * n_cmpl + j the choice j of
+        prompt p (llama-server's order of results and their `index`).  As llama-server's child tasks,
+        choice j > 0 samples with seed + j when the request fixes a seed, so the choices differ yet
+        the answer is reproducible; a random seed (-1) stays random, one draw per choice."""
         kw = {} if cache_prompt else {"cache_prompt": False}   # llama.cpp's field: reuse the slot's prefix
-        for i, prompt in enumerate(prompts):
+        for i, prompt in enumerate(p for p in prompts for _ in range(n_cmpl)):
             if not prompt:
                 self.cancel()
                 raise bad_request("empty prompt: the prompt tokenizes to no tokens")
+            job_params = copy.deepcopy(params)
+            j = i % n_cmpl
+            seed = getattr(job_params, "seed", -1)
+            if j and _is_int(seed) and seed != -1:
+                job_params.seed = (seed + j) % _SEED_SPAN
             try:
-                job = engine.submit(prompt, copy.deepcopy(params), n_predict, list(stop), self._callback(i), **kw)
+                job = engine.submit(prompt, job_params, n_predict, list(stop), self._callback(i), **kw)
             except ValueError as e:
                 self.cancel()
                 n_ctx = int(getattr(engine, "n_ctx_slot", 0) or 0)
@@ -669,12 +681,23 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
             n = default_n_predict   # the server's -n caps what a request asks for, as in llama.cpp
         return n
 
-    def request_basics(body: dict, single_choice: bool = False) -> tuple[bool, list[str], int]:
+    def request_basics(body: dict) -> tuple[bool, list[str], int]:
         """(stream, stop strings, token limit) of a generation request, read the same way on every
-        endpoint; single_choice: OpenAI's `n` must be 1."""
-        if single_choice and get_int(body, "n", 1) != 1:
-            raise bad_request("Only one completion choice is allowed")
+        endpoint."""
         return get_bool(body, "stream", False), get_stop(body), n_predict_of(body)
+
+    def n_cmpl_of(body: dict) -> int:
+        """How many completions of each prompt a request asks for: llama-server's n_cmpl, else
+        OpenAI's `n` (its order, on every completion endpoint), from 1 to the number of slots (the
+        choices of one prompt run side by side, one a slot)."""
+        name = "n_cmpl" if _field(body, "n_cmpl") is not _MISSING else "n"
+        n = get_int(body, name, 1)
+        if n < 1:
+            raise bad_request(f"'{name}' must be >= 1 (got {n})")
+        if n > n_parallel:
+            raise bad_request(f"'{name}' ({n}) cannot be greater than the number of slots ({n_parallel}), "
+                              f"please increase -np")
+        return n
 
     async def tokenize(text: str, add_special: bool) -> list[int]:
         return await asyncio.to_thread(engine.tokenize, text, add_special)
@@ -984,10 +1007,11 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
     async def completion(request: Request):
         body = await read_json(request)
         stream, stop, n_predict = request_basics(body)
+        n_cmpl = n_cmpl_of(body)
         params = sampling_params(body, "n_probs")
         raw_prompts, prompts = await prompts_of(body)
         gen = Generation()
-        gen.submit(engine, prompts, params, n_predict, stop, get_cache_prompt(body))
+        gen.submit(engine, prompts, params, n_predict, stop, get_cache_prompt(body), n_cmpl)
         settings = generation_settings(params, n_predict, stop, stream)
         with_probs = params.n_probs > 0
 
@@ -997,7 +1021,7 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
             return {**extra,
                 "content": content, "id_slot": getattr(gen.jobs[i], "id_slot", -1), "stop": True, "model": alias,
                 "tokens_predicted": n_gen, "tokens_evaluated": n_prompt, "generation_settings": settings,
-                "prompt": raw_prompts[i], "truncated": False,
+                "prompt": raw_prompts[i // n_cmpl], "truncated": False,
                 "stopped_eos": stop_type(ev) == "eos", "stopped_word": stop_type(ev) == "word",
                 "stopped_limit": stop_type(ev) == "limit", "stop_type": stop_type(ev),
                 "stopping_word": ev.stopping_word or "", "tokens_cached": n_prompt + n_gen,
@@ -1008,7 +1032,7 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         if not stream:
             results = await collect(request, gen)
             out = []
-            for i in range(len(prompts)):
+            for i in range(len(gen.jobs)):
                 ev = results[i]["final"]
                 out.append(final(i, ev, "".join(results[i]["text"]), results[i]["probs"]))
             return out[0] if len(out) == 1 else out
@@ -1031,13 +1055,14 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
     @app.post("/v1/completions")
     async def oai_completions(request: Request):
         body = await read_json(request)
-        stream, stop, n_predict = request_basics(body, single_choice=True)
+        stream, stop, n_predict = request_basics(body)
+        n_cmpl = n_cmpl_of(body)
         if get_bool(body, "echo", False):
             raise bad_request("'echo' is not supported by this server")
         params = sampling_params(body, "logprobs")
         _raw, prompts = await prompts_of(body)
         gen = Generation()
-        gen.submit(engine, prompts, params, n_predict, stop, get_cache_prompt(body))
+        gen.submit(engine, prompts, params, n_predict, stop, get_cache_prompt(body), n_cmpl)
         cmpl_id, created = _rand_id("cmpl-"), int(time.time())
 
         def head() -> dict:
@@ -1048,12 +1073,13 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
             results = await collect(request, gen)
             choices, n_prompt_total, n_gen_total, n_cached_total = [], 0, 0, 0
             last_timings = None
-            for i in range(len(prompts)):
+            for i in range(len(gen.jobs)):
                 ev = results[i]["final"]
                 n_prompt, n_gen = counts(gen, i, ev)
-                n_prompt_total += n_prompt
                 n_gen_total += n_gen
-                n_cached_total += n_cached(gen, i, ev)
+                if i % n_cmpl == 0:   # OpenAI's usage: each prompt once, however many choices it has
+                    n_prompt_total += n_prompt
+                    n_cached_total += n_cached(gen, i, ev)
                 last_timings = timings_json(ev.timings, n_ctx_slot, n_prompt + n_gen)
                 choices.append({"text": "".join(results[i]["text"]), "index": i,
                                 "logprobs": oai_logprobs(params, results[i]["probs"]),
@@ -1086,7 +1112,8 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
     @app.post("/chat/completions")
     async def oai_chat(request: Request):
         body = await read_json(request)
-        stream, stop, n_predict = request_basics(body, single_choice=True)
+        stream, stop, n_predict = request_basics(body)
+        n_cmpl = n_cmpl_of(body)
         stream_options = _field(body, "stream_options", {})
         if not isinstance(stream_options, dict):
             raise bad_request("'stream_options' must be an object")
@@ -1094,31 +1121,45 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         params = sampling_params(body, "chat")
         prompt = await chat_prompt(body)
         gen = Generation()
-        gen.submit(engine, [prompt], params, n_predict, stop, get_cache_prompt(body))
+        gen.submit(engine, [prompt], params, n_predict, stop, get_cache_prompt(body), n_cmpl)
         cmpl_id, created = _rand_id("chatcmpl-"), int(time.time())
 
         def head() -> dict:
             return {"id": cmpl_id, "object": "chat.completion.chunk" if stream else "chat.completion",
                     "created": created, "model": alias, "system_fingerprint": SYSTEM_FINGERPRINT}
 
+        def usage_of(finals: dict) -> dict:
+            """OpenAI's usage of the choices that ended: the prompt once (every choice reads the
+            same one; choice 0's cache counts), the completion tokens of all of them."""
+            n_prompt = counts(gen, 0, finals[0])[0] if 0 in finals else len(prompt)
+            return usage_json(n_prompt, sum(ev.n_generated for ev in finals.values()),
+                              n_cached(gen, 0, finals[0]) if 0 in finals else 0)
+
         if not stream:
             results = await collect(request, gen)
-            ev = results[0]["final"]
-            n_prompt, n_gen = counts(gen, 0, ev)
-            choice = {"index": 0, "finish_reason": oai_finish_reason(ev),
-                      "message": {"role": "assistant", "content": "".join(results[0]["text"])}}
-            if params.n_probs > 0:
-                choice["logprobs"] = oai_logprobs(params, results[0]["probs"])
-            return {**head(), "choices": [choice],
-                    "usage": usage_json(n_prompt, n_gen, n_cached(gen, 0, ev)),
-                    "timings": timings_json(ev.timings, n_ctx_slot, n_prompt + n_gen)}
+            choices = []
+            for i in range(n_cmpl):
+                ev = results[i]["final"]
+                choice = {"index": i, "finish_reason": oai_finish_reason(ev),
+                          "message": {"role": "assistant", "content": "".join(results[i]["text"])}}
+                if params.n_probs > 0:
+                    choice["logprobs"] = oai_logprobs(params, results[i]["probs"])
+                choices.append(choice)
+            ev0 = results[0]["final"]
+            n_prompt, n_gen = counts(gen, 0, ev0)
+            return {**head(), "choices": choices,
+                    "usage": usage_of({i: results[i]["final"] for i in range(n_cmpl)}),
+                    "timings": timings_json(ev0.timings, n_ctx_slot, n_prompt + n_gen)}   # choice 0's, as llama-server
 
         async def chunks() -> AsyncIterator[str]:
-            yield sse({**head(), "choices": [{"index": 0, "finish_reason": None,
-                                              "delta": {"role": "assistant", "content": None}}]})
-            async for _i, ev in gen.events():
+            for i in range(n_cmpl):
+                yield sse({**head(), "choices": [{"index": i, "finish_reason": None,
+                                                  "delta": {"role": "assistant", "content": None}}]})
+            finals: dict = {}
+            timings = None
+            async for i, ev in gen.events():
                 if ev.text:
-                    delta = {"index": 0, "finish_reason": None, "delta": {"content": ev.text}}
+                    delta = {"index": i, "finish_reason": None, "delta": {"content": ev.text}}
                     if params.n_probs > 0:
                         delta["logprobs"] = oai_logprobs(params, getattr(ev, "probs", None))
                     yield sse({**head(), "choices": [delta]})
@@ -1126,15 +1167,16 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
                     yield sse({"error": engine_failed_error().as_json()})
                     return
                 if ev.done:
-                    n_prompt, n_gen = counts(gen, 0, ev)
-                    usage = usage_json(n_prompt, n_gen, n_cached(gen, 0, ev))
+                    finals[i] = ev
+                    n_prompt, n_gen = counts(gen, i, ev)
+                    last = {**head(), "choices": [{"index": i, "finish_reason": oai_finish_reason(ev), "delta": {}}],
+                            "usage": usage_json(n_prompt, n_gen, n_cached(gen, i, ev))}
                     timings = timings_json(ev.timings, n_ctx_slot, n_prompt + n_gen)
-                    last = {**head(), "choices": [{"index": 0, "finish_reason": oai_finish_reason(ev), "delta": {}}],
-                            "usage": usage}
-                    if include_usage:   # OpenAI: a last chunk with empty choices carries the usage
-                        yield sse(last)
-                        last = {**head(), "choices": [], "usage": usage}
-                    yield sse({**last, "timings": timings})
+                    # each choice's last chunk carries its own usage (and timings); with include_usage
+                    # one chunk with empty choices ends the stream with the whole request's usage
+                    yield sse(last if include_usage else {**last, "timings": timings})
+            if include_usage:   # OpenAI: a last chunk with empty choices carries the usage
+                yield sse({**head(), "choices": [], "usage": usage_of(finals), "timings": timings})
             yield "data: [DONE]\n\n"
 
         return stream_response(gen, chunks())

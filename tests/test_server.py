@@ -182,10 +182,14 @@ class FakeEngine:
         job = FakeJob()
         self.submitted.append((list(prompt), params, n_predict, list(stop)))
         self.cache_prompts.append(cache_prompt)
-        threading.Thread(target=self._run, args=(job, prompt, n_predict, stop, on_event), daemon=True).start()
+        threading.Thread(target=self._run, args=(job, prompt, n_predict, stop, on_event, self.answer_for(params)),
+                         daemon=True).start()
         return job
 
-    def _run(self, job, prompt, n_predict, stop, on_event) -> None:
+    def answer_for(self, params) -> str:
+        return self.answer
+
+    def _run(self, job, prompt, n_predict, stop, on_event, answer) -> None:
         with self.cv:
             while None not in self.slots:
                 self.cv.wait()
@@ -197,12 +201,12 @@ class FakeEngine:
             while reason is None:
                 if job.cancelled.is_set() or n == self.fail_after:
                     reason = "cancelled"
-                elif n >= len(self.answer):
+                elif n >= len(answer):
                     reason = "stop"            # EOS
                 elif 0 <= n_predict <= n or len(prompt) + n + 1 >= self.n_ctx_slot:
                     reason = "length"
                 else:
-                    text += self.answer[n]
+                    text += answer[n]
                     n += 1
                     hit = [(text.find(w), w) for w in stop if w in text]
                     if hit:
@@ -468,7 +472,10 @@ BAD_REQUESTS = [
     ("/completion", {"prompt": "x", "top_p": 2}, "top_p"),
     ("/completion", {"prompt": "x", "seed": 1.5}, "seed"),
     ("/completion", {"prompt": [1, 5000]}, "token id"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, "one completion"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, "'n' must be >= 1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3},
+     "cannot be greater than the number of slots"),
+    ("/completion", {"prompt": "x", "n_cmpl": "2"}, "'n_cmpl' must be an integer"),
     ("/v1/completions", {"prompt": "x", "max_tokens": [1]}, "max_tokens"),
     ("/v1/chat/completions", {}, "messages"),
     ("/v1/chat/completions", {"messages": "hi"}, "messages"),
@@ -580,6 +587,104 @@ def test_server_defaults_seed_and_n_predict_cap():
         assert eng.submitted[-1][2] == 2
     finally:
         srv.stop()
+
+
+class SeededFake(FakeEngine):
+    """A fake whose answer names the job's sampling seed: which choice is which shows in the text."""
+
+    def answer_for(self, params) -> str:
+        return f"seed {params.seed}."
+
+
+@pytest.fixture(scope="module")
+def seeded():
+    eng = SeededFake(n_parallel=3)
+    srv = ServerThread(_fake_app(eng, log_requests=False))
+    yield SimpleNamespace(engine=eng, base=srv.base)
+    srv.stop()
+
+
+def test_n_choices_chat(seeded):
+    """OpenAI's n as llama-server's n_cmpl: n jobs of the same prompt, choice j sampling with seed + j
+    (a fixed seed gives distinct yet reproducible choices), choices in index order, the prompt counted
+    once in usage and the completion tokens of every choice."""
+    msgs = [{"role": "user", "content": "hi"}]
+    one = httpx.post(seeded.base + "/v1/chat/completions", json={"messages": msgs, "seed": 42}).json()
+    k = len(seeded.engine.submitted)
+    d = httpx.post(seeded.base + "/v1/chat/completions", json={"messages": msgs, "seed": 42, "n": 3}).json()
+    assert [c["index"] for c in d["choices"]] == [0, 1, 2]
+    assert [c["message"]["content"] for c in d["choices"]] == ["seed 42.", "seed 43.", "seed 44."]
+    assert all(c["finish_reason"] == "stop" for c in d["choices"])
+    assert [p.seed for _pr, p, _n, _s in seeded.engine.submitted[k:]] == [42, 43, 44]
+    assert len({tuple(pr) for pr, _p, _n, _s in seeded.engine.submitted[k - 1:]}) == 1   # the same prompt
+    n_prompt = one["usage"]["prompt_tokens"]
+    assert d["usage"] == {"completion_tokens": 3 * len("seed 42."), "prompt_tokens": n_prompt,
+                          "total_tokens": n_prompt + 3 * len("seed 42."), "prompt_tokens_details": {"cached_tokens": 0}}
+    assert d["choices"][0]["message"]["content"] == one["choices"][0]["message"]["content"]   # choice 0 = n=1
+    # no seed: every choice draws its own random seed (-1 reaches each job)
+    k = len(seeded.engine.submitted)
+    httpx.post(seeded.base + "/v1/chat/completions", json={"messages": msgs, "n": 2}).raise_for_status()
+    assert [p.seed for _pr, p, _n, _s in seeded.engine.submitted[k:]] == [-1, -1]
+    # n_cmpl (llama-server's name) wins over n
+    d = httpx.post(seeded.base + "/v1/chat/completions", json={"messages": msgs, "seed": 7, "n": 3, "n_cmpl": 2}).json()
+    assert [c["message"]["content"] for c in d["choices"]] == ["seed 7.", "seed 8."]
+
+    # streamed: a role chunk per choice, each chunk's choices[0].index routes its text, a finish chunk
+    # per choice with that choice's usage, then (include_usage) the request's usage with empty choices
+    events = stream_post(seeded.base, "/v1/chat/completions", {"messages": msgs, "seed": 42, "n": 3, "stream": True,
+                                                               "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert [c["choices"][0]["index"] for c in chunks[:3]] == [0, 1, 2]
+    assert all(c["choices"][0]["delta"] == {"role": "assistant", "content": None} for c in chunks[:3])
+    text = {0: "", 1: "", 2: ""}
+    finished = {}
+    for c in chunks[3:-1]:
+        assert len(c["choices"]) == 1
+        ch = c["choices"][0]
+        text[ch["index"]] += ch["delta"].get("content") or ""
+        if ch["finish_reason"]:
+            finished[ch["index"]] = c["usage"]["completion_tokens"]
+    assert text == {0: "seed 42.", 1: "seed 43.", 2: "seed 44."}
+    assert finished == {0: 8, 1: 8, 2: 8}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 24
+    assert chunks[-1]["usage"]["prompt_tokens"] == n_prompt and "timings" in chunks[-1]
+
+
+def test_n_choices_completions(seeded):
+    """/v1/completions: prompts x n choices, index p * n + j (llama-server's order); /completion takes
+    n_cmpl (or n) too and answers a list."""
+    k = len(seeded.engine.submitted)
+    d = httpx.post(seeded.base + "/v1/completions", json={"prompt": ["ab", "cdef"], "n": 2, "seed": 10}).json()
+    assert [(c["index"], c["text"]) for c in d["choices"]] == [(0, "seed 10."), (1, "seed 11."),
+                                                               (2, "seed 10."), (3, "seed 11.")]
+    sub = seeded.engine.submitted[k:]
+    assert [len(pr) for pr, _p, _n, _s in sub] == [3, 3, 5, 5] and [p.seed for _pr, p, _n, _s in sub] == [10, 11, 10, 11]
+    assert d["usage"]["prompt_tokens"] == 3 + 5 and d["usage"]["completion_tokens"] == 4 * 8
+    events = stream_post(seeded.base, "/v1/completions", {"prompt": "ab", "n": 3, "seed": 1, "stream": True})
+    text: dict = {}
+    for c in events[:-1]:
+        text[c["choices"][0]["index"]] = text.get(c["choices"][0]["index"], "") + c["choices"][0]["text"]
+    assert text == {0: "seed 1.", 1: "seed 2.", 2: "seed 3."} and events[-1] == "[DONE]"
+
+    out = httpx.post(seeded.base + "/completion", json={"prompt": ["ab", "cd"], "n_cmpl": 2, "seed": 5}).json()
+    assert [(r["index"], r["prompt"], r["content"]) for r in out] == [
+        (0, "ab", "seed 5."), (1, "ab", "seed 6."), (2, "cd", "seed 5."), (3, "cd", "seed 6.")]
+    out = httpx.post(seeded.base + "/completion", json={"prompt": "ab", "n": 2, "seed": 5}).json()
+    assert [r["content"] for r in out] == ["seed 5.", "seed 6."]
+    events = stream_post(seeded.base, "/completion", {"prompt": "ab", "n_cmpl": 2, "seed": 0, "stream": True})
+    text = {}
+    for e in events:
+        text[e["index"]] = text.get(e["index"], "") + e["content"]
+    assert text == {0: "seed 0.", 1: "seed 1."} and sum(e["stop"] for e in events) == 2
+    # a seed at the top of the range wraps; the limits are named
+    k = len(seeded.engine.submitted)
+    httpx.post(seeded.base + "/completion", json={"prompt": "ab", "n": 2, "seed": 2 ** 64 - 1}).raise_for_status()
+    assert [p.seed for _pr, p, _n, _s in seeded.engine.submitted[k:]] == [2 ** 64 - 1, 0]
+    assert_error(httpx.post(seeded.base + "/v1/completions", json={"prompt": "x", "n": 4}), 400,
+                 contains="'n' (4) cannot be greater than the number of slots (3)")
+    assert_error(httpx.post(seeded.base + "/completion", json={"prompt": "x", "n_cmpl": -1}), 400,
+                 contains="'n_cmpl' must be >= 1")
 
 
 def test_unknown_route_method_and_too_long_prompt(fake):
@@ -855,6 +960,22 @@ def test_real_openai_client(server):
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model="demo", prompt="JULIET:", max_tokens=10, seed=3, stream=True) if c.choices)
     assert streamed == cmpl.choices[0].text
+
+
+@real
+def test_real_n_choices(server):
+    """n = 2 on the demo model: choice j is what seed + j answers alone (the choices run side by
+    side on two slots, batched, and still match), in index order; usage counts the prompt once."""
+    msgs = [{"role": "user", "content": "Speak."}]
+    body = {"messages": msgs, "max_tokens": 8, "temperature": 1.0}
+    alone = [httpx.post(server.base + "/v1/chat/completions", json={**body, "seed": s}, timeout=60).json()
+             for s in (7, 8)]
+    d = httpx.post(server.base + "/v1/chat/completions", json={**body, "seed": 7, "n": 2}, timeout=60).json()
+    assert [c["index"] for c in d["choices"]] == [0, 1]
+    assert [c["message"]["content"] for c in d["choices"]] == [a["choices"][0]["message"]["content"] for a in alone]
+    assert d["choices"][0]["message"]["content"] != d["choices"][1]["message"]["content"]   # seeds 7 and 8 differ here
+    assert d["usage"]["prompt_tokens"] == alone[0]["usage"]["prompt_tokens"]
+    assert d["usage"]["completion_tokens"] == sum(a["usage"]["completion_tokens"] for a in alone)
 
 
 @real
