@@ -218,6 +218,82 @@ def check_unsupported(body: dict) -> None:
                           f"(leave {'it' if len(on) == 1 else 'them'} out or at the default)")
 
 
+REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def _partial_tail(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper beginning of `tag` (held back: the
+    tag may be completed by the next token)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+class ReasoningSplit:
+    """Splits generated text, fed piece by piece, into reasoning (between <think> and </think>) and
+    content, as llama-server's reasoning_format=deepseek does: the tags never come out, the
+    whitespace around the reasoning and before the content that follows it is dropped, a tag cut
+    across pieces is held back until it is known.  forced_open: the prompt already opened <think>,
+    so the text starts inside the reasoning.  feed() returns [(kind, text)], kind "reasoning" or
+    "content"; finish() flushes what is held (an unclosed reasoning stays reasoning)."""
+
+    def __init__(self, forced_open: bool = False) -> None:
+        self.state = "reasoning" if forced_open else "start"
+        self.buf = ""
+        self.lead = True        # still dropping the leading whitespace of the current part
+
+    def _emit(self, out: list, kind: str, text: str) -> None:
+        if self.lead:
+            text = text.lstrip()
+            self.lead = not text
+        if text:
+            out.append((kind, text))
+
+    def feed(self, text: str, final: bool = False) -> list[tuple[str, str]]:
+        self.buf += text
+        out: list[tuple[str, str]] = []
+        while True:
+            if self.state == "start":
+                head = self.buf.lstrip()
+                if head.startswith(THINK_OPEN):
+                    self.buf, self.state, self.lead = head[len(THINK_OPEN):], "reasoning", True
+                    continue
+                if not final and THINK_OPEN.startswith(head):
+                    return out          # only whitespace or part of the tag so far
+                self.state, self.lead = "content", False   # no reasoning: the text is all content
+                continue
+            if self.state == "reasoning":
+                i = self.buf.find(THINK_CLOSE)
+                if i >= 0:
+                    self._emit(out, "reasoning", self.buf[:i].rstrip())
+                    self.buf, self.state, self.lead = self.buf[i + len(THINK_CLOSE):], "content", True
+                    continue
+                # hold a possible partial </think> and trailing whitespace (dropped if the tag follows)
+                keep = len(self.buf) if final else _partial_tail(self.buf, THINK_CLOSE)
+                body, tail = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+                stripped = body.rstrip()
+                if final:
+                    stripped, tail = self.buf.rstrip(), ""
+                self._emit(out, "reasoning", stripped)
+                self.buf = body[len(stripped):] + tail if not final else ""
+                return out
+            self._emit(out, "content", self.buf)
+            self.buf = ""
+            return out
+
+    def finish(self) -> list[tuple[str, str]]:
+        return self.feed("", final=True)
+
+
+def split_reasoning(text: str, forced_open: bool = False) -> tuple[str, str]:
+    """(reasoning, content) of a whole answer (the non-streamed form of ReasoningSplit)."""
+    sp = ReasoningSplit(forced_open)
+    parts = sp.feed(text) + sp.finish()
+    return ("".join(t for k, t in parts if k == "reasoning"), "".join(t for k, t in parts if k == "content"))
+
+
 def _rand_id(prefix: str) -> str:
     return prefix + "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(32))
 
@@ -525,7 +601,7 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
                render_chat: Optional[Callable] = None, chat_template: Optional[str] = None,
                api_key: Optional[str | list[str]] = None, default_n_predict: int = -1,
                default_sampling: Optional[dict] = None, log_requests: bool = True, verbose: bool = False,
-               metrics: bool = False) -> FastAPI:
+               metrics: bool = False, reasoning_format: str = "deepseek") -> FastAPI:
     """The FastAPI app serving `engine` (a started ServingEngine or anything with its interface).
 
     model: the loaded model (tokenizer, GGUF metadata); default `engine.model`.
@@ -537,7 +613,11 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
     gives none, as llama-server does.
     verbose: also log each request's body and response body (ik's `VERB ... request` lines).
     metrics: serve /metrics (--metrics).
+    reasoning_format: --reasoning-format, the chat answers' default split of <think> text into
+    message.reasoning_content ("none", "auto", "deepseek", "deepseek-legacy"; ik's default deepseek).
     """
+    if reasoning_format not in REASONING_FORMATS:
+        raise ValueError(f"Unknown reasoning format: {reasoning_format}")
     default_sampling = dict(default_sampling or {})
     if model is None:
         model = getattr(engine, "model", None)
@@ -765,8 +845,9 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
             raise bad_request(f"cannot apply the chat template: {e}") from None
         return prompt
 
-    async def chat_prompt(body: dict) -> list[int]:
-        prompt = await render_prompt(body)
+    async def chat_prompt(body: dict, prompt: Optional[str] = None) -> list[int]:
+        if prompt is None:
+            prompt = await render_prompt(body)
         tokens = await tokenize(prompt, True)
         if add_bos and bos_id is not None and len(tokens) >= 2 and tokens[0] == tokens[1] == bos_id:
             tokens = tokens[1:]   # the template wrote the BOS and the tokenizer added one too
@@ -1119,7 +1200,18 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
             raise bad_request("'stream_options' must be an object")
         include_usage = get_bool(stream_options, "include_usage", False)
         params = sampling_params(body, "chat")
-        prompt = await chat_prompt(body)
+        rfmt = _field(body, "reasoning_format", reasoning_format)
+        if rfmt not in REASONING_FORMATS:
+            raise bad_request(f"Unknown reasoning format: {rfmt}")
+        messages = _field(body, "messages")
+        if isinstance(messages, list) and messages and isinstance(messages[-1], dict) \
+                and messages[-1].get("role") == "assistant":
+            rfmt = "none"       # a prefilled assistant answer is continued as it is, as ik does
+        text = await render_prompt(body)
+        # the template opened the reasoning itself (Qwen3 / DeepSeek-R1 prompts ending in <think>):
+        # the answer starts inside it and only </think> comes
+        forced_open = text.rstrip().endswith(THINK_OPEN)
+        prompt = await chat_prompt(body, text)
         gen = Generation()
         gen.submit(engine, [prompt], params, n_predict, stop, get_cache_prompt(body), n_cmpl)
         cmpl_id, created = _rand_id("chatcmpl-"), int(time.time())
@@ -1140,8 +1232,15 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
             choices = []
             for i in range(n_cmpl):
                 ev = results[i]["final"]
-                choice = {"index": i, "finish_reason": oai_finish_reason(ev),
-                          "message": {"role": "assistant", "content": "".join(results[i]["text"])}}
+                answer = "".join(results[i]["text"])
+                message = {"role": "assistant", "content": answer}
+                if rfmt != "none":
+                    reasoning, content = split_reasoning(answer, forced_open)
+                    if rfmt != "deepseek-legacy":   # legacy keeps the tags in content
+                        message["content"] = content
+                    if reasoning:
+                        message["reasoning_content"] = reasoning
+                choice = {"index": i, "finish_reason": oai_finish_reason(ev), "message": message}
                 if params.n_probs > 0:
                     choice["logprobs"] = oai_logprobs(params, results[i]["probs"])
                 choices.append(choice)
@@ -1157,11 +1256,24 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
                                                   "delta": {"role": "assistant", "content": None}}]})
             finals: dict = {}
             timings = None
+            # deepseek-legacy streams the reasoning inline, tags and all, as ik does
+            splits = {i: ReasoningSplit(forced_open) for i in range(n_cmpl)} \
+                if rfmt in ("deepseek", "auto") else None
+            held_probs: dict[int, list] = {i: [] for i in range(n_cmpl)}   # of text held back
             async for i, ev in gen.events():
-                if ev.text:
-                    delta = {"index": i, "finish_reason": None, "delta": {"content": ev.text}}
-                    if params.n_probs > 0:
-                        delta["logprobs"] = oai_logprobs(params, getattr(ev, "probs", None))
+                if splits is None:
+                    parts = [("content", ev.text)] if ev.text else []
+                else:
+                    parts = splits[i].feed(ev.text or "")
+                    if ev.done:
+                        parts += splits[i].finish()
+                held_probs[i] += getattr(ev, "probs", None) or []
+                for n, (kind, piece_) in enumerate(parts):
+                    delta = {"index": i, "finish_reason": None,
+                             "delta": {"reasoning_content" if kind == "reasoning" else "content": piece_}}
+                    if params.n_probs > 0 and n == len(parts) - 1:
+                        delta["logprobs"] = oai_logprobs(params, held_probs[i])
+                        held_probs[i] = []
                     yield sse({**head(), "choices": [delta]})
                 if gen.engine_failed(ev):
                     yield sse({"error": engine_failed_error().as_json()})

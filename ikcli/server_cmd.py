@@ -85,6 +85,7 @@ def server(
     metrics: bool = typer.Option(False, "--metrics", help="enable the Prometheus-compatible /metrics endpoint"),
     jinja: bool = typer.Option(False, "--jinja", help="use the Jinja chat template (ikcli always does: the GGUF's, or --chat-template-file)"),
     chat_template_file: Optional[str] = typer.Option(None, "--chat-template-file", help="Jinja chat template to use instead of the GGUF's tokenizer.chat_template"),
+    reasoning_format: str = typer.Option("deepseek", "--reasoning-format", help="chat answers: where <think>...</think> text goes: 'none' leaves it in message.content; 'deepseek' or 'auto' puts it in message.reasoning_content (streamed deltas too); 'deepseek-legacy' also keeps the tags in content, and streams them inline (default: deepseek)"),
     cont_batching: bool = typer.Option(True, "-cb/-nocb", "--cont-batching/--no-cont-batching", help="continuous batching: the slots' tokens decode together (always on in ikcli; -nocb is refused)"),
     batch_size: int = common.BatchOpt,
     ubatch_size: int = common.UBatchOpt,
@@ -102,6 +103,8 @@ def server(
         raise CliError(f"--port must be between 0 and 65535 (got {port})")
     if n_predict < -1:
         raise CliError(f"-n/--n-predict must be >= -1 (got {n_predict})")
+    if reasoning_format not in ("none", "auto", "deepseek", "deepseek-legacy"):
+        raise CliError(f"Unknown reasoning format: {reasoning_format}")
     sampling = _default_sampling(seed=seed, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                                  repeat_last_n=repeat_last_n, repeat_penalty=repeat_penalty,
                                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
@@ -151,7 +154,8 @@ def server(
         engine.start()
         app = create_app(engine, m, model_path=path, alias=alias or os.path.basename(path), chat_template=template,
                          api_key=keys or None, default_n_predict=n_predict, default_sampling=sampling,
-                         verbose=verbose or verbosity > 0, metrics=metrics)
+                         verbose=verbose or verbosity > 0, metrics=metrics,
+                         reasoning_format=reasoning_format)
         server_log("INFO", "main", "model loaded")
         bound_host, bound_port = sock.getsockname()[:2]
         info = {"hostname": host, "port": str(bound_port), "n_threads_http": "1"}

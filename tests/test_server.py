@@ -1470,3 +1470,93 @@ def test_several_api_keys():
             assert r.status_code == code, key
     finally:
         srv.stop()
+
+
+# ============================================================================ reasoning split
+
+THINK_ANSWER = "<think>\nLet me see.\n</think>\n\nHi there."
+FORCED_TEMPLATE = FAKE_TEMPLATE.replace("<assistant>{% endif %}", "<assistant><think>\n{% endif %}")
+
+
+def _chat_stream_parts(base: str, body: dict) -> list[tuple[str, str]]:
+    """(field, text) of every streamed delta that carries text."""
+    out = []
+    for e in stream_post(base, "/v1/chat/completions", {**body, "stream": True}):
+        if not isinstance(e, dict):
+            continue
+        for c in e.get("choices", []):
+            for k in ("reasoning_content", "content"):
+                if c.get("delta", {}).get(k):
+                    out.append((k, c["delta"][k]))
+    return out
+
+
+def test_reasoning_split_unit():
+    from ikcli.server_app import ReasoningSplit, split_reasoning
+    assert split_reasoning(THINK_ANSWER) == ("Let me see.", "Hi there.")
+    assert split_reasoning("  plain answer") == ("", "  plain answer")      # no tag: content as it is
+    assert split_reasoning("Let me see.\n</think>\n\nHi", forced_open=True) == ("Let me see.", "Hi")
+    assert split_reasoning("<think> \n</think>Hi") == ("", "Hi")          # whitespace-only reasoning
+    assert split_reasoning("<think>still thinking") == ("still thinking", "")   # cut short: reasoning
+    assert split_reasoning("<thinking>x") == ("", "<thinking>x")           # not the tag
+    # any cut of the text into pieces gives the same split, tags never leak
+    for cut in range(1, len(THINK_ANSWER)):
+        sp = ReasoningSplit()
+        parts = sp.feed(THINK_ANSWER[:cut]) + sp.feed(THINK_ANSWER[cut:]) + sp.finish()
+        assert ("".join(t for k, t in parts if k == "reasoning"),
+                "".join(t for k, t in parts if k == "content")) == ("Let me see.", "Hi there."), cut
+
+
+def test_chat_reasoning_format():
+    eng = FakeEngine(n_ctx_slot=256, answer=THINK_ANSWER)
+    srv = ServerThread(_fake_app(eng, log_requests=False))
+    try:
+        body = {"messages": [{"role": "user", "content": "hi"}]}
+        url = srv.base + "/v1/chat/completions"
+        msg = httpx.post(url, json=body).json()["choices"][0]["message"]          # default: deepseek (ik's)
+        assert msg == {"role": "assistant", "content": "Hi there.", "reasoning_content": "Let me see."}
+        msg = httpx.post(url, json={**body, "reasoning_format": "auto"}).json()["choices"][0]["message"]
+        assert msg["content"] == "Hi there." and msg["reasoning_content"] == "Let me see."
+        msg = httpx.post(url, json={**body, "reasoning_format": "none"}).json()["choices"][0]["message"]
+        assert msg == {"role": "assistant", "content": THINK_ANSWER}
+        msg = httpx.post(url, json={**body, "reasoning_format": "deepseek-legacy"}).json()["choices"][0]["message"]
+        assert msg["content"] == THINK_ANSWER and msg["reasoning_content"] == "Let me see."
+        assert_error(httpx.post(url, json={**body, "reasoning_format": "bogus"}), 400, contains="reasoning format")
+
+        # streamed one character per token: every tag arrives split across chunks
+        parts = _chat_stream_parts(srv.base, body)
+        assert "".join(t for k, t in parts if k == "reasoning_content") == "Let me see."
+        assert "".join(t for k, t in parts if k == "content") == "Hi there."
+        kinds = [k for k, _ in parts]
+        assert kinds == sorted(kinds, key=lambda k: k != "reasoning_content")   # reasoning first, then content
+        assert not any("<" in t or ">" in t for _, t in parts)
+        parts = _chat_stream_parts(srv.base, {**body, "reasoning_format": "none"})
+        assert {k for k, _ in parts} == {"content"} and "".join(t for _, t in parts) == THINK_ANSWER
+        # /completion is untouched
+        d = httpx.post(srv.base + "/completion", json={"prompt": "x"}).json()
+        assert d["content"] == THINK_ANSWER and "reasoning_content" not in d
+    finally:
+        srv.stop()
+
+
+def test_chat_reasoning_forced_open_and_server_default():
+    eng = FakeEngine(n_ctx_slot=256, answer="Let me see.\n</think>\n\nHi there.")
+    srv = ServerThread(_fake_app(eng, log_requests=False, chat_template=FORCED_TEMPLATE))
+    none = ServerThread(_fake_app(eng, log_requests=False, reasoning_format="none"))
+    try:
+        body = {"messages": [{"role": "user", "content": "hi"}]}
+        msg = httpx.post(srv.base + "/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert msg["content"] == "Hi there." and msg["reasoning_content"] == "Let me see."
+        parts = _chat_stream_parts(srv.base, body)
+        assert "".join(t for k, t in parts if k == "reasoning_content") == "Let me see."
+        assert "".join(t for k, t in parts if k == "content") == "Hi there."
+        # --reasoning-format none: the server's default, a request may still ask for the split
+        msg = httpx.post(none.base + "/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert msg == {"role": "assistant", "content": "Let me see.\n</think>\n\nHi there."}
+        eng.answer = THINK_ANSWER
+        msg = httpx.post(none.base + "/v1/chat/completions",
+                         json={**body, "reasoning_format": "deepseek"}).json()["choices"][0]["message"]
+        assert msg["content"] == "Hi there." and msg["reasoning_content"] == "Let me see."
+    finally:
+        srv.stop()
+        none.stop()
