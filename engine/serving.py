@@ -16,10 +16,18 @@ tokens share the longest prefix with its prompt, and only the rest of the prompt
 (multi-turn chat re-sends the whole conversation each turn).  Prefixes shorter than
 PROMPT_REUSE_MIN tokens are not reused: re-reading them costs less than one batch step, and
 it keeps short requests independent of what the slot served before.
+
+Slot actions (llama-server's POST /slots/{id}?action=erase|save|restore) run on the engine thread
+between steps, and wait while their slot is busy (ik defers them the same way).  A save file is an
+.npz (written to exactly the name given): the slot's cached token ids, the cells' positions and,
+for every layer, the valid cells of each of its cache stores (K, V, kv^T) in their stored type, so a
+restore puts back the very bytes and the next request reuses the prefix exactly.
 """
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,10 +38,16 @@ import numpy as np
 from .arch.common import Segment, UBatch
 from .config import EngineConfig
 from .context import set_threads
+from .kv_cache import TransposedStore
 from .model import Log, Model
 from .sampling import Sampler, SamplingParams
 
 PROMPT_REUSE_MIN = 16
+SLOT_FILE_FORMAT = "ikcli-slot-1"
+
+
+class SlotError(Exception):
+    """A slot action that cannot be done (llama-server answers it 400 invalid_request_error)."""
 
 
 @dataclass
@@ -67,6 +81,7 @@ class Job:
     id_slot: int = -1
     cancelled: bool = False
     cache_prompt: bool = True        # reuse a slot's cached prefix (llama.cpp's cache_prompt)
+    id_task: int = -1
 
     def cancel(self) -> None:
         """Thread-safe: the engine frees the slot at its next step and sends a final event."""
@@ -91,6 +106,9 @@ class _Slot:
     n_sent: int = 0                                 # characters of the text already sent
     t_start: float = 0.0
     t_prompt_done: float = 0.0
+    last: Job | None = None                         # the latest job, kept for /slots
+    stop_kind: str = ""                             # how it ended: "eos" | "word" | "limit" | ""
+    stop_word: str = ""
 
 
 class ServingEngine:
@@ -109,6 +127,8 @@ class ServingEngine:
         self.n_ubatch = ctx.n_ubatch
         self.slots = [_Slot(i, c) for i, c in enumerate(ctx.caches)]
         self.queue: collections.deque[Job] = collections.deque()
+        self.actions: list[tuple] = []     # (slot, function, Future): slot actions waiting their turn
+        self.n_tasks = 0
         # llama-server's /metrics counters: totals, and a bucket since the last metrics() call
         self.totals = {"n_prompt": 0, "t_prompt_ms": 0.0, "n_predicted": 0, "t_predicted_ms": 0.0}
         self.bucket = dict(self.totals)
@@ -144,6 +164,7 @@ class ServingEngine:
                              f"split over {self.n_parallel} slots)")
         job = Job(prompt, params, int(n_predict), [s for s in stop if s], on_event, cache_prompt=bool(cache_prompt))
         with self.cv:
+            job.id_task, self.n_tasks = self.n_tasks, self.n_tasks + 1
             self.queue.append(job)
             self.cv.notify_all()
         return job
@@ -155,7 +176,117 @@ class ServingEngine:
         return self.model.tokenizer.decode([int(t) for t in tokens])
 
     def slots_info(self) -> list[dict]:
-        return [{"id": s.id, "is_processing": s.job is not None, "n_ctx": self.n_ctx_slot} for s in self.slots]
+        """Each slot as llama-server's /slots shows it (a snapshot; the HTTP layer formats `params`,
+        the latest job's SamplingParams, into the generation settings)."""
+        out = []
+        for s in self.slots:
+            job = s.job or s.last
+            busy = s.job is not None
+            n_dec = len(s.generated)
+            n_pred = job.n_predict if job is not None else -1
+            out.append({
+                "id": s.id, "id_task": job.id_task if job is not None else -1, "n_ctx": self.n_ctx_slot,
+                "is_processing": busy, "state": int(busy),
+                "params": job.params if job is not None else None,
+                "n_predict": n_pred, "stop": list(job.stop) if job is not None else [],
+                "prompt_tokens": list(job.prompt) if job is not None else [],
+                "n_cached": len(s.cached),
+                "next_token": {"has_next_token": busy, "n_remain": n_pred - n_dec if n_pred >= 0 else -1,
+                               "n_decoded": n_dec, "stopped_eos": s.stop_kind == "eos",
+                               "stopped_word": s.stop_kind == "word", "stopped_limit": s.stop_kind == "limit",
+                               "stopping_word": s.stop_word},
+            })
+        return out
+
+    # ---- slot actions (llama-server's /slots/{id}?action=...) ------------------------------
+    def slot_action(self, id_slot: int, action: str, path: str = "") -> concurrent.futures.Future:
+        """Queue erase / save / restore of slot id_slot (path: the save file) for the engine thread,
+        which runs it once the slot is idle.  The future's result is the action's counts; SlotError
+        for a bad slot id, an unreadable file or a file that does not fit the slot."""
+        fn = {"erase": self._erase, "save": self._save, "restore": self._restore}[action]
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if not isinstance(id_slot, int) or not 0 <= id_slot < self.n_parallel:
+            fut.set_exception(SlotError("Invalid slot ID"))
+            return fut
+        with self.cv:
+            if not self.running:
+                fut.set_exception(SlotError("the server is stopping"))
+                return fut
+            self.actions.append((self.slots[id_slot], lambda s: fn(s, path) if path else fn(s), fut))
+            self.cv.notify_all()
+        return fut
+
+    def _run_actions(self, ready: list[tuple]) -> None:
+        for s, fn, fut in ready:
+            try:
+                fut.set_result(fn(s))
+            except Exception as e:  # noqa: BLE001 - reported to the caller, the engine keeps serving
+                fut.set_exception(e if isinstance(e, SlotError) else SlotError(f"{type(e).__name__}: {e}"))
+
+    @staticmethod
+    def _erase(s: _Slot) -> dict:
+        n = len(s.cached)
+        s.cache.clear()
+        s.cached.clear()
+        return {"n_erased": n}
+
+    @staticmethod
+    def _stores(cache) -> list[tuple[str, object]]:
+        return [(f"layer{i}.{j}", st) for i, L in enumerate(cache.layers) for j, st in enumerate(L.stores())]
+
+    def _save(self, s: _Slot, path: str) -> dict:
+        t0 = time.perf_counter()
+        c, n = s.cache, len(s.cached)
+        if c.n != n:    # cells and token list always move together; a mismatch would save garbage
+            raise SlotError(f"slot {s.id}: the cache holds {c.n} cells for {n} cached tokens")
+        arrays = {"format": np.array(SLOT_FILE_FORMAT), "tokens": np.asarray(s.cached, dtype=np.int32),
+                  "pos": c.pos[:n].copy()}
+        for name, st in self._stores(c):
+            arrays[name] = st.data[:, :n] if isinstance(st, TransposedStore) else st.data[:n]
+        try:
+            with open(path, "wb") as fh:        # a file object: np.savez would add ".npz" to a name
+                np.savez(fh, **arrays)
+            size = os.path.getsize(path)
+        except OSError as e:
+            raise SlotError(f"failed to save the slot to '{path}': {e.strerror}") from None
+        return {"n_saved": n, "n_written": size, "timings": {"save_ms": (time.perf_counter() - t0) * 1e3}}
+
+    def _restore(self, s: _Slot, path: str) -> dict:
+        t0 = time.perf_counter()
+        bad = SlotError("Unable to restore slot, no available space in KV cache or invalid slot save file")
+        c = s.cache
+        try:
+            size = os.path.getsize(path)
+            with np.load(path, allow_pickle=False) as z:
+                if "format" not in z.files or str(z["format"]) != SLOT_FILE_FORMAT:
+                    raise bad
+                tokens, pos = z["tokens"], z["pos"]
+                n = len(tokens)
+                stores = self._stores(c)
+                if (n > c.n_ctx or pos.shape != (n,) or len(z.files) != 3 + len(stores)
+                        or any(int(t) < 0 or int(t) >= self.model.n_vocab for t in tokens)):
+                    raise bad
+                rows = {}
+                for name, st in stores:
+                    a = z[name] if name in z.files else None
+                    want = (st.data.shape[0], n) if isinstance(st, TransposedStore) else (n,) + st.data.shape[1:]
+                    if a is None or a.dtype != st.data.dtype or a.shape != want:
+                        raise bad
+                    rows[name] = a
+        except SlotError:
+            raise
+        except Exception:  # noqa: BLE001 - missing, unreadable or not an npz: ik's one message
+            raise bad from None
+        c.clear()
+        for name, st in stores:
+            if isinstance(st, TransposedStore):
+                st.data[:, :n] = rows[name]
+            else:
+                st.data[:n] = rows[name]
+        c.pos[:n] = pos
+        c.n = n
+        s.cached = [int(t) for t in tokens]
+        return {"n_restored": n, "n_read": size, "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3}}
 
     def metrics(self, reset_bucket: bool = True) -> dict:
         """The counters of llama-server's /metrics: totals, the bucket since the previous call (for
@@ -174,7 +305,7 @@ class ServingEngine:
     def _loop(self) -> None:
         while True:
             with self.cv:
-                while self.running and not self.queue and not any(s.job for s in self.slots):
+                while self.running and not self.queue and not self.actions and not any(s.job for s in self.slots):
                     self.cv.wait()
                 if not self.running:
                     for s in self.slots:
@@ -182,7 +313,17 @@ class ServingEngine:
                             self._finish(s, "cancelled")
                     while self.queue:
                         self._refuse(self.queue.popleft())
+                    for _, _, fut in self.actions:
+                        fut.set_exception(SlotError("the server is stopping"))
+                    self.actions.clear()
                     return
+                # slot actions go first, each once its slot is idle (as ik defers them)
+                ready = [a for a in self.actions if a[0].job is None]
+                self.actions = [a for a in self.actions if a[0].job is not None]
+            if ready:
+                self._run_actions(ready)
+                continue
+            with self.cv:
                 starting = []
                 free = [s for s in self.slots if s.job is None]
                 while free and self.queue:
@@ -228,7 +369,8 @@ class ServingEngine:
         return self._nl
 
     def _assign(self, s: _Slot, job: Job) -> None:
-        s.job, job.id_slot = job, s.id
+        s.job, s.last, job.id_slot = job, job, s.id
+        s.stop_kind, s.stop_word = "", ""
         s.sampler = Sampler(job.params, self.model.n_vocab, self._nl_token(),
                             getattr(self.model.tokenizer, "eog_ids", ()))
         keep = self._reusable(s, job.prompt) if job.cache_prompt else 0
@@ -372,6 +514,8 @@ class ServingEngine:
         else:
             rest = ""
         tm = Timings(n_p, t_p, n_g, t_g)
+        s.stop_kind = {"stop": "word" if word else "eos", "length": "limit"}.get(reason, "")
+        s.stop_word = word
         probs, s.probs = s.probs, []
         self._send(s, Event(rest, None, True, reason, word, len(job.prompt), n_g, tm, probs=probs))
         self.log(f"slot print_timings: id {s.id:2d} | \n"

@@ -7,7 +7,9 @@ with `loop.call_soon_threadsafe` into one asyncio.Queue per request, so the loop
 
 Endpoints: POST /completion (llama.cpp's own), POST /v1/completions, POST /v1/chat/completions
 (OpenAI), POST /v1/messages (Anthropic), GET /v1/models, GET /health, GET /props, GET /v1/props,
-GET /version, GET /slots, GET /metrics, POST /tokenize, POST /detokenize, POST /apply-template.
+GET /version, GET /slots, GET /metrics, POST /tokenize, POST /detokenize, POST /apply-template, and
+with --slot-save-path POST /slots/{id}?action=save|restore|erase (as llama-server, that route exists
+only then).
 OpenAI answers carry llama-server's system_fingerprint ("b<build>-<commit>"; here ikcli's version
 and "ikcli") and usage.prompt_tokens_details.cached_tokens (prompt tokens reused from the slot).
 Errors are JSON in OpenAI's shape: {"error": {"code": 400, "message": "...", "type": "..."}}.
@@ -70,6 +72,24 @@ class ApiError(Exception):
 
 def error_response(code: int, message: str, type_: str, **extra: Any) -> JSONResponse:
     return JSONResponse({"error": {"code": code, "message": message, "type": type_, **extra}}, status_code=code)
+
+
+def valid_filename(name: str) -> bool:
+    """llama.cpp's fs_validate_filename: a plain file name, no folder parts, nothing a file system
+    rewrites or refuses (control characters, / \\ : * ? " < > |, look-alike slashes and dots, "..",
+    a leading or trailing space, a trailing dot), at most 255 bytes."""
+    try:
+        raw = name.encode("utf-8")
+    except UnicodeEncodeError:      # lone surrogates
+        return False
+    if not name or len(raw) > 255:
+        return False
+    for ch in name:
+        c = ord(ch)
+        if (c <= 0x1F or c == 0x7F or 0x80 <= c <= 0x9F or c in (0xFF0E, 0x2215, 0x2216, 0xFFFD, 0xFEFF)
+                or 0xD800 <= c <= 0xDFFF or ch in '/\\:*?"<>|'):
+            return False
+    return not (name[0] == " " or name[-1] in " ." or ".." in name or name == ".")
 
 
 def bad_request(message: str) -> ApiError:
@@ -601,7 +621,8 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
                render_chat: Optional[Callable] = None, chat_template: Optional[str] = None,
                api_key: Optional[str | list[str]] = None, default_n_predict: int = -1,
                default_sampling: Optional[dict] = None, log_requests: bool = True, verbose: bool = False,
-               metrics: bool = False, reasoning_format: str = "deepseek") -> FastAPI:
+               metrics: bool = False, reasoning_format: str = "deepseek", slots_endpoint: bool = True,
+               slot_save_path: Optional[str] = None) -> FastAPI:
     """The FastAPI app serving `engine` (a started ServingEngine or anything with its interface).
 
     model: the loaded model (tokenizer, GGUF metadata); default `engine.model`.
@@ -613,6 +634,8 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
     gives none, as llama-server does.
     verbose: also log each request's body and response body (ik's `VERB ... request` lines).
     metrics: serve /metrics (--metrics).
+    slots_endpoint: serve GET /slots (false: --no-slots, answered 501).
+    slot_save_path: --slot-save-path, the folder of slot save files; POST /slots/{id} exists only with it.
     reasoning_format: --reasoning-format, the chat answers' default split of <think> text into
     message.reasoning_content ("none", "auto", "deepseek", "deepseek-legacy"; ik's default deepseek).
     """
@@ -1008,7 +1031,50 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
 
     @app.get("/slots")
     async def slots():
-        return [{"n_ctx": n_ctx_slot, **s} for s in engine.slots_info()]
+        if not slots_endpoint:
+            raise ApiError(501, "This server does not support slots endpoint.", "not_supported_error")
+        out = []
+        for s in engine.slots_info():
+            # ik's fields: the slot's generation settings, then id, id_task, state, prompt, next_token
+            params = s.get("params")
+            if params is None:
+                params = sampling_params({})
+            d = generation_settings(params, s.get("n_predict", default_n_predict), s.get("stop", []), False)
+            d.update({"id": s["id"], "id_task": s.get("id_task", -1), "state": s.get("state", int(s["is_processing"])),
+                      "is_processing": s["is_processing"]})
+            d["prompt"] = engine.detokenize(s["prompt_tokens"]) if s.get("prompt_tokens") else ""
+            d["next_token"] = s.get("next_token", {"has_next_token": s["is_processing"], "n_remain": -1, "n_decoded": 0,
+                                                   "stopped_eos": False, "stopped_word": False, "stopped_limit": False,
+                                                   "stopping_word": ""})
+            out.append(d)
+        return out
+
+    if slot_save_path:
+        from engine.serving import SlotError
+
+        @app.post("/slots/{id_slot}")
+        async def slots_action(request: Request, id_slot: str):
+            try:
+                n = int(id_slot.strip())
+            except ValueError:
+                raise bad_request("Invalid slot ID") from None
+            action = request.query_params.get("action", "")
+            if action not in ("save", "restore", "erase"):
+                raise bad_request("Invalid action")
+            path, out = "", {"id_slot": n}
+            if action != "erase":
+                body = await read_json(request)
+                filename = body.get("filename")
+                if not isinstance(filename, str):
+                    raise bad_request("'filename' is required: the name of the file in --slot-save-path")
+                if not valid_filename(filename):
+                    raise bad_request("Invalid filename")
+                path, out["filename"] = os.path.join(slot_save_path, filename), filename
+            try:
+                res = await asyncio.wrap_future(engine.slot_action(n, action, path))
+            except SlotError as e:
+                raise bad_request(str(e)) from None
+            return {**out, **res}
 
     @app.get("/props")
     async def props():

@@ -83,6 +83,8 @@ def server(
     api_key: List[str] = typer.Option([], "--api-key", help="require this key (Authorization: Bearer KEY) on all endpoints but /health and /v1/models; repeatable"),
     api_key_file: Optional[str] = typer.Option(None, "--api-key-file", help="a file of API keys, one per line (added to --api-key's)"),
     metrics: bool = typer.Option(False, "--metrics", help="enable the Prometheus-compatible /metrics endpoint"),
+    no_slots: bool = typer.Option(False, "--no-slots", help="disable the GET /slots monitoring endpoint (it answers 501)"),
+    slot_save_path: Optional[str] = typer.Option(None, "--slot-save-path", help="folder for slot save files: enables POST /slots/{id}?action=save|restore|erase"),
     jinja: bool = typer.Option(False, "--jinja", help="use the Jinja chat template (ikcli always does: the GGUF's, or --chat-template-file)"),
     chat_template_file: Optional[str] = typer.Option(None, "--chat-template-file", help="Jinja chat template to use instead of the GGUF's tokenizer.chat_template"),
     reasoning_format: str = typer.Option("deepseek", "--reasoning-format", help="chat answers: where <think>...</think> text goes: 'none' leaves it in message.content; 'deepseek' or 'auto' puts it in message.reasoning_content (streamed deltas too); 'deepseek-legacy' also keeps the tags in content, and streams them inline (default: deepseek)"),
@@ -155,7 +157,8 @@ def server(
         app = create_app(engine, m, model_path=path, alias=alias or os.path.basename(path), chat_template=template,
                          api_key=keys or None, default_n_predict=n_predict, default_sampling=sampling,
                          verbose=verbose or verbosity > 0, metrics=metrics,
-                         reasoning_format=reasoning_format)
+                         reasoning_format=reasoning_format, slots_endpoint=not no_slots,
+                         slot_save_path=slot_save_path or None)
         server_log("INFO", "main", "model loaded")
         bound_host, bound_port = sock.getsockname()[:2]
         info = {"hostname": host, "port": str(bound_port), "n_threads_http": "1"}

@@ -1560,3 +1560,124 @@ def test_chat_reasoning_forced_open_and_server_default():
     finally:
         srv.stop()
         none.stop()
+
+
+# ============================================================================ slots: /slots, erase, save, restore
+
+def test_slot_filename_validation_and_routes(fake, tmp_path):
+    """llama.cpp's fs_validate_filename; /slots 501 with --no-slots; POST /slots/{id} exists only with
+    --slot-save-path (404 otherwise, as llama-server registers it only then)."""
+    from ikcli.server_app import valid_filename
+    for ok in ("a", "slot0.bin", "x y", "é.bin", "a.b.c"):
+        assert valid_filename(ok), ok
+    for bad in ("", ".", "..", "a..b", "a/b", "a\\b", "c:x", "a*", "a?", 'a"', "a<", "a>", "a|", " a", "a ", "a.",
+                "a\x01", "a\x7f", "a\u0085", "a\uff0e", "a\u2215", "a\u2216", "a\ufffd", "\ufeffa", "a\ud800",
+                "x" * 256):
+        assert not valid_filename(bad), repr(bad)
+    assert httpx.post(fake.base + "/slots/0?action=erase").status_code == 404
+    off = ServerThread(_fake_app(FakeEngine(), log_requests=False, slots_endpoint=False))
+    try:
+        assert_error(httpx.get(off.base + "/slots"), 501, "not_supported_error", "does not support slots endpoint")
+    finally:
+        off.stop()
+
+
+@pytest.fixture(scope="module")
+def slotsrv(tmp_path_factory):
+    """The real ServingEngine (2 slots of 128 cells) behind an app with --slot-save-path."""
+    if _serving_available():
+        pytest.skip(_serving_available())
+    from engine.config import EngineConfig
+    from engine.model import load_model, quiet_log
+    from engine.serving import ServingEngine
+    from ikcli.defaults import demo_model
+    d = tmp_path_factory.mktemp("slots")
+    m = load_model(demo_model(), quiet_log)
+    eng = ServingEngine(m, EngineConfig(demo_model(), n_ctx=256, n_threads=2), 2, quiet_log)
+    eng.start()
+    srv = ServerThread(create_app(eng, m, model_path=demo_model(), log_requests=False, slot_save_path=str(d)))
+    yield SimpleNamespace(base=srv.base, engine=eng, dir=d)
+    srv.stop()
+    eng.shutdown()
+
+
+def _slot_post(base: str, id_slot, action: str, body=None):
+    return httpx.post(f"{base}/slots/{id_slot}?action={action}", json=body, timeout=60)
+
+
+@real
+def test_real_slots_fields_and_action_errors(slotsrv):
+    base = slotsrv.base
+    d = httpx.post(base + "/completion", json={"prompt": "ROMEO: what light", "n_predict": 3, "temperature": 0,
+                                               "stop": ["zzz"], "top_k": 7}, timeout=60).json()
+    slots = httpx.get(base + "/slots").json()
+    assert [s["id"] for s in slots] == [0, 1]
+    s = slots[d["id_slot"]]
+    assert s["n_ctx"] == 128 and s["state"] == 0 and s["is_processing"] is False and s["id_task"] >= 0
+    assert s["top_k"] == 7 and s["temperature"] == 0 and s["stop"] == ["zzz"] and s["max_tokens"] == 3
+    assert s["prompt"].endswith("ROMEO: what light")
+    assert s["next_token"] == {"has_next_token": False, "n_remain": 0, "n_decoded": 3, "stopped_eos": False,
+                               "stopped_word": False, "stopped_limit": True, "stopping_word": ""}
+    assert_error(_slot_post(base, "x", "erase"), 400, contains="Invalid slot ID")
+    assert_error(_slot_post(base, 2, "erase"), 400, contains="Invalid slot ID")
+    assert_error(_slot_post(base, 0, "wipe"), 400, contains="Invalid action")
+    assert_error(_slot_post(base, 0, "save", {"filename": "../x"}), 400, contains="Invalid filename")
+    assert_error(_slot_post(base, 0, "save", {}), 400, contains="filename")
+    assert_error(_slot_post(base, 0, "restore", {"filename": "missing.bin"}), 400, contains="Unable to restore slot")
+    (slotsrv.dir / "junk.bin").write_bytes(b"not a slot file")
+    assert_error(_slot_post(base, 0, "restore", {"filename": "junk.bin"}), 400, contains="Unable to restore slot")
+    n_cells = d["tokens_evaluated"] + d["tokens_predicted"] - 1      # the last sampled token is never fed
+    assert _slot_post(base, d["id_slot"], "erase").json() == {"id_slot": d["id_slot"], "n_erased": n_cells}
+    assert _slot_post(base, d["id_slot"], "erase").json() == {"id_slot": d["id_slot"], "n_erased": 0}
+
+
+@real
+def test_real_slot_save_restore_continues_exactly(slotsrv):
+    """A slot saved, erased and restored (into the other slot) serves the next request exactly as the
+    never-saved cache did: same tokens, the same prefix reused (cached_tokens)."""
+    base = slotsrv.base
+    for i in (0, 1):
+        _slot_post(base, i, "erase").raise_for_status()
+    head = "ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet"
+    first = httpx.post(base + "/completion", json={"prompt": head, "n_predict": 4, "temperature": 0}, timeout=60).json()
+    src = first["id_slot"]
+    saved = _slot_post(base, src, "save", {"filename": "romeo.slot"}).json()
+    n = first["tokens_evaluated"] + first["tokens_predicted"] - 1
+    assert saved["id_slot"] == src and saved["filename"] == "romeo.slot" and saved["n_saved"] == n
+    assert saved["n_written"] == os.path.getsize(slotsrv.dir / "romeo.slot") > 0 and saved["timings"]["save_ms"] >= 0
+    body = {"model": "demo", "prompt": head + " is the sun.", "max_tokens": 12, "temperature": 0}
+
+    def ask() -> tuple[str, int, int]:
+        r = httpx.post(base + "/v1/completions", json=body, timeout=60).json()
+        return r["choices"][0]["text"], r["usage"]["prompt_tokens_details"]["cached_tokens"], r["usage"]["prompt_tokens"]
+
+    ref_text, ref_cached, n_prompt = ask()              # served from the never-saved cache
+    assert 16 <= ref_cached < n_prompt
+    for i in (0, 1):
+        _slot_post(base, i, "erase").raise_for_status()
+    assert ask()[1] == 0                                # nothing cached any more
+    for i in (0, 1):
+        _slot_post(base, i, "erase").raise_for_status()
+    dst = 1 - src
+    restored = _slot_post(base, dst, "restore", {"filename": "romeo.slot"}).json()
+    assert restored["id_slot"] == dst and restored["filename"] == "romeo.slot" and restored["n_restored"] == n
+    assert restored["n_read"] == saved["n_written"] and restored["timings"]["restore_ms"] >= 0
+    text, cached, _ = ask()
+    assert (text, cached) == (ref_text, ref_cached)
+
+
+@real
+def test_real_slot_action_waits_for_a_busy_slot(slotsrv):
+    """An action on a busy slot is deferred until the slot is free (as ik), then sees its whole cache."""
+    base = slotsrv.base
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(httpx.post(base + "/completion", json={
+        "prompt": "JULIET: O Romeo, Romeo", "n_predict": 100, "temperature": 0, "ignore_eos": True}, timeout=60).json()))
+    t.start()
+    wait_until(lambda: any(s["is_processing"] for s in httpx.get(base + "/slots").json()), 30, "a busy slot")
+    busy = next(s for s in httpx.get(base + "/slots").json() if s["is_processing"])
+    assert busy["state"] == 1 and busy["next_token"]["has_next_token"] is True
+    r = _slot_post(base, busy["id"], "erase").json()
+    t.join(60)
+    assert out["id_slot"] == busy["id"] and out["tokens_predicted"] == 100
+    assert r == {"id_slot": busy["id"], "n_erased": out["tokens_evaluated"] + 100 - 1}
