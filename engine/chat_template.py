@@ -35,9 +35,10 @@ from __future__ import annotations
 import datetime as _dt
 import json
 from functools import lru_cache
-from typing import Any
+from typing import Any, Callable, Optional
 
-__all__ = ["render_chat", "normalize_messages", "render_chatml", "CHATML", "GGUF"]
+__all__ = ["render_chat", "normalize_messages", "render_chatml", "CHATML", "GGUF", "BUILTIN_TEMPLATES",
+           "builtin_template_names", "render_builtin", "builtin_renderer"]
 
 #: name returned by :func:`render_chat` when the GGUF's own template was used
 GGUF = "gguf"
@@ -334,3 +335,259 @@ def render_chat(messages: list[dict], template: str | None, bos_token: str = "",
     if strip_bos and bos_token and text.startswith(bos_token):
         text = text[len(bos_token):]
     return text, used
+
+
+# ---------------------------------------------------------------------------
+# llama.cpp's built-in (non-Jinja) chat formats, selected by name
+# ---------------------------------------------------------------------------
+# These follow ik_llama.cpp's hard-coded formatter (the one behind `--chat-template NAME`
+# without --jinja): the messages are used as given (no system-message merging, no BOS/EOS,
+# no date headers), content parts joined with "\n" as normalize_messages() does.
+
+_ASCII_WS = " \t\n\v\f\r"
+
+
+def _trim(text: str) -> str:
+    """ik's trim(): strips ASCII whitespace only (a non-ASCII space is kept)."""
+    return text.strip(_ASCII_WS)
+
+
+def _content(m: dict) -> str:
+    return m.get("content") or ""
+
+
+class _Turns:
+    """A format that writes each message as ``before + content + after`` looked up by role.
+
+    turns: role -> (before, after); ``"*"`` is the entry for any other role (without it,
+    such messages are left out).  ``{role}``, ``{Role}`` and ``{ROLE}`` in the strings are
+    the role as given, capitalized and upper-cased.  trim: roles whose content is trimmed
+    (``True``: all).  prefix: written first; gen: the generation prompt.
+    """
+
+    def __init__(self, turns: dict, gen: str = "", prefix: str = "", trim: Any = False):
+        self.turns, self.gen, self.prefix, self.trim = turns, gen, prefix, trim
+
+    def __call__(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        out = [self.prefix]
+        for m in messages:
+            role = m["role"]
+            pair = self.turns.get(role, self.turns.get("*"))
+            if pair is None:
+                continue
+            text = _content(m)
+            if self.trim is True or (self.trim and role in self.trim):
+                text = _trim(text)
+            names = {"role": role, "Role": role[:1].upper() + role[1:], "ROLE": role.upper()}
+            out.append(pair[0].format(**names) + text + pair[1].format(**names))
+        if add_generation_prompt:
+            out.append(self.gen)
+        return "".join(out)
+
+
+def _mistral(leading: str, trailing: str, trim_assistant: bool):
+    """mistral-v1 / v3 / v3-tekken: [INST] opens a turn, an assistant message closes it."""
+    def render(messages: list[dict], add_generation_prompt: bool) -> str:
+        out, inside = [], False
+        for m in messages:
+            if not inside:
+                out.append(f"{leading}[INST]{trailing}")
+                inside = True
+            role, text = m["role"], _content(m)
+            if role == "system":
+                out.append(text + "\n\n")
+            elif role == "user":
+                out.append(f"{text}{leading}[/INST]")
+            else:
+                out.append(trailing + (_trim(text) if trim_assistant else text) + "</s>")
+                inside = False
+        return "".join(out)   # no generation prompt: the open [INST] turn is the prompt
+    return render
+
+
+def _mistral_v7(messages: list[dict], add_generation_prompt: bool) -> str:
+    marks = {"system": ("[SYSTEM_PROMPT] ", "[/SYSTEM_PROMPT]"), "user": ("[INST] ", "[/INST]")}
+    out = []
+    for m in messages:
+        before, after = marks.get(m["role"], (" ", "</s>"))
+        out.append(before + _content(m) + after)
+    return "".join(out)   # no generation prompt
+
+
+def _llama2(system: bool, bos_inside: bool = False, strip: bool = False):
+    """llama2 and its -sys / -sys-bos / -sys-strip variants (the first [INST] has no BOS)."""
+    def render(messages: list[dict], add_generation_prompt: bool) -> str:
+        out, inside = ["[INST] "], True
+        for m in messages:
+            role, text = m["role"], _content(m)
+            if strip:
+                text = _trim(text)
+            if not inside:
+                inside = True
+                out.append("<s>[INST] " if bos_inside else "[INST] ")
+            if role == "system":
+                out.append(f"<<SYS>>\n{text}\n<</SYS>>\n\n" if system else text + "\n")
+            elif role == "user":
+                out.append(text + " [/INST]")
+            else:
+                out.append(text + "</s>")
+                inside = False
+        return "".join(out)
+    return render
+
+
+def _merge_system(head: Callable[[str], str], tail: str, model_turn: Callable[[str], str],
+                  is_model: Callable[[str], bool], gen: str, trim: bool):
+    """Formats without a system role (gemma, orion): the last system text goes in front of the
+    next message that is not a model turn, followed by a blank line."""
+    def render(messages: list[dict], add_generation_prompt: bool) -> str:
+        out, system = [], ""
+        for m in messages:
+            role, text = m["role"], _content(m)
+            text = _trim(text) if trim else text
+            if role == "system":
+                system = text
+            elif is_model(role):
+                out.append(model_turn(text))
+            else:
+                out.append(head(role) + (system + "\n\n" if system else "") + text + tail)
+                system = ""
+        if add_generation_prompt:
+            out.append(gen)
+        return "".join(out)
+    return render
+
+
+def _monarch(messages: list[dict], add_generation_prompt: bool) -> str:
+    out = [("" if i == 0 else "<s>") + f"{m['role']}\n{_content(m)}</s>\n" for i, m in enumerate(messages)]
+    if add_generation_prompt:
+        out.append("<s>assistant\n")
+    return "".join(out)
+
+
+def _gigachat(messages: list[dict], add_generation_prompt: bool) -> str:
+    has_system = bool(messages) and messages[0]["role"] == "system"
+    out = ["<s>" + (_content(messages[0]) + "<|message_sep|>" if has_system else "")]
+    for m in messages[1 if has_system else 0:]:
+        if m["role"] == "user":
+            out.append(f"user<|role_sep|>{_content(m)}<|message_sep|>available functions<|role_sep|>[]<|message_sep|>")
+        elif m["role"] == "assistant":
+            out.append(f"assistant<|role_sep|>{_content(m)}<|message_sep|>")
+    if add_generation_prompt:
+        out.append("assistant<|role_sep|>")
+    return "".join(out)
+
+
+_BAILING = {"user": ("<role>HUMAN</role>", ""), "*": ("<role>{ROLE}</role>", "")}
+_BAILING2 = _Turns({"user": ("<role>HUMAN</role>", "<|role_end|>"), "*": ("<role>{ROLE}</role>", "<|role_end|>")},
+                   gen="<role>ASSISTANT</role>")
+
+
+def _bailing2(messages: list[dict], add_generation_prompt: bool) -> str:
+    lead = "" if messages and messages[0]["role"] == "system" else \
+        "<role>SYSTEM</role>detailed thinking off<|role_end|>"
+    return lead + _BAILING2(messages, add_generation_prompt)
+
+
+_DEEPSEEK_EOS = "<｜end▁of▁sentence｜>"
+
+#: ik_llama.cpp's built-in chat formats by their `--chat-template` names
+BUILTIN_TEMPLATES: dict[str, Callable[[list[dict], bool], str]] = {
+    "chatml": _Turns({"*": ("<|im_start|>{role}\n", "<|im_end|>\n")}, gen="<|im_start|>assistant\n"),
+    "llama2": _llama2(system=False),
+    "llama2-sys": _llama2(system=True),
+    "llama2-sys-bos": _llama2(system=True, bos_inside=True),
+    "llama2-sys-strip": _llama2(system=True, strip=True),
+    "mistral-v1": _mistral(" ", " ", False),
+    "mistral-v3": _mistral("", " ", True),
+    "mistral-v3-tekken": _mistral("", "", False),
+    "mistral-v7": _mistral_v7,
+    "phi3": _Turns({"*": ("<|{role}|>\n", "<|end|>\n")}, gen="<|assistant|>\n"),
+    "falcon3": _Turns({"*": ("<|{role}|>\n", "\n")}, gen="<|assistant|>\n"),
+    "falcon_e": _Turns({"*": ("{role}", "\n")}, gen="assistant\n"),
+    "zephyr": _Turns({"*": ("<|{role}|>\n", "<|endoftext|>\n")}, gen="<|assistant|>\n"),
+    "monarch": _monarch,
+    "gemma": _merge_system(lambda r: f"<start_of_turn>{r}\n", "<end_of_turn>\n",
+                           lambda t: f"<start_of_turn>model\n{t}<end_of_turn>\n", lambda r: r == "assistant",
+                           "<start_of_turn>model\n", True),
+    "orion": _merge_system(lambda r: "Human: ", "\n\nAssistant: </s>", lambda t: t + "</s>",
+                           lambda r: r != "user", "", False),
+    "openchat": _Turns({"system": ("", "<|end_of_turn|>"), "*": ("GPT4 Correct {Role}: ", "<|end_of_turn|>")},
+                       gen="GPT4 Correct Assistant:"),
+    "vicuna": _Turns({"system": ("", "\n\n"), "user": ("USER: ", "\n"), "assistant": ("ASSISTANT: ", "</s>\n")},
+                     gen="ASSISTANT:"),
+    "vicuna-orca": _Turns({"system": ("SYSTEM: ", "\n"), "user": ("USER: ", "\n"),
+                           "assistant": ("ASSISTANT: ", "</s>\n")}, gen="ASSISTANT:"),
+    "deepseek": _Turns({"system": ("", ""), "user": ("### Instruction:\n", "\n"),
+                        "assistant": ("### Response:\n", "\n<|EOT|>\n")}, gen="### Response:\n"),
+    "deepseek2": _Turns({"system": ("", "\n\n"), "user": ("User: ", "\n\n"),
+                         "assistant": ("Assistant: ", _DEEPSEEK_EOS)}, gen="Assistant:"),
+    "deepseek3": _Turns({"system": ("", "\n\n"), "user": ("<｜User｜>", ""),
+                         "assistant": ("<｜Assistant｜>", _DEEPSEEK_EOS)}, gen="<｜Assistant｜>"),
+    "command-r": _Turns({"system": ("<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>", "<|END_OF_TURN_TOKEN|>"),
+                         "user": ("<|START_OF_TURN_TOKEN|><|USER_TOKEN|>", "<|END_OF_TURN_TOKEN|>"),
+                         "assistant": ("<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>", "<|END_OF_TURN_TOKEN|>")},
+                        gen="<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>", trim=True),
+    "llama3": _Turns({"*": ("<|start_header_id|>{role}<|end_header_id|>\n\n", "<|eot_id|>")},
+                     gen="<|start_header_id|>assistant<|end_header_id|>\n\n", trim=True),
+    "chatglm3": _Turns({"*": ("<|{role}|>\n ", "")}, gen="<|assistant|>", prefix="[gMASK]sop"),
+    "chatglm4": _Turns({"*": ("<|{role}|>\n", "")}, gen="<|assistant|>", prefix="[gMASK]<sop>"),
+    "minicpm": _Turns({"user": ("<用户>", "<AI>"), "*": ("", "")}, trim=True),
+    "exaone3": _Turns({"system": ("[|system|]", "[|endofturn|]\n"), "user": ("[|user|]", "\n"),
+                       "assistant": ("[|assistant|]", "[|endofturn|]\n")}, gen="[|assistant|]", trim=True),
+    "rwkv-world": _Turns({"user": ("User: ", "\n\nAssistant:"), "*": ("", "\n\n")}),
+    "granite": _Turns({"assistant_tool_call": ("<|start_of_role|>{role}<|end_of_role|><|tool_call|>", "<|end_of_text|>\n"),
+                       "*": ("<|start_of_role|>{role}<|end_of_role|>", "<|end_of_text|>\n")},
+                      gen="<|start_of_role|>assistant<|end_of_role|>\n"),
+    "gigachat": _gigachat,
+    "megrez": _Turns({"*": ("<|role_start|>{role}<|role_end|>", "<|turn_end|>")},
+                     gen="<|role_start|>assistant<|role_end|>"),
+    "llama4": _Turns({"*": ("<|header_start|>{role}<|header_end|>\n\n", "<|eot|>")},
+                     gen="<|header_start|>assistant<|header_end|>\n\n", trim=True),
+    "hunyuan-moe": _Turns({"system": ("<|startoftext|>", "<|extra_4|>"), "assistant": ("<|startoftext|>", "<|eos|>"),
+                           "*": ("<|startoftext|>", "<|extra_0|>")}),
+    # ik's kimi-k2 formatter labels user turns "assistant" and assistant turns "user" (sic);
+    # kept as ik writes it, so prompts equal ik's
+    "kimi-k2": _Turns({"system": ("<|im_system|>system<|im_middle|>", "<|im_end|>"),
+                       "assistant": ("<|im_user|>user<|im_middle|>", "<|im_end|>"),
+                       "*": ("<|im_assistant|>assistant<|im_middle|>", "<|im_end|>")},
+                      gen="<|im_assistant|>assistant<|im_middle|>"),
+    "gpt-oss": _Turns({"assistant": ("<|start|>{role}<|message|>", "<|return|>"),
+                       "*": ("<|start|>{role}<|message|>", "<|end|>")}, gen="<|start|>assistant"),
+    "bitnet": _Turns({"system": ("System: ", ""), "user": ("User: ", "<|eot_id|>Assistant: "), "*": ("", "")}),
+    "grok-2": _Turns({"system": ("System: ", "<|separator|>\n\n"), "user": ("Human: ", "<|separator|>\n\n"),
+                      "assistant": ("Assistant: ", "<|separator|>\n\n")}, gen="Assistant:", trim={"system", "user"}),
+    "bailing": _Turns(_BAILING, gen="<role>ASSISTANT</role>"),
+    "bailing-think": _Turns(_BAILING, gen="<role>ASSISTANT</role><think>"),
+    "bailing2": _bailing2,
+    "seed_oss": _Turns({"*": ("<seed:bos>{role}\n", "<seed:eos>")}, gen="<seed:bos>assistant\n", trim={"assistant"}),
+}
+BUILTIN_TEMPLATES["deepseek4"] = BUILTIN_TEMPLATES["deepseek3"]   # ik: an alias
+
+
+def builtin_template_names() -> list[str]:
+    """The names `--chat-template` accepts as built-in formats, sorted (as ik lists them)."""
+    return sorted(BUILTIN_TEMPLATES)
+
+
+def render_builtin(name: str, messages: Any, add_generation_prompt: bool = True) -> str:
+    """Render OpenAI chat ``messages`` with ik's built-in format ``name`` (messages validated
+    by :func:`normalize_messages`; no work-arounds).  Unknown name: ``ValueError`` listing the names."""
+    fmt = BUILTIN_TEMPLATES.get(name)
+    if fmt is None:
+        raise ValueError(f"unknown built-in chat template '{name}'; valid names: "
+                         + ", ".join(builtin_template_names()))
+    return fmt(normalize_messages(messages), bool(add_generation_prompt))
+
+
+def builtin_renderer(name: str) -> Callable[..., tuple[str, str]]:
+    """A drop-in for :func:`render_chat` that ignores the template/BOS/EOS arguments and renders
+    the built-in format ``name`` (what the server uses for ``--chat-template NAME``)."""
+    if name not in BUILTIN_TEMPLATES:
+        render_builtin(name, [{"role": "user", "content": ""}])   # raises the listing error
+
+    def render(messages: Any, template: Any = None, bos_token: str = "", eos_token: str = "",
+               add_generation_prompt: bool = True, *, extra_vars: Optional[dict] = None,
+               **_ignored: Any) -> tuple[str, str]:
+        return render_builtin(name, messages, add_generation_prompt), name
+    return render

@@ -86,6 +86,7 @@ def server(
     no_slots: bool = typer.Option(False, "--no-slots", help="disable the GET /slots monitoring endpoint (it answers 501)"),
     slot_save_path: Optional[str] = typer.Option(None, "--slot-save-path", help="folder for slot save files: enables POST /slots/{id}?action=save|restore|erase"),
     jinja: bool = typer.Option(False, "--jinja", help="use the Jinja chat template (ikcli always does: the GGUF's, or --chat-template-file)"),
+    chat_template: Optional[str] = typer.Option(None, "--chat-template", help="ik's built-in chat format by name (chatml, llama3, gemma, mistral-v7, deepseek3, ...; a wrong name lists them all) instead of the GGUF's template; with --jinja, a value that is no built-in name is a Jinja template"),
     chat_template_file: Optional[str] = typer.Option(None, "--chat-template-file", help="Jinja chat template to use instead of the GGUF's tokenizer.chat_template"),
     reasoning_format: str = typer.Option("deepseek", "--reasoning-format", help="chat answers: where <think>...</think> text goes: 'none' leaves it in message.content; 'deepseek' or 'auto' puts it in message.reasoning_content (streamed deltas too); 'deepseek-legacy' also keeps the tags in content, and streams them inline (default: deepseek)"),
     cont_batching: bool = typer.Option(True, "-cb/-nocb", "--cont-batching/--no-cont-batching", help="continuous batching: the slots' tokens decode together (always on in ikcli; -nocb is refused)"),
@@ -125,7 +126,7 @@ def server(
                 keys += [ln.rstrip("\r\n") for ln in fh if ln.rstrip("\r\n")]
         except OSError as e:
             raise CliError(f"failed to open file '{api_key_file}': {e.strerror}") from None
-    template = None
+    template, render = _builtin_or_jinja(chat_template, jinja, chat_template_file)
     if chat_template_file is not None:
         try:
             with open(chat_template_file, encoding="utf-8") as fh:
@@ -155,7 +156,7 @@ def server(
         engine = ServingEngine(m, cfg, parallel, common.log, common.new_context(m, cfg, flags, n_seq=parallel))
         engine.start()
         app = create_app(engine, m, model_path=path, alias=alias or os.path.basename(path), chat_template=template,
-                         api_key=keys or None, default_n_predict=n_predict, default_sampling=sampling,
+                         render_chat=render, api_key=keys or None, default_n_predict=n_predict, default_sampling=sampling,
                          verbose=verbose or verbosity > 0, metrics=metrics,
                          reasoning_format=reasoning_format, slots_endpoint=not no_slots,
                          slot_save_path=slot_save_path or None)
@@ -239,6 +240,30 @@ def _default_sampling(**given) -> dict:
         bad = next((f for k, f in _FLAG_OF.items() if f"'{k}'" in str(e)), "a sampling flag")
         raise CliError(f"{bad}: {e}") from None
     return given
+
+
+def _builtin_or_jinja(value: Optional[str], jinja: bool, template_file: Optional[str]):
+    """--chat-template VALUE -> (template for create_app, render_chat for create_app or None).
+
+    A name of ik's built-in formats selects that formatter (also with --jinja, where ik would read
+    the name as Jinja text); any other value is a Jinja template string with --jinja (checked by
+    rendering one user message, as ik does) and refused without it, listing the names."""
+    if value is None:
+        return None, None
+    from engine.chat_template import BUILTIN_TEMPLATES, builtin_renderer, builtin_template_names, render_chat
+    if template_file is not None:
+        raise CliError("give either --chat-template or --chat-template-file, not both")
+    if value in BUILTIN_TEMPLATES:
+        return value, builtin_renderer(value)
+    if not jinja:
+        raise CliError(f"the supplied chat template is not supported: {value}\n"
+                       f"built-in templates: {', '.join(builtin_template_names())} "
+                       f"(or give --jinja to use the value as a Jinja template)")
+    try:
+        render_chat([{"role": "user", "content": "test"}], value)
+    except ValueError as e:
+        raise CliError(f"the supplied chat template is not supported: {e}") from None
+    return value, None
 
 
 def _is_main_thread() -> bool:

@@ -17,6 +17,7 @@ Reference data:
 from __future__ import annotations
 
 import datetime
+import pathlib
 
 import pytest
 
@@ -776,3 +777,174 @@ def test_add_generation_prompt_and_tokens_are_visible():
     # with the polyfill, a template that never shows the system message gets it merged
     # into the first user message (as llama.cpp does): one message less
     assert _render(SHORT, tmpl, "<s>", "</s>")[0] == "<s>|</s>|True|3"
+
+
+# ---------------------------------------------------------------------------
+# built-in formats (`--chat-template NAME`, ik's hard-coded formatter)
+# ---------------------------------------------------------------------------
+# ik_llama.cpp's tests/test-chat-template.cpp `expected_output` values (the 6-message
+# CONVERSATION through its built-in formatter), keyed by the built-in each case's template
+# is detected as.  Left out: ChatGLM4 and granite, whose goldens there lack the trailing
+# "\n" that ik's formatter now writes after the generation prompt (stale in ik's test).
+IK_LEGACY_EXPECTED = {
+    'chatml': "<|im_start|>system\nYou are a helpful assistant<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\nHi there<|im_end|>\n<|im_start|>user\nWho are you<|im_end|>\n<|im_start|>assistant\n   I am an assistant   <|im_end|>\n<|im_start|>user\nAnother question<|im_end|>\n<|im_start|>assistant\n",
+    'llama2': "[INST] You are a helpful assistant\nHello [/INST]Hi there</s>[INST] Who are you [/INST]   I am an assistant   </s>[INST] Another question [/INST]",
+    'llama2-sys-bos': "[INST] <<SYS>>\nYou are a helpful assistant\n<</SYS>>\n\nHello [/INST]Hi there</s><s>[INST] Who are you [/INST]   I am an assistant   </s><s>[INST] Another question [/INST]",
+    'llama2-sys-strip': "[INST] <<SYS>>\nYou are a helpful assistant\n<</SYS>>\n\nHello [/INST]Hi there</s>[INST] Who are you [/INST]I am an assistant</s>[INST] Another question [/INST]",
+    'monarch': "system\nYou are a helpful assistant</s>\n<s>user\nHello</s>\n<s>assistant\nHi there</s>\n<s>user\nWho are you</s>\n<s>assistant\n   I am an assistant   </s>\n<s>user\nAnother question</s>\n<s>assistant\n",
+    'gemma': "<start_of_turn>user\nYou are a helpful assistant\n\nHello<end_of_turn>\n<start_of_turn>model\nHi there<end_of_turn>\n<start_of_turn>user\nWho are you<end_of_turn>\n<start_of_turn>model\nI am an assistant<end_of_turn>\n<start_of_turn>user\nAnother question<end_of_turn>\n<start_of_turn>model\n",
+    'orion': "Human: You are a helpful assistant\n\nHello\n\nAssistant: </s>Hi there</s>Human: Who are you\n\nAssistant: </s>   I am an assistant   </s>Human: Another question\n\nAssistant: </s>",
+    'openchat': "You are a helpful assistant<|end_of_turn|>GPT4 Correct User: Hello<|end_of_turn|>GPT4 Correct Assistant: Hi there<|end_of_turn|>GPT4 Correct User: Who are you<|end_of_turn|>GPT4 Correct Assistant:    I am an assistant   <|end_of_turn|>GPT4 Correct User: Another question<|end_of_turn|>GPT4 Correct Assistant:",
+    'deepseek': "You are a helpful assistant### Instruction:\nHello\n### Response:\nHi there\n<|EOT|>\n### Instruction:\nWho are you\n### Response:\n   I am an assistant   \n<|EOT|>\n### Instruction:\nAnother question\n### Response:\n",
+    'vicuna': "You are a helpful assistant\n\nUSER: Hello\nASSISTANT: Hi there</s>\nUSER: Who are you\nASSISTANT:    I am an assistant   </s>\nUSER: Another question\nASSISTANT:",
+    'vicuna-orca': "SYSTEM: You are a helpful assistant\nUSER: Hello\nASSISTANT: Hi there</s>\nUSER: Who are you\nASSISTANT:    I am an assistant   </s>\nUSER: Another question\nASSISTANT:",
+    'command-r': "<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>You are a helpful assistant<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|USER_TOKEN|>Hello<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>Hi there<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|USER_TOKEN|>Who are you<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>I am an assistant<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|USER_TOKEN|>Another question<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>",
+    'llama3': "<|start_header_id|>system<|end_header_id|>\n\nYou are a helpful assistant<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHello<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nHi there<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nWho are you<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nI am an assistant<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nAnother question<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+    'phi3': "<|system|>\nYou are a helpful assistant<|end|>\n<|user|>\nHello<|end|>\n<|assistant|>\nHi there<|end|>\n<|user|>\nWho are you<|end|>\n<|assistant|>\n   I am an assistant   <|end|>\n<|user|>\nAnother question<|end|>\n<|assistant|>\n",
+    'chatglm3': "[gMASK]sop<|system|>\n You are a helpful assistant<|user|>\n Hello<|assistant|>\n Hi there<|user|>\n Who are you<|assistant|>\n    I am an assistant   <|user|>\n Another question<|assistant|>",
+    'minicpm': "You are a helpful assistant<用户>Hello<AI>Hi there<用户>Who are you<AI>I am an assistant<用户>Another question<AI>",
+    'deepseek2': "You are a helpful assistant\n\nUser: Hello\n\nAssistant: Hi there<｜end▁of▁sentence｜>User: Who are you\n\nAssistant:    I am an assistant   <｜end▁of▁sentence｜>User: Another question\n\nAssistant:",
+    'mistral-v1': " [INST] You are a helpful assistant\n\nHello [/INST] Hi there</s> [INST] Who are you [/INST]    I am an assistant   </s> [INST] Another question [/INST]",
+    'mistral-v3': "[INST] You are a helpful assistant\n\nHello[/INST] Hi there</s>[INST] Who are you[/INST] I am an assistant</s>[INST] Another question[/INST]",
+    'mistral-v3-tekken': "[INST]You are a helpful assistant\n\nHello[/INST]Hi there</s>[INST]Who are you[/INST]   I am an assistant   </s>[INST]Another question[/INST]",
+    'mistral-v7': "[SYSTEM_PROMPT] You are a helpful assistant[/SYSTEM_PROMPT][INST] Hello[/INST] Hi there</s>[INST] Who are you[/INST]    I am an assistant   </s>[INST] Another question[/INST]",
+    'gigachat': "<s>You are a helpful assistant<|message_sep|>user<|role_sep|>Hello<|message_sep|>available functions<|role_sep|>[]<|message_sep|>assistant<|role_sep|>Hi there<|message_sep|>user<|role_sep|>Who are you<|message_sep|>available functions<|role_sep|>[]<|message_sep|>assistant<|role_sep|>   I am an assistant   <|message_sep|>user<|role_sep|>Another question<|message_sep|>available functions<|role_sep|>[]<|message_sep|>assistant<|role_sep|>",
+    'megrez': "<|role_start|>system<|role_end|>You are a helpful assistant<|turn_end|><|role_start|>user<|role_end|>Hello<|turn_end|><|role_start|>assistant<|role_end|>Hi there<|turn_end|><|role_start|>user<|role_end|>Who are you<|turn_end|><|role_start|>assistant<|role_end|>   I am an assistant   <|turn_end|><|role_start|>user<|role_end|>Another question<|turn_end|><|role_start|>assistant<|role_end|>",
+    'bailing': "<role>SYSTEM</role>You are a helpful assistant<role>HUMAN</role>Hello<role>ASSISTANT</role>Hi there<role>HUMAN</role>Who are you<role>ASSISTANT</role>   I am an assistant   <role>HUMAN</role>Another question<role>ASSISTANT</role>",
+    'seed_oss': "<seed:bos>system\nYou are a helpful assistant<seed:eos><seed:bos>user\nHello<seed:eos><seed:bos>assistant\nHi there<seed:eos><seed:bos>user\nWho are you<seed:eos><seed:bos>assistant\nI am an assistant<seed:eos><seed:bos>user\nAnother question<seed:eos><seed:bos>assistant\n",
+}
+
+SHARED_TEMPLATES = pathlib.Path("/work/shared/templates")
+_needs_shared = pytest.mark.skipif(not SHARED_TEMPLATES.is_dir(), reason="no /work/shared/templates")
+
+
+def _shared(name: str) -> str:
+    return (SHARED_TEMPLATES / f"{name}.jinja").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("name", sorted(IK_LEGACY_EXPECTED))
+def test_builtin_matches_ik_goldens(name):
+    assert ct.render_builtin(name, CONVERSATION) == IK_LEGACY_EXPECTED[name]
+
+
+def test_builtin_names_cover_ik_table():
+    names = ct.builtin_template_names()
+    for required in ("chatml", "llama2", "llama2-sys", "mistral-v1", "mistral-v3", "mistral-v7", "llama3", "phi3",
+                     "zephyr", "gemma", "deepseek", "deepseek2", "deepseek3", "command-r", "vicuna", "openchat",
+                     "chatglm4", "kimi-k2", "gpt-oss"):
+        assert required in names
+    assert len(names) == 43 and names == sorted(names)   # all of ik's LLM_CHAT_TEMPLATES
+    assert ct.render_builtin("deepseek4", SHORT) == ct.render_builtin("deepseek3", SHORT)
+
+
+def test_builtin_generation_prompt_flag():
+    with_gen = ct.render_builtin("llama3", SHORT, True)
+    without = ct.render_builtin("llama3", SHORT, False)
+    assert with_gen == without + "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    # the mistral formats never add one (the open [INST] turn is the prompt)
+    assert ct.render_builtin("mistral-v7", SHORT, True) == ct.render_builtin("mistral-v7", SHORT, False)
+
+
+def test_builtin_trims_ascii_whitespace_only():
+    msgs = [{"role": "user", "content": "\u00a0 hi \t\n"}]
+    assert ct.render_builtin("llama3", msgs, False) == "<|start_header_id|>user<|end_header_id|>\n\n\u00a0 hi<|eot_id|>"
+
+
+def test_builtin_content_parts_and_unknown_roles():
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "tool", "content": "t"}]
+    # deepseek has no case for other roles: the tool message is left out, as in ik
+    assert ct.render_builtin("deepseek", msgs) == "### Instruction:\na\nb\n### Response:\n"
+    assert ct.render_builtin("chatml", msgs, False) == "<|im_start|>user\na\nb<|im_end|>\n<|im_start|>tool\nt<|im_end|>\n"
+
+
+def test_unknown_builtin_name_lists_valid_names():
+    with pytest.raises(ValueError) as e:
+        ct.render_builtin("llama-9", SHORT)
+    msg = str(e.value)
+    assert "unknown built-in chat template 'llama-9'" in msg and "chatml" in msg and "gpt-oss" in msg
+    with pytest.raises(ValueError, match="valid names"):
+        ct.builtin_renderer("nope")
+
+
+def test_builtin_renderer_is_a_render_chat_drop_in():
+    render = ct.builtin_renderer("phi3")
+    prompt, used = render(SHORT, "{{ ignored }}", "<s>", "</s>", True, extra_vars={"x": 1})
+    assert used == "phi3"
+    assert prompt == ct.render_builtin("phi3", SHORT)
+    with pytest.raises(ValueError, match="messages"):
+        render([], None)
+
+
+# --- against the real Jinja templates (render_chat) ------------------------------------------
+@_needs_shared
+def test_builtin_chatml_equals_qwen25_template():
+    assert ct.render_builtin("chatml", SHORT) == render_chat(SHORT, _shared("Qwen-Qwen2.5-7B-Instruct"))[0]
+
+
+@_needs_shared
+def test_builtin_llama3_vs_llama33_template(monkeypatch):
+    # documented difference: the Jinja template writes BOS and the date header into the system turn
+    monkeypatch.setattr(ct, "_now", lambda: datetime.datetime(2024, 7, 26))
+    jinja = render_chat(SHORT, _shared("meta-llama-Llama-3.3-70B-Instruct"), "<|begin_of_text|>")[0]
+    builtin = ct.render_builtin("llama3", SHORT)
+    header = "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n"
+    assert jinja == "<|begin_of_text|>" + builtin.replace("\n\nYou are", "\n\n" + header + "You are", 1)
+
+
+@_needs_shared
+def test_builtin_gemma_vs_gemma2_template():
+    template = _shared("google-gemma-2-2b-it")
+    # without a system message: equal but for the BOS the template writes
+    assert render_chat(SHORT[1:], template, "<bos>")[0] == "<bos>" + ct.render_builtin("gemma", SHORT[1:])
+    # with one: ik's builtin joins it to the user text with "\n\n", the --jinja polyfill with "\n"
+    jinja = render_chat(SHORT, template, "<bos>")[0]
+    builtin = ct.render_builtin("gemma", SHORT)
+    assert jinja == "<bos>" + builtin.replace("assistant\n\nHello", "assistant\nHello")
+
+
+@_needs_shared
+def test_builtin_deepseek3_vs_deepseek_v3_templates():
+    # documented difference: the templates write BOS and join the system text without "\n\n";
+    # V3.1 (thinking off) also opens each assistant turn with an empty think block
+    builtin = ct.render_builtin("deepseek3", SHORT)
+    plain = builtin.replace("assistant\n\n", "assistant", 1)
+    assert render_chat(SHORT, DEEPSEEK_V3, DS_BOS, DS_EOS)[0] == DS_BOS + plain
+    v31 = render_chat(SHORT, _shared("deepseek-ai-DeepSeek-V3.1"), DS_BOS, DS_EOS)[0]
+    assert v31 == DS_BOS + plain.replace("<｜Assistant｜>", "<｜Assistant｜><think></think>")
+
+
+@_needs_shared
+def test_builtin_mistral_v3_tekken_vs_mistral_nemo_template():
+    # ik detects Mistral-Nemo's template as mistral-v3-tekken; the template writes BOS and puts the
+    # system message in front of the LAST user message, the builtin in front of the first
+    template = _shared("mistralai-Mistral-Nemo-Instruct-2407")
+    assert render_chat(SHORT[1:], template, "<s>", "</s>")[0] == "<s>" + ct.render_builtin("mistral-v3-tekken", SHORT[1:])
+    moved = [SHORT[1], SHORT[2], SHORT[0], SHORT[3]]
+    assert render_chat(SHORT, template, "<s>", "</s>")[0] == "<s>" + ct.render_builtin("mistral-v3-tekken", moved)
+
+
+@_needs_shared
+def test_builtin_kimi_k2_vs_kimi_template():
+    # ik's kimi-k2 formatter swaps the user/assistant turn labels (sic, kept for equal prompts);
+    # with the labels swapped back it equals the real template
+    builtin = ct.render_builtin("kimi-k2", SHORT, False)
+    user, asst = "<|im_user|>user<|im_middle|>", "<|im_assistant|>assistant<|im_middle|>"
+    fixed = builtin.replace(user, "\0").replace(asst, user).replace("\0", asst)
+    assert render_chat(SHORT, _shared("Kimi-K2-Instruct"), add_generation_prompt=False)[0] == fixed
+    assert ct.render_builtin("kimi-k2", SHORT).endswith(asst)
+    assert render_chat(SHORT, _shared("Kimi-K2-Instruct"))[0].endswith(asst)
+
+
+@_needs_shared
+def test_builtin_gpt_oss_vs_harmony_template(monkeypatch):
+    # documented difference: the builtin is a bare Harmony layout (no model-identity system preamble,
+    # system text not moved to a developer message, no channel, <|return|> after assistant turns)
+    monkeypatch.setattr(ct, "_now", lambda: datetime.datetime(2024, 7, 26))
+    jinja = render_chat(SHORT, _shared("openai-gpt-oss-120b"))[0]
+    builtin = ct.render_builtin("gpt-oss", SHORT)
+    tail = "<|start|>user<|message|>Who are you<|end|><|start|>assistant"
+    assert jinja.endswith(tail) and builtin.endswith(tail)
+    assert "<|start|>assistant<|channel|>final<|message|>Hi there<|end|>" in jinja
+    assert "<|start|>assistant<|message|>Hi there<|return|>" in builtin
+    assert builtin.startswith("<|start|>system<|message|>You are a helpful assistant<|end|>")

@@ -772,6 +772,9 @@ def test_cli_errors_before_loading(capsys):
                           (["-np", "0"], "--parallel must be >= 1"),
                           (["--port", "70000"], "--port must be between 0 and 65535"),
                           (["--chat-template-file", "/no/such/file.jinja"], "cannot read chat template file"),
+                          (["--chat-template", "llama-9"], "the supplied chat template is not supported: llama-9"),
+                          (["--jinja", "--chat-template", "{% if %}"], "the supplied chat template is not supported"),
+                          (["--chat-template", "llama3", "--chat-template-file", "t.jinja"], "not both"),
                           (["--api-key-file", "/no/such/keys.txt"], "failed to open file '/no/such/keys.txt'"),
                           (["--top-p", "1.5"], "--top-p: Sampling parameter 'top_p' must be between 0 and 1"),
                           (["--repeat-penalty", "0"], "--repeat-penalty: Sampling parameter 'repeat_penalty' must be > 0"),
@@ -787,6 +790,28 @@ def test_cli_errors_before_loading(capsys):
             assert msg in capsys.readouterr().err
     finally:
         busy.close()
+
+
+def test_builtin_chat_template_name_replaces_the_gguf_template(capsys):
+    """--chat-template NAME: ik's built-in format is used for chat prompts instead of the GGUF's."""
+    from engine.chat_template import render_builtin
+    from ikcli.server_cmd import _builtin_or_jinja
+    template, render = _builtin_or_jinja("llama3", False, None)
+    srv = ServerThread(_fake_app(FakeEngine(), chat_template=template, render_chat=render, log_requests=False))
+    try:
+        msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": " hi "}]
+        r = httpx.post(srv.base + "/apply-template", json={"messages": msgs})
+        assert r.json() == {"prompt": render_builtin("llama3", msgs)}
+        assert r.json()["prompt"].endswith("user<|end_header_id|>\n\nhi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+        props = httpx.get(srv.base + "/props").json()
+        assert props["chat_template"] == "llama3" and props["chat_format"] == "llama3"
+    finally:
+        srv.stop()
+    # with --jinja, a value that is no built-in name is a Jinja template (ik's --jinja behaviour)
+    assert _builtin_or_jinja("{{ messages[0].content }}", True, None) == ("{{ messages[0].content }}", None)
+    assert _builtin_or_jinja(None, True, None) == (None, None)
+    with pytest.raises(Exception, match="chatml, command-r"):
+        _builtin_or_jinja("nope", False, None)
 
 
 def test_api_key():
