@@ -31,8 +31,8 @@ _FIRST_GUESS_S = 30.0           # no timing recorded here yet: the 2-core test V
 def sources_key() -> str:
     """Changes whenever a kernel source (a module that uses Numba), Numba or the CPU changes, i.e.
     whenever Numba's cache would miss."""
-    import numba
-    h = hashlib.sha1(f"{numba.__version__}|{platform.machine()}|{platform.processor()}".encode())
+    from importlib.metadata import version      # not `import numba`: ikcli --help computes this too
+    h = hashlib.sha1(f"{version('numba')}|{platform.machine()}|{platform.processor()}".encode())
     for d in _SOURCES:
         for p in sorted((_ROOT / d).glob("*.py")):
             text = p.read_bytes()

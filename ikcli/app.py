@@ -66,8 +66,6 @@ def _versioned_numba_cache() -> None:
     import time
     from pathlib import Path
 
-    import numba
-
     from engine.warmup import sources_key
     key = sources_key()
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ikcli" / "numba"
@@ -79,8 +77,10 @@ def _versioned_numba_cache() -> None:
                 shutil.rmtree(old, ignore_errors=True)
     except OSError:
         return                  # no writable home: Numba's default (beside the sources)
-    os.environ["NUMBA_CACHE_DIR"] = str(base / key)
-    numba.config.CACHE_DIR = str(base / key)
+    os.environ["NUMBA_CACHE_DIR"] = str(base / key)      # read when Numba is first imported
+    numba = sys.modules.get("numba")                        # (not for `ikcli --help`: no import here)
+    if numba is not None:
+        numba.config.CACHE_DIR = str(base / key)
 
 
 def main(argv: list[str] | None = None) -> None:

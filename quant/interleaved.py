@@ -932,8 +932,10 @@ def iq1_m_r4_to_rows(raw: np.ndarray, nrows: int, n_per_row: int) -> np.ndarray:
     _, B = _iq1_r4_groups(raw, IQ1_M_R4, nrows, n_per_row)
     ng, nb = nrows // 4, n_per_row // 32
     head = _as_rows(raw, nrows, iq1_r4_row_bytes(IQ1_M_R4, n_per_row), "IQ1_M_R4").reshape(ng, -1)[:, :8]
-    blocks = B[:, :, _IQ1M_ROW_BYTES].transpose(0, 2, 1, 3).reshape(ng, 4, nb * 7)  # (g, k, b * 7)
-    return np.concatenate([head.reshape(ng, 4, 2), blocks], axis=2).reshape(nrows, 2 + nb * 7)
+    out = np.empty((ng, 4, 2 + nb * 7), dtype=np.uint8)     # written in place: one temporary, not three
+    out[:, :, :2] = head.reshape(ng, 4, 2)
+    out[:, :, 2:].reshape(ng, 4, nb, 7)[...] = B[:, :, _IQ1M_ROW_BYTES].transpose(0, 2, 1, 3)
+    return out.reshape(nrows, 2 + nb * 7)
 
 
 _NOT_REPACKED_ROWS = {IQ1_S_R4: iq1_s_r4_to_iq1_s, IQ1_M_R4: iq1_m_r4_to_rows}

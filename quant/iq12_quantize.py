@@ -438,6 +438,15 @@ _REFINE_ALL_IF_OFF = 2  # IQ3_S: re-pick every group when one was off the grid
 _REFINE_ITER = 3       # IQ2_XS: up to 3 re-pick / refit rounds while the indices change
 
 
+@njit(**_inl)
+def _keep_levels(L, Laux, n, index, aux_index, ng):
+    """A better scale was found: its levels and grid indices become the current ones."""
+    for i in range(n):
+        L[i] = Laux[i]
+    for k in range(ng):
+        index[k] = aux_index[k]
+
+
 @njit(**_opts)
 def _lattice_search(xval, weight, waux, n, scale, eff_max, step, centre, ntry, refine, on_init,
                     kmap, nbrs, gq, gl, w, lmax, nbit, L, Laux, on_grid, on_aux, index, aux_index):
@@ -464,11 +473,9 @@ def _lattice_search(xval, weight, waux, n, scale, eff_max, step, centre, ntry, r
         if sumq2 > 0 and sumqx * sumqx > best * sumq2:
             scale = sumqx / sumq2
             best = scale * sumqx
-            for i in range(n):
-                L[i] = Laux[i]
+            _keep_levels(L, Laux, n, index, aux_index, ng)
             for k in range(ng):
                 on_grid[k] = on_aux[k]
-                index[k] = aux_index[k]
     if refine == _REFINE_ITER:
         if scale != 0:
             for it in range(3):
@@ -485,10 +492,7 @@ def _lattice_search(xval, weight, waux, n, scale, eff_max, step, centre, ntry, r
                 if sumq2 > 0 and sumqx * sumqx > best * sumq2:
                     scale = sumqx / sumq2
                     best = scale * sumqx
-                    for i in range(n):
-                        L[i] = Laux[i]
-                    for k in range(ng):
-                        index[k] = aux_index[k]
+                    _keep_levels(L, Laux, n, index, aux_index, ng)
                 else:
                     break
         return scale

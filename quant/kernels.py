@@ -118,9 +118,16 @@ _GROUPS = _groups()
 _R8_IDS = frozenset((Q4_0_R8_ID, Q8_0_R8_ID))
 
 
+_TAG_OF: dict[int, QType] = {}
+
+
 def tag(qtype: int) -> QType:
-    """qtype as the kernels' argument that compiles them for its group only (quant.typetag)."""
-    return make_tag(qtype, _GROUPS.get(int(qtype), (int(qtype),)))
+    """qtype as the kernels' argument that compiles them for its group only (quant.typetag).
+    One dict lookup after the first call: get_rows and the cache reads ask per call."""
+    t = _TAG_OF.get(qtype)
+    if t is None:
+        t = _TAG_OF[int(qtype)] = make_tag(qtype, _GROUPS.get(int(qtype), (int(qtype),)))
+    return t
 
 
 # the KV-cache types' group (flash attention's decoder): the float types, Q8_0 / Q4_0 and the rest
