@@ -190,6 +190,34 @@ _COLLAPSE_TABLE = _CollapseTable({cp: cp for cp in range(128)})
 # for regexes without \p{..}: only non-ASCII whitespace is replaced (by \v) so that \s sees it
 _WS_TABLE = {cp: 0x0B for cp in _WHITESPACE if cp >= 128}
 
+# Kimi-K2's splitter tells Han apart from the other letters.  "Han" is a fixed list of CJK
+# blocks (unified ideographs, extensions A-F, compatibility ideographs), not the Unicode
+# script property: e.g. U+3005 and U+3007 count as ordinary letters/numbers.
+_HAN_RANGES = ((0x3400, 0x4DBF), (0x4E00, 0x9FFF), (0xF900, 0xFAFF), (0x20000, 0x2A6DF),
+               (0x2A700, 0x2B73F), (0x2B740, 0x2B81F), (0x2B820, 0x2CEAF), (0x2CEB0, 0x2EBEF),
+               (0x2F800, 0x2FA1F))
+_HAN_LETTER = "\xd6"  # stand-in for a Han letter
+_HAN_OTHER = "\xd7"   # stand-in for an unassigned code point inside a Han block
+
+
+def _is_han(cp: int) -> bool:
+    return any(lo <= cp <= hi for lo, hi in _HAN_RANGES)
+
+
+class _HanCollapseTable(_CollapseTable):
+    """Like _CollapseTable, with Han code points mapped to their own stand-ins."""
+
+    def __missing__(self, cp: int) -> str:
+        if _is_han(cp):
+            ch = _HAN_LETTER if _major_category(cp) == "L" else _HAN_OTHER
+            self[cp] = ch
+            return ch
+        return super().__missing__(cp)
+
+
+_HAN_COLLAPSE_TABLE = _HanCollapseTable({cp: cp for cp in range(128)})
+_SUBJECT_TABLES = {"c": _COLLAPSE_TABLE, "h": _HAN_COLLAPSE_TABLE, "w": _WS_TABLE}
+
 # \p{..} names understood by llama.cpp's regex collapsing, and what they become:
 # the category stand-in plus the ASCII members of the category *as llama.cpp lists them*
 # (note: '~' is in neither P nor S there; we keep that quirk for bit-exactness).
@@ -271,6 +299,27 @@ _CJK_DEEPSEEK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
 
 # special (non-regex) splitters, implemented in Python below
 _AFMOE_DIGITS = "<afmoe-digits>"
+_KIMI_K2 = "<kimi-k2>"
+
+# Kimi-K2 (tiktoken's pattern, as llama.cpp's hand-written splitter applies it):
+#   [\p{Han}]+ | [^\r\n\p{L}\p{N}]? (letters but Han)+ contraction? | \p{N}{1,3}
+#   | " "?[^\s\p{L}\p{N}]+[\r\n]* | \s*[\r\n]+ | \s+(?!\S) | \s+
+# Unlike the original pattern, upper/lower case runs are not told apart ("HelloWorld" stays
+# one piece) and combining marks are not letters.  Written directly over the Han-aware
+# collapsed alphabet: \xd6/\xd7 Han, \xd2 other letters, \xd1 numbers.  An unassigned code
+# point inside a Han block (\xd7) joins Han runs but, being no letter, can also continue a
+# punctuation run.
+_KIMI_LETTER = "\xd2A-Za-z"  # letters other than Han
+_KIMI_NUMBER = "\xd10-9"
+_KIMI_HAN = _HAN_LETTER + _HAN_OTHER
+_RE_KIMI_K2 = re.compile(
+    "[" + _KIMI_HAN + "]+"
+    "|[^\r\n" + _KIMI_LETTER + _HAN_LETTER + _KIMI_NUMBER + "]?[" + _KIMI_LETTER + "]+" + _CONTRACTIONS + "?"
+    "|[" + _KIMI_NUMBER + "]{1,3}"
+    "| ?[^\\s" + _KIMI_LETTER + _HAN_LETTER + _KIMI_NUMBER + "]+[\r\n]*"
+    "|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
+    re.ASCII,
+)
 
 _PRE_REGEXES: dict[str, list[str]] = {
     "llama3": [_RE_LLAMA3],
@@ -345,6 +394,7 @@ _PRE_REGEXES: dict[str, list[str]] = {
     "exaone-moe": [_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}"
                    r"| ?[^\s\p{L}\p{N}]+[\r\n/]?|\s*[\r\n]|\s+(?!\S)|\s+"],
     "gemma4": ["[^\\n]+|[\\n]+"],
+    "kimi-k2": [_KIMI_K2],
     "default": [r"[\p{P}\$\+<=>\^~\|]+", _RE_GPT2, r"\p{N}+", "[0-9][0-9][0-9]"],
 }
 
@@ -405,6 +455,7 @@ _reg(("hunyuan-dense", "joyai-llm"), "deepseek3", **_NO_CLEAN)
 _reg(("grok-2",), "qwen2", **_NO_CLEAN)
 _reg(("afmoe",), "afmoe", **_NO_CLEAN)
 _reg(("minimax-m2",), "gpt4o", **_NO_CLEAN)
+_reg(("kimi-k2",), "kimi-k2", **_NO_CLEAN)
 
 # token texts llama.cpp treats as end-of-generation (and forces to CONTROL)
 _EOG_TEXTS = frozenset([
@@ -551,7 +602,9 @@ class Tokenizer:
             self.bpe_ranks: dict[tuple[str, str], int] = {}
             merges = meta.get("tokenizer.ggml.merges")
             if merges is None:
-                raise ValueError("BPE vocabulary without tokenizer.ggml.merges")
+                if self.pre != "kimi-k2":  # llama.cpp lets only Kimi-K2 go without merges
+                    raise ValueError("BPE vocabulary without tokenizer.ggml.merges")
+                merges = []
             for rank, m in enumerate(merges):
                 cut = m.find(" ", 1)
                 key = (m[:cut], m[cut + 1:]) if cut >= 0 else ("", "")
@@ -585,14 +638,18 @@ class Tokenizer:
         return self
 
     @staticmethod
-    def _compile_steps(exprs: list[str]) -> list[tuple[str, re.Pattern | None, bool]]:
-        steps: list[tuple[str, re.Pattern | None, bool]] = []
+    def _compile_steps(exprs: list[str]) -> list[tuple[str, re.Pattern | None, str]]:
+        """(kind, pattern, subject) per pre-tokenizer step; subject names the copy of the text
+        the pattern runs on: "c" collapsed, "h" collapsed with Han apart, "w" whitespace-mapped."""
+        steps: list[tuple[str, re.Pattern | None, str]] = []
         for expr in exprs:
             if expr == _AFMOE_DIGITS:
-                steps.append(("afmoe", None, True))
+                steps.append(("afmoe", None, "c"))
+            elif expr == _KIMI_K2:
+                steps.append(("re", _RE_KIMI_K2, "h"))
             else:
                 pat, collapsed = _translate_regex(expr)
-                steps.append(("re", pat, collapsed))
+                steps.append(("re", pat, "c" if collapsed else "w"))
         return steps
 
     def _init_spm(self) -> None:
@@ -786,19 +843,17 @@ class Tokenizer:
         """Apply the pre-tokenizer regexes one after the other; each one splits every
         current piece into its matches and the unmatched gaps between them."""
         n = len(text)
-        subj_c: str | None = None
-        subj_w: str | None = None
+        subjects: dict[str, str] = {}
         ascii_text = text.isascii()
         segs = [(0, n)]
-        for kind, pat, collapsed in self._steps:
-            if collapsed:
-                if subj_c is None:
-                    subj_c = text if ascii_text else text.translate(_COLLAPSE_TABLE)
-                subject = subj_c
-            else:
-                if subj_w is None:
-                    subj_w = text if ascii_text else text.translate(_WS_TABLE)
-                subject = subj_w
+        for kind, pat, subj in self._steps:
+            subject = subjects.get(subj)
+            if subject is None:
+                if ascii_text:
+                    subject = text
+                else:
+                    subject = text.translate(_SUBJECT_TABLES[subj])
+                subjects[subj] = subject
             out: list[tuple[int, int]] = []
             append = out.append
             if kind == "afmoe":
