@@ -32,13 +32,17 @@ is reported as a ``ValueError`` with a one-line message.
 """
 from __future__ import annotations
 
+import copy
 import datetime as _dt
 import json
+from collections.abc import Iterable, Mapping
+from contextvars import ContextVar
 from functools import lru_cache
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 __all__ = ["render_chat", "normalize_messages", "render_chatml", "CHATML", "GGUF", "BUILTIN_TEMPLATES",
-           "builtin_template_names", "render_builtin", "builtin_renderer"]
+           "builtin_template_names", "render_builtin", "builtin_renderer", "ToolCaps", "tool_caps",
+           "prepare_tool_messages", "GENERIC_INSTRUCTION"]
 
 #: name returned by :func:`render_chat` when the GGUF's own template was used
 GGUF = "gguf"
@@ -158,10 +162,37 @@ def _strftime_now(fmt: str) -> str:
     return _now().strftime(fmt)
 
 
+def _json_default(o: Any) -> Any:
+    # what Jinja filters hand on: `tools | map(attribute='function') | tojson` passes a generator
+    if isinstance(o, Mapping):
+        return dict(o)
+    if isinstance(o, Iterable) and not isinstance(o, (str, bytes)):
+        return list(o)
+    raise TypeError(f"Object of type {type(o).__name__} is not JSON serializable")
+
+
 def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
             sort_keys: bool = False) -> str:
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+                      sort_keys=sort_keys, default=_json_default)
+
+
+# ids of the containers handed to the template (messages, tools, ...): those stay immutable, while
+# lists and dicts the template builds itself may change (Kimi-K2's template appends to and pops
+# from its own list); None: nothing known, everything immutable
+_INPUT_IDS: ContextVar[Optional[frozenset]] = ContextVar("ikcli_template_input_ids", default=None)
+_MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse", "update", "setdefault",
+             "popitem"}
+
+
+def _container_ids(*values: Any) -> frozenset:
+    ids, stack = set(), list(values)
+    while stack:
+        v = stack.pop()
+        if isinstance(v, (list, dict)) and id(v) not in ids:
+            ids.add(id(v))
+            stack.extend(v.values() if isinstance(v, dict) else v)
+    return frozenset(ids)
 
 
 @lru_cache(maxsize=1)
@@ -170,7 +201,7 @@ def _environment():
         import jinja2
         from jinja2 import nodes
         from jinja2.ext import Extension, loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEnvironment
     except ImportError as e:  # pragma: no cover - jinja2 is a declared dependency
         raise RuntimeError("rendering a GGUF chat template needs jinja2 (pip install 'jinja2>=3')") from e
 
@@ -189,8 +220,15 @@ def _environment():
     def raise_exception(message: Any = "") -> None:
         raise TemplateRaised(str(message))
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationTag, loopcontrols])
+    class Sandbox(ImmutableSandboxedEnvironment):
+        def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+            inputs = _INPUT_IDS.get()
+            if (inputs is not None and attr in _MUTATORS and type(obj) in (list, dict)
+                    and id(obj) not in inputs):
+                return SandboxedEnvironment.is_safe_attribute(self, obj, attr, value)
+            return super().is_safe_attribute(obj, attr, value)
+
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -264,11 +302,221 @@ def _apply_workarounds(msgs: list[dict], template: str | None) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------
+# tools: what a template shows, and llama.cpp's polyfills for what it does not
+# ---------------------------------------------------------------------------
+_TOOL_NEEDLE = "tool_name_probe_7f3a"
+_CALL_NEEDLE = "tool_call_probe_7f3a"
+_ARG_NEEDLE = "argument_needle"
+_RESPONSE_NEEDLE = "tool_response_probe_7f3a"
+_PROBE_TOOLS = [{"type": "function", "function": {
+    "name": _TOOL_NEEDLE, "description": "Tool description",
+    "parameters": {"type": "object", "properties": {"arg": {"type": "string", "description": "Arg description"}},
+                   "required": ["arg"]}}}]
+# llama.cpp's generic format: the model answers in JSON (its system instruction, word for word)
+GENERIC_INSTRUCTION = ("Respond in JSON format, either with `tool_call` (a request to call tools) or with `response` "
+                       "reply to the user's request")
+
+
+class ToolCaps(NamedTuple):
+    """What a chat template shows by itself: the tools list, assistant tool calls, tool results,
+    and whether it needs a call's arguments as an object (it indexes into them, or renders them with
+    `tojson`, which would quote a JSON string a second time)."""
+    tools: bool
+    tool_calls: bool
+    tool_responses: bool
+    object_arguments: bool
+    null_content: bool = True      # takes content null on a turn with calls (else it gets "")
+
+
+def _probe_render(template: str, messages: list, tools: Optional[list] = None, add_generation_prompt: bool = False,
+                  bos_token: str = "", eos_token: str = "") -> Optional[str]:
+    token = _INPUT_IDS.set(_container_ids(messages, tools))
+    try:
+        return _compile(template).render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                         bos_token=bos_token, eos_token=eos_token)
+    except Exception:  # noqa: BLE001 - a template that fails on a probe does not show that feature
+        return None
+    finally:
+        _INPUT_IDS.reset(token)
+
+
+def _probe_conversation(arguments: Any, content: Optional[str] = "") -> list[dict]:
+    # ids of 9 alphanumerics: Mistral's templates refuse any other
+    return [{"role": "user", "content": "User message"},
+            {"role": "assistant", "content": content, "tool_calls": [
+                {"id": "call00001", "type": "function", "function": {"name": _CALL_NEEDLE, "arguments": arguments}}]},
+            {"role": "tool", "content": _RESPONSE_NEEDLE, "tool_call_id": "call00001", "name": _CALL_NEEDLE},
+            {"role": "assistant", "content": "The tool response was 'tool response'"},
+            {"role": "user", "content": "User message"}]
+
+
+def _shows_arguments(text: Optional[str]) -> bool:
+    return text is not None and any(m in text for m in (
+        f'"{_ARG_NEEDLE}":', f"'{_ARG_NEEDLE}':", f"<arg_key>{_ARG_NEEDLE}</arg_key>", f"<parameter={_ARG_NEEDLE}>",
+        f'{_ARG_NEEDLE}="'))
+
+
+@lru_cache(maxsize=16)
+def tool_caps(template: Optional[str]) -> ToolCaps:
+    """Probe a Jinja chat template (rendered on made-up conversations, as llama.cpp's template
+    capabilities are found); no template (the ChatML fallback) shows none of it."""
+    if template is None or not template.strip():
+        return ToolCaps(False, False, False, False, True)
+    try:
+        _compile(template)
+    except Exception:  # noqa: BLE001 - reported when the template is used
+        return ToolCaps(False, False, False, False, True)
+    out = _probe_render(template, [{"role": "user", "content": "User message"}], copy.deepcopy(_PROBE_TOOLS))
+    shows_tools = out is not None and _TOOL_NEEDLE in out
+    obj = {_ARG_NEEDLE: "print('Hello, World!')"}
+    as_str = _probe_render(template, _probe_conversation(json.dumps(obj)), copy.deepcopy(_PROBE_TOOLS))
+    as_obj = _probe_render(template, _probe_conversation(obj), copy.deepcopy(_PROBE_TOOLS))
+    object_args = _shows_arguments(as_obj) and not _shows_arguments(as_str)
+    out = as_obj if object_args else as_str
+    shows_calls = out is not None and _CALL_NEEDLE in out
+    null_ok = True
+    if shows_calls:     # a null content must neither fail nor come out as "None"
+        with_null = _probe_render(template, _probe_conversation(obj if object_args else json.dumps(obj), None),
+                                  copy.deepcopy(_PROBE_TOOLS))
+        null_ok = with_null is not None and with_null.count("None") == out.count("None")
+    return ToolCaps(shows_tools, shows_calls, out is not None and _RESPONSE_NEEDLE in out, object_args, null_ok)
+
+
+@lru_cache(maxsize=16)
+def _tool_call_example(template: str, bos_token: str, eos_token: str, object_args: bool, null_content: bool) -> str:
+    """The template's own rendering of one tool call (what llama.cpp's polyfill shows the model
+    when the template does not list the tools itself): the text an assistant turn with a call adds."""
+    args: Any = {"arg1": "some_value"}
+    user = {"role": "user", "content": "Hey"}
+    call = {"role": "assistant", "content": None if null_content else "", "tool_calls": [{
+        "id": "call_1___", "type": "function", "function": {
+        "name": "tool_name", "arguments": args if object_args else json.dumps(args)}}]}
+    prefix = _probe_render(template, [user], None, True, bos_token, eos_token)
+    full = _probe_render(template, [user, call], None, False, bos_token, eos_token)
+    if prefix is None or full is None:
+        return ""
+    if eos_token and full.rstrip("\n").endswith(eos_token):
+        full = full.rstrip("\n")[:-len(eos_token)]
+    n = 0
+    while n < min(len(prefix), len(full)) and prefix[n] == full[n]:
+        n += 1
+    if n and prefix[n - 1] == "<":     # do not cut a special token such as <|im_start|> in two
+        n -= 1
+    return full[n:]
+
+
+def _has_tool_turns(msgs: list[dict]) -> bool:
+    return any(m.get("tool_calls") or m.get("role") == "tool" for m in msgs)
+
+
+def _add_system(msgs: list[dict], text: str) -> list[dict]:
+    if msgs and msgs[0]["role"] == "system":
+        head = dict(msgs[0])
+        head["content"] = (head["content"] or "") + "\n\n" + text
+        return [head] + msgs[1:]
+    return [{"role": "system", "content": text}] + msgs
+
+
+def prepare_tool_messages(msgs: list[dict], template: Optional[str], tools: Optional[list] = None,
+                          bos_token: str = "", eos_token: str = "") -> tuple[list[dict], bool]:
+    """llama.cpp's handling of tools and tool turns before a template renders them (messages already
+    normalized).  Returns the messages and whether the template is given `tools` itself.
+
+    * each assistant tool call is checked (type "function", a function name, arguments a JSON
+      string or an object); the arguments become an object where the template needs one, a JSON
+      string where it concatenates them;
+    * a template that does not show tool calls / tool results gets them as JSON text: the
+      assistant's {"tool_calls": [...]} as its content, a tool result as a user message
+      {"tool_response": {...}} (only when the request offers tools);
+    * a template that does not list the tools gets them in the system message ("You can call any
+      of the following tools ...", with an example call in the template's own syntax); in the
+      generic format (no known tool-call syntax) the system message also asks for JSON answers;
+    * gpt-oss: reasoning_content is passed as the "thinking" field its template reads.
+    """
+    from engine.tool_calls import detect_format     # engine-internal; imported late, only for tools
+
+    caps = tool_caps(template)
+    # the JSON stand-ins for calls and results only in a request that offers tools (without them a
+    # template that cannot show a tool turn fails on it, as before)
+    calls_as_json = bool(tools) and not caps.tool_calls
+    results_as_json = bool(tools) and not caps.tool_responses
+    out: list[dict] = []
+    for i, m in enumerate(msgs):
+        m = dict(m)
+        if m.get("tool_calls"):
+            calls = []
+            for j, tc in enumerate(m["tool_calls"]):
+                where = f"messages[{i}].tool_calls[{j}]"
+                if not isinstance(tc, dict):
+                    raise ValueError(f"{where}: expected a tool call object")
+                if tc.get("type", "function") != "function":
+                    raise ValueError(f"{where}: unsupported tool call type {_short_repr(tc.get('type'))}")
+                fn = tc.get("function")
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+                    raise ValueError(f"{where}: missing 'function' with a 'name'")
+                args = fn.get("arguments", {})
+                if args is None:
+                    args = {}
+                if isinstance(args, str) and (caps.object_arguments or calls_as_json):
+                    try:
+                        args = json.loads(args) if args.strip() else {}
+                    except ValueError as e:
+                        raise ValueError(f"{where}: 'arguments' is not valid JSON ({e})") from None
+                elif isinstance(args, dict) and not caps.object_arguments and caps.tool_calls:
+                    args = json.dumps(args, ensure_ascii=False)
+                elif not isinstance(args, (str, dict)):
+                    raise ValueError(f"{where}: 'arguments' must be a JSON string or an object")
+                calls.append({**tc, "type": "function", "function": {**fn, "arguments": args}})
+            if not calls_as_json:
+                m["tool_calls"] = calls
+                if m.get("content") is None and not caps.null_content:
+                    m["content"] = ""
+            else:
+                shown: dict[str, Any] = {"tool_calls": [
+                    {"name": c["function"]["name"], "arguments": c["function"]["arguments"],
+                     **({"id": c["id"]} if isinstance(c.get("id"), str) else {})} for c in calls]}
+                if m.get("content"):
+                    shown["content"] = m["content"]
+                m["content"] = json.dumps(shown, ensure_ascii=False, indent=2)
+                del m["tool_calls"]
+        if m["role"] == "tool" and results_as_json:
+            resp: dict[str, Any] = {}
+            if isinstance(m.get("name"), str):
+                resp["tool"] = m["name"]
+            resp["content"] = m.get("content") or ""
+            if isinstance(m.get("tool_call_id"), str):
+                resp["tool_call_id"] = m["tool_call_id"]
+            m = {"role": "user", "content": json.dumps({"tool_response": resp}, ensure_ascii=False, indent=2)}
+        if template and "<|channel|>" in template and m["role"] == "assistant" \
+                and isinstance(m.get("reasoning_content"), str) and "thinking" not in m:
+            m["thinking"] = m["reasoning_content"]
+        out.append(m)
+    if not tools:
+        return out, False
+    parts = []
+    if (detect_format(template) if template and template.strip() else None) is None:
+        parts.append(GENERIC_INSTRUCTION)
+    if not caps.tools:
+        listing = ("You can call any of the following tools to satisfy the user's requests: "
+                   + json.dumps(tools, ensure_ascii=False, indent=2))
+        if caps.tool_calls:
+            example = _tool_call_example(template, bos_token, eos_token, caps.object_arguments, caps.null_content)
+        else:
+            example = json.dumps({"tool_calls": [{"name": "tool_name", "arguments": {"arg1": "some_value"}}]})
+        if example:
+            listing += "\n\nExample tool call syntax:\n\n" + example + "\n\n"
+        parts.append(listing)
+    if parts:
+        out = _add_system(out, "\n\n".join(parts))
+    return out, caps.tools
+
+
+# ---------------------------------------------------------------------------
 # public entry point
 # ---------------------------------------------------------------------------
 def render_chat(messages: list[dict], template: str | None, bos_token: str = "", eos_token: str = "",
                 add_generation_prompt: bool = True, *, extra_vars: dict | None = None,
-                strip_bos: bool = False, polyfill: bool = True) -> tuple[str, str]:
+                strip_bos: bool = False, polyfill: bool = True, tools: list | None = None) -> tuple[str, str]:
     """Turn OpenAI chat ``messages`` into a prompt string.
 
     Parameters
@@ -292,6 +540,11 @@ def render_chat(messages: list[dict], template: str | None, bos_token: str = "",
         template (``developer`` -> ``system``; a system message merged into the
         first user message when the template does not support the system role).
         ``False`` renders the messages exactly as given, like transformers.
+    tools:
+        OpenAI tools (normalized: see ``engine.tool_calls.normalize_tools``) offered to the model:
+        the template's ``tools`` variable when it lists tools itself, else described in the system
+        message.  Assistant tool calls and tool results in ``messages`` are prepared as llama.cpp
+        does (see :func:`prepare_tool_messages`), with or without ``tools``.
 
     Returns
     -------
@@ -309,6 +562,12 @@ def render_chat(messages: list[dict], template: str | None, bos_token: str = "",
         raise ValueError(f"chat template must be a string, got {type(template).__name__}")
     if extra_vars is not None and not isinstance(extra_vars, dict):
         raise ValueError(f"extra template variables must be a dict, got {type(extra_vars).__name__}")
+    if tools is not None and not isinstance(tools, list):
+        raise ValueError(f"'tools' must be a list, got {type(tools).__name__}")
+    template_tools = False
+    if tools or _has_tool_turns(msgs):
+        jinja_template = template if template is not None and template.strip() else None
+        msgs, template_tools = prepare_tool_messages(msgs, jinja_template, tools, bos_token, eos_token)
 
     if template is None or not template.strip():
         if polyfill:
@@ -320,16 +579,32 @@ def render_chat(messages: list[dict], template: str | None, bos_token: str = "",
         if polyfill:
             msgs = _apply_workarounds(msgs, template)
         variables = dict(extra_vars or {})
+        if template_tools:
+            variables["tools"] = copy.deepcopy(tools)
         variables.update(messages=msgs, add_generation_prompt=bool(add_generation_prompt),
                          bos_token=bos_token, eos_token=eos_token)
+        token = _INPUT_IDS.set(_container_ids(*variables.values()))
         try:
-            text = compiled.render(**variables)
+            try:
+                text = compiled.render(**variables)
+            except template_raised:
+                raise
+            except Exception:
+                # some templates that show tool calls cannot take a null content (of an assistant
+                # turn with calls): llama.cpp gives them "" instead
+                if not any(m.get("content") is None for m in msgs) or not tool_caps(template).tool_calls:
+                    raise
+                variables["messages"] = [dict(m, content="") if m.get("content") is None else m for m in msgs]
+                _INPUT_IDS.set(_container_ids(*variables.values()))
+                text = compiled.render(**variables)
         except template_raised as e:
             raise ValueError(_one_line(f"chat template error: {e.message or 'raise_exception() called'}")) from e
         except RecursionError as e:
             raise ValueError("chat template rendering failed: recursion too deep") from e
         except Exception as e:  # noqa: BLE001 - undefined attrs, None + str, sandbox violations ...
             raise ValueError(_one_line(f"chat template rendering failed: {type(e).__name__}: {e}")) from e
+        finally:
+            _INPUT_IDS.reset(token)
         used = GGUF
 
     if strip_bos and bos_token and text.startswith(bos_token):
@@ -582,7 +857,8 @@ def render_builtin(name: str, messages: Any, add_generation_prompt: bool = True)
 
 def builtin_renderer(name: str) -> Callable[..., tuple[str, str]]:
     """A drop-in for :func:`render_chat` that ignores the template/BOS/EOS arguments and renders
-    the built-in format ``name`` (what the server uses for ``--chat-template NAME``)."""
+    the built-in format ``name`` (what the server uses for ``--chat-template NAME``); it carries
+    the name as ``builtin_name`` (these formats have no tool calls)."""
     if name not in BUILTIN_TEMPLATES:
         render_builtin(name, [{"role": "user", "content": ""}])   # raises the listing error
 
@@ -590,4 +866,5 @@ def builtin_renderer(name: str) -> Callable[..., tuple[str, str]]:
                add_generation_prompt: bool = True, *, extra_vars: Optional[dict] = None,
                **_ignored: Any) -> tuple[str, str]:
         return render_builtin(name, messages, add_generation_prompt), name
+    render.builtin_name = name      # type: ignore[attr-defined]  # the server refuses tools for these
     return render

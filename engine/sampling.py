@@ -197,6 +197,7 @@ class SamplingParams:
     dry_penalty_last_n: int = -1  # 0: off; -1: the whole history
     dry_sequence_breakers: tuple = DEFAULT_DRY_BREAKERS
     samplers: tuple = DEFAULT_SAMPLERS   # the chain's order (names; a string of letters is accepted)
+    grammar: str = ""             # GBNF or llguidance Lark text ("": free); see engine/grammar.py
 
     # The model's vocabulary for DRY's sequence breakers (a tokenizer, DryVocab or list of pieces).
     # Deliberately not a field: never read from a request, never compared, not in asdict().
@@ -271,6 +272,8 @@ class SamplingParams:
             raise ValueError(f"Sampling parameter 'dry_sequence_breakers' must be a list of strings, got {brk!r}.")
         self.dry_sequence_breakers = tuple(brk)
         self.samplers = parse_samplers(self.samplers)
+        if not isinstance(self.grammar, str):
+            raise ValueError(f"Sampling parameter 'grammar' must be a string, got {type(self.grammar).__name__}.")
 
     def __deepcopy__(self, memo: dict) -> "SamplingParams":
         # the vocabulary is shared, never copied (the server deep-copies params per prompt)
@@ -606,7 +609,16 @@ class Sampler:
     or from a fresh random 32-bit seed when it is -1; the seed used is in .seed) and mirostat's mu.
 
     vocab: the model's vocabulary for DRY's sequence breakers (see DryVocab.of); default params.vocab.
-    The server passes the tokenizer: the breakers are mapped once per tokenizer, not per request."""
+    The server passes the tokenizer: the breakers are mapped once per tokenizer, not per request.
+
+    params.grammar (GBNF / llguidance Lark) constrains the output: .grammar is then this generation's
+    engine.grammar.GrammarMatcher, built on vocab (a tokenizer).  Its mask is applied first, to the
+    biased and penalized logits, before greedy / mirostat / the chain.  llama.cpp first samples
+    without it and, only when that token breaks the grammar, resamples with the grammar applied
+    first; this always applies it first: the same token under greedy, and under sampling the
+    distribution llama.cpp's resampling draws from (a deliberate difference: no token is favoured
+    for having been valid unconstrained).  sample() advances the matcher with the token drawn.  When the mask leaves nothing (a finished grammar with
+    ignore_eos, or logit_bias banning every allowed token) sample() returns an end-of-generation token."""
 
     # first guess at how many tokens top_p / typical need when nothing bounds the candidate set;
     # grown 8x until the mass is reached, which avoids sorting the vocab
@@ -639,6 +651,13 @@ class Sampler:
         self._ops = self._compile()
         self._xtc_coin = (params.mirostat == 0 and params.xtc_probability < 1.0
                           and any(op == self._op_xtc for op in self._ops))
+        self.grammar = None
+        if params.grammar:
+            from .grammar import GrammarMatcher, TokenVocab
+            src = vocab if vocab is not None else params.vocab
+            if src is None or not hasattr(src, "token_to_bytes"):
+                raise ValueError("a grammar needs the model's tokenizer (Sampler(vocab=tokenizer))")
+            self.grammar = GrammarMatcher(params.grammar, TokenVocab.of(src, self.n_vocab))
         self._dry_breakers = _NO_BREAKERS
         if params.mirostat == 0 and any(op == self._op_dry for op in self._ops):
             dv = DryVocab.of(vocab if vocab is not None else params.vocab)
@@ -680,6 +699,8 @@ class Sampler:
         draws from when temperature > 0; xtc_fires says how XTC's coin falls (when XTC is on and
         xtc_probability < 1). Changes no state. Empty arrays when every logit is masked (-inf / NaN)."""
         x = self._penalized(logits, history)
+        if self.grammar is not None:
+            x = self.grammar.apply(x)
         if self.params.mirostat:
             ids, probs, _ = self._mirostat(x)
             order = np.lexsort((ids, -probs)) if ids.shape[0] else ids
@@ -938,7 +959,12 @@ class Sampler:
         """Next token for logits of shape (n_vocab,); history = prompt + generated tokens so far."""
         p = self.params
         x = self._penalized(logits, history)
-        if p.temperature <= 0.0:
+        g = self.grammar
+        if g is not None:
+            x = g.apply(x)
+        if g is not None and not (x > -math.inf).any() and g.fallback_token() is not None:
+            tok = g.fallback_token()          # nothing the grammar allows is left: end the generation
+        elif p.temperature <= 0.0:
             tok = int(np.argmax(x))                      # first maximum, like max_element
         else:
             lp_full = None
@@ -962,6 +988,8 @@ class Sampler:
                     lpj = lp_full[j] if lp_full is not None else math.log(probs[j] / cdf[-1])
                     surprise = -lpj / _LN2
                     self.mirostat_mu -= p.mirostat_eta * (surprise - p.mirostat_tau)
+        if g is not None:
+            g.accept(tok)
         if p.n_probs > 0:
             self.last_probs = token_probabilities(logits, tok, p.n_probs)
         return tok

@@ -22,6 +22,10 @@ between steps, and wait while their slot is busy (ik defers them the same way). 
 .npz (written to exactly the name given): the slot's cached token ids, the cells' positions and,
 for every layer, the valid cells of each of its cache stores (K, V, kv^T) in their stored type, so a
 restore puts back the very bytes and the next request reuses the prefix exactly.
+
+A job whose params carry a grammar (SamplingParams.grammar) gets its own grammar matcher in its
+slot's Sampler (constrained and free jobs share a batch); when the grammar is complete the job ends
+as if an end-of-generation token had been sampled (stop, stop_type "eos").
 """
 from __future__ import annotations
 
@@ -82,6 +86,9 @@ class Job:
     cancelled: bool = False
     cache_prompt: bool = True        # reuse a slot's cached prefix (llama.cpp's cache_prompt)
     id_task: int = -1
+    # control tokens written out as text (llama.cpp's preserved_tokens: tool-call markers such as
+    # gpt-oss's <|call|> or Kimi-K2's <|tool_calls_section_begin|>, which the parser must see)
+    preserved_tokens: frozenset = frozenset()
 
     def cancel(self) -> None:
         """Thread-safe: the engine frees the slot at its next step and sends a final event."""
@@ -151,7 +158,8 @@ class ServingEngine:
             self.thread.join(timeout=30)
 
     def submit(self, prompt: list[int], params: SamplingParams, n_predict: int, stop: list[str],
-               on_event: Callable[[Event], None], cache_prompt: bool = True) -> Job:
+               on_event: Callable[[Event], None], cache_prompt: bool = True,
+               preserved_tokens: list[int] | None = None) -> Job:
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -162,7 +170,8 @@ class ServingEngine:
             raise ValueError(f"the prompt has {len(prompt)} tokens, more than the slot's context of "
                              f"{self.n_ctx_slot} tokens allows (-c {self.n_ctx_slot * self.n_parallel} "
                              f"split over {self.n_parallel} slots)")
-        job = Job(prompt, params, int(n_predict), [s for s in stop if s], on_event, cache_prompt=bool(cache_prompt))
+        job = Job(prompt, params, int(n_predict), [s for s in stop if s], on_event, cache_prompt=bool(cache_prompt),
+                  preserved_tokens=frozenset(int(t) for t in preserved_tokens or ()))
         with self.cv:
             job.id_task, self.n_tasks = self.n_tasks, self.n_tasks + 1
             self.queue.append(job)
@@ -369,10 +378,18 @@ class ServingEngine:
         return self._nl
 
     def _assign(self, s: _Slot, job: Job) -> None:
+        try:
+            # the tokenizer is the grammar's vocabulary (each job's matcher is its own parse state)
+            sampler = Sampler(job.params, self.model.n_vocab, self._nl_token(),
+                              getattr(self.model.tokenizer, "eog_ids", ()),
+                              vocab=self.model.tokenizer if getattr(job.params, "grammar", "") else None)
+        except ValueError as e:     # e.g. a grammar that does not compile: only this job fails
+            self.log(f"srv  error: task {job.id_task}: {e}")
+            self._refuse(job)
+            return
         s.job, s.last, job.id_slot = job, job, s.id
         s.stop_kind, s.stop_word = "", ""
-        s.sampler = Sampler(job.params, self.model.n_vocab, self._nl_token(),
-                            getattr(self.model.tokenizer, "eog_ids", ()))
+        s.sampler = sampler
         keep = self._reusable(s, job.prompt) if job.cache_prompt else 0
         if keep:
             s.cache.seq_rm(keep)
@@ -453,7 +470,7 @@ class ServingEngine:
         if s.sampler.last_probs is not None:
             s.probs.append(s.sampler.last_probs)
         # decode only the new bytes (a whole-text decode per token would be quadratic)
-        s.tail += tk.token_to_bytes(tok, special=False)
+        s.tail += tk.token_to_bytes(tok, special=tok in s.job.preserved_tokens)
         cut = self._utf8_cut(s.tail)
         s.text += bytes(s.tail[:cut]).decode("utf-8", errors="replace")
         del s.tail[:cut]
@@ -470,6 +487,11 @@ class ServingEngine:
         self._emit(s, text[s.n_sent:upto], tok, False)
         if len(s.generated) >= job.n_predict >= 0 or s.cache.n + 1 >= self.n_ctx_slot:
             self._finish(s, "length")
+            return
+        if s.sampler.grammar is not None and s.sampler.grammar.is_stopped():
+            # the grammar is complete: only an end-of-generation token could follow, so stop as if it
+            # had been sampled (llama.cpp runs one more step to sample it; the answer is the same)
+            self._finish(s, "stop")
             return
         s.pending = tok
 

@@ -12,6 +12,12 @@ with --slot-save-path POST /slots/{id}?action=save|restore|erase (as llama-serve
 only then).
 OpenAI answers carry llama-server's system_fingerprint ("b<build>-<commit>"; here ikcli's version
 and "ikcli") and usage.prompt_tokens_details.cached_tokens (prompt tokens reused from the slot).
+Chat requests may offer tools (OpenAI `tools`, Anthropic `tools`): the template gets them, and the
+answer is parsed in the template's tool-call syntax (engine.tool_calls) into message.tool_calls /
+tool_use blocks, streamed as tool_calls deltas / input_json_delta.
+Constrained output (constraint_of, constrain): `grammar` (GBNF or llguidance Lark), `json_schema` and
+OpenAI's `response_format` on /completion, /v1/completions and /v1/chat/completions become one
+grammar text for the sampler (engine.grammar), checked here so a bad one is a 400.
 Errors are JSON in OpenAI's shape: {"error": {"code": 400, "message": "...", "type": "..."}}.
 """
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -220,9 +227,6 @@ def check_text(body: Any, raw_text: str = "") -> None:
 # the test for its "off" value: a request that turns one on is refused (400) rather than answered as
 # if it had not asked (clients routinely send the off values, and JSON null, which stay accepted)
 _UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
-    "grammar": lambda v: v == "",
-    "json_schema": lambda v: v == {},
-    "response_format": lambda v: isinstance(v, dict) and v.get("type", "text") == "text",
     # ik's adaptive-p sampler (off while the target is negative) is not implemented
     "adaptive_target": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0,
     # slots are picked by the longest cached prefix; a request cannot name one yet
@@ -236,6 +240,53 @@ def check_unsupported(body: dict) -> None:
     if on:
         raise bad_request(f"{', '.join(repr(k) for k in on)}: not supported by this server "
                           f"(leave {'it' if len(on) == 1 else 'them'} out or at the default)")
+
+
+def constraint_of(body: dict) -> tuple[str, Any]:
+    """The output constraint a request asks for, as llama-server reads it: ("grammar", GBNF or
+    llguidance Lark text), ("json_schema", schema) or ("", None).  Fields: `grammar`, `json_schema`
+    (/completion's), `response_format` (OpenAI's: {"type": "json_object"} is any JSON object, with an
+    optional "schema"; {"type": "json_schema", "json_schema": {"schema", "name", "strict"}}).
+    JSON null and "" are "not set"; response_format {"type": "text"} is free text.  Unlike
+    llama-server, which lets one silently win, two constraints at once are a 400."""
+    grammar = body.get("grammar")
+    if grammar is not None and not isinstance(grammar, str):
+        raise bad_request("'grammar' must be a string")
+    schema = body.get("json_schema")
+    sources = ["json_schema"] if schema is not None else []
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict):
+            raise bad_request("'response_format' must be an object")
+        kind = rf.get("type")
+        if kind is not None and not isinstance(kind, str):
+            raise bad_request("'response_format.type' must be a string")
+        if kind == "json_object":
+            schema = rf.get("schema")
+            schema = {} if schema is None else schema
+            sources.append("response_format")
+        elif kind == "json_schema":
+            wrapper = rf.get("json_schema")
+            wrapper = {} if wrapper is None else wrapper
+            if not isinstance(wrapper, dict):
+                raise bad_request("'response_format.json_schema' must be an object")
+            if wrapper.get("strict") is not None and not isinstance(wrapper.get("strict"), bool):
+                raise bad_request("'response_format.json_schema.strict' must be a boolean")
+            # mainline also reads the schema beside the type; OpenAI's place is json_schema.schema
+            schema = wrapper.get("schema", rf.get("schema"))
+            schema = {} if schema is None else schema
+            sources.append("response_format")
+        elif kind not in (None, "", "text"):
+            raise bad_request(f'response_format type must be one of "text" or "json_object", but got: {kind}')
+    if len(sources) > 1:
+        raise bad_request("Cannot use both json_schema and response_format")
+    if grammar and sources:
+        raise bad_request(f"Cannot use both {sources[0]} and grammar")
+    if sources:
+        if not isinstance(schema, dict):
+            raise bad_request('"json_schema": the schema must be a JSON object')
+        return "json_schema", schema
+    return ("grammar", grammar) if grammar else ("", None)
 
 
 REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")
@@ -314,8 +365,47 @@ def split_reasoning(text: str, forced_open: bool = False) -> tuple[str, str]:
     return ("".join(t for k, t in parts if k == "reasoning"), "".join(t for k, t in parts if k == "content"))
 
 
+@dataclasses.dataclass
+class ToolRequest:
+    """A chat request's tools as the server uses them: the normalized tools, tool_choice's mode
+    ("auto", "required", "function") and function name, parallel_tool_calls, and the tool-call
+    format of the chat template (engine.tool_calls.FORMATS)."""
+    tools: list
+    mode: str
+    function: Optional[str]
+    parallel: bool
+    format: str
+
+    @property
+    def max_calls(self) -> Optional[int]:
+        return None if self.parallel else 1
+
+
 def _rand_id(prefix: str) -> str:
     return prefix + "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(32))
+
+
+def _takes_keyword(fn: Callable, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def oai_tool_calls(calls: list) -> list[dict]:
+    """OpenAI's message.tool_calls of parsed calls (engine.tool_calls.ToolCall with their ids)."""
+    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+
+
+def anthropic_tool_input(arguments: str) -> dict:
+    """A call's arguments as an Anthropic tool_use `input` (an object; {} when they are no JSON object,
+    as llama-server does)."""
+    try:
+        v = json.loads(arguments)
+    except ValueError:
+        return {}
+    return v if isinstance(v, dict) else {}
 
 
 # -------------------------------------------------------------------- engine events -> the event loop
@@ -346,12 +436,16 @@ class Generation:
         return on_event
 
     def submit(self, engine, prompts: list[list[int]], params, n_predict: int, stop: list[str],
-               cache_prompt: bool = True, n_cmpl: int = 1) -> None:
+               cache_prompt: bool = True, n_cmpl: int = 1, preserved: Optional[list[int]] = None) -> None:
         """One job per prompt and choice: n_cmpl jobs of each prompt, job p * n_cmpl + j the choice j of
         prompt p (llama-server's order of results and their `index`).  As llama-server's child tasks,
         choice j > 0 samples with seed + j when the request fixes a seed, so the choices differ yet
-        the answer is reproducible; a random seed (-1) stays random, one draw per choice."""
+        the answer is reproducible; a random seed (-1) stays random, one draw per choice.
+        preserved: token ids to come out as text although they are control tokens (tool-call markers,
+        llama.cpp's preserved_tokens); handed to an engine whose submit() takes `preserved_tokens`."""
         kw = {} if cache_prompt else {"cache_prompt": False}   # llama.cpp's field: reuse the slot's prefix
+        if preserved and _takes_keyword(engine.submit, "preserved_tokens"):
+            kw["preserved_tokens"] = list(preserved)
         for i, prompt in enumerate(p for p in prompts for _ in range(n_cmpl)):
             if not prompt:
                 self.cancel()
@@ -510,8 +604,12 @@ def stop_type(ev) -> str:
     return "none"
 
 
-def oai_finish_reason(ev) -> str:
-    return "length" if ev.finish_reason == "length" else "stop"
+def oai_finish_reason(ev, tool_calls: bool = False) -> str:
+    """llama-server's finish_reason: "length" at the token limit, else "tool_calls" when the answer
+    has tool calls, else "stop"."""
+    if ev.finish_reason == "length":
+        return "length"
+    return "tool_calls" if tool_calls else "stop"
 
 
 def usage_json(n_prompt: int, n_gen: int, n_cached: int = 0) -> dict:
@@ -650,6 +748,7 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
     if render_chat is None:
         from engine.chat_template import render_chat as _render
         render_chat = _render
+    from engine import tool_calls as tool_calls_mod     # parsers only (no model code)
     alias = alias or (os.path.basename(model_path) if model_path else "unknown")
     tok = getattr(model, "tokenizer", None)
     meta = getattr(getattr(model, "file", None), "meta", None) or {}
@@ -729,6 +828,30 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         check_text(body, text)
         return body
 
+    def constrain(data: dict) -> None:
+        """Replace the request's grammar / json_schema / response_format by the one grammar text the
+        sampler runs (a JSON schema becomes llguidance's "%llguidance {}\nstart: %json ..." text, as
+        llama-server with llguidance writes it; generation_settings shows it), checked against the
+        model's vocabulary: a grammar that does not compile is a 400 here, not a failed job."""
+        kind, value = constraint_of(data)
+        for k in ("grammar", "json_schema", "response_format"):
+            data.pop(k, None)
+        if not kind:
+            return
+        if data.get("tools") and data.get("tool_choice") != "none":
+            # llama-server's words (it refuses `grammar`; a schema beside tool calls is refused too:
+            # the answer could not hold the template's tool-call syntax)
+            raise bad_request("Cannot use custom grammar constraints with tools.")
+        from engine import grammar as eg
+        try:
+            text = eg.schema_grammar(value) if kind == "json_schema" else value
+            eg.check_grammar(text, tok, getattr(model, "n_vocab", None) or n_vocab)
+        except eg.GrammarUnavailable as e:
+            raise bad_request(str(e)) from None
+        except eg.GrammarError as e:
+            raise bad_request(f'"json_schema": {e}' if kind == "json_schema" else f"Failed to parse grammar: {e}") from None
+        data["grammar"] = text
+
     def sampling_params(body: dict, probs: str = "n_probs"):
         """probs: how the endpoint asks for token probabilities, as llama-server reads them:
         "n_probs" (/completion), "logprobs" (/v1/completions: an int), "chat" (logprobs: true with
@@ -756,6 +879,7 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         if "logit_bias" in data:
             data["logit_bias"] = logit_bias_pairs(data["logit_bias"])
         check_unsupported(data)
+        constrain(data)
         if data.get("dry_sequence_breakers", None) == []:
             raise bad_request("Error: dry_sequence_breakers must be a non-empty array of strings")
         base = data.get("dry_base")
@@ -840,14 +964,44 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         raw = split_prompts(_field(body, "prompt"))
         return raw, [await tokenize_prompt(p) for p in raw]
 
+    builtin_template = getattr(render_chat, "builtin_name", None)   # --chat-template NAME (no tool calls)
+
+    def tool_request(body: dict) -> Optional[ToolRequest]:
+        """The request's tools, tool_choice and parallel_tool_calls (None: no tools, or tool_choice
+        "none": the template gets no tools and the answer is not parsed for calls).  As llama-server,
+        tools need a Jinja template: with a built-in --chat-template NAME format they are refused.
+        "required" and a named function are accepted, not enforced (no grammar constrains the
+        output); parallel_tool_calls false keeps the first call of the answer."""
+        try:
+            tools = tool_calls_mod.normalize_tools(_field(body, "tools", None))
+            mode, function = tool_calls_mod.parse_tool_choice(_field(body, "tool_choice", None), tools)
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        parallel = get_bool(body, "parallel_tool_calls", True)
+        if not tools:
+            if mode in ("required", "function"):
+                raise bad_request(f"'tool_choice' {json.dumps(body.get('tool_choice'))[:60]} needs 'tools'")
+            return None
+        if builtin_template:
+            raise bad_request(f"'tools' need a Jinja chat template: the built-in '{builtin_template}' format "
+                              f"(--chat-template) has no tool calls; use the GGUF's template or --jinja")
+        if mode == "none":
+            return None
+        kind, _constraint = constraint_of(body)
+        if kind == "grammar":
+            raise bad_request("Cannot use custom grammar constraints with tools.")
+        if kind:    # the answer would be held to the schema: no call could come out
+            raise bad_request("'tools' and a JSON schema constraint (json_schema / response_format) cannot be "
+                              "used together by this server")
+        fmt = tool_calls_mod.detect_format(template) or "generic"
+        return ToolRequest(tools, mode, function, parallel, fmt)
+
     async def render_prompt(body: dict) -> str:
         """The chat request's messages through the template (what /apply-template answers)."""
         messages = _field(body, "messages")
         if messages is _MISSING:
             raise bad_request("'messages' is required")
-        tools = _field(body, "tools")
-        if tools is not _MISSING and tools != []:
-            raise bad_request("'tools' are not supported by this server")
+        treq = tool_request(body)
         if isinstance(messages, list) and len(messages) >= 2 and all(
                 isinstance(m, dict) and m.get("role") == "assistant" for m in messages[-2:]):
             raise bad_request("Cannot have 2 or more assistant messages at the end of the list.")
@@ -861,9 +1015,10 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         kwargs = {} if kwargs is _MISSING or kwargs is None else kwargs
         if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
             raise bad_request("'chat_template_kwargs' must be an object")
+        tool_kw = {"tools": treq.tools} if treq is not None else {}
         try:
             prompt, _kind = await asyncio.to_thread(render_chat, messages, template, bos_token, eos_token, agp,
-                                                    extra_vars=kwargs or None)
+                                                    extra_vars=kwargs or None, **tool_kw)
         except ValueError as e:
             raise bad_request(f"cannot apply the chat template: {e}") from None
         return prompt
@@ -1254,6 +1409,52 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
 
         return stream_response(gen, chunks())
 
+    # ------------------------------------------------------------------------- tool calls
+    preserved_cache: dict[str, list[int]] = {}
+
+    def preserved_ids(treq: Optional[ToolRequest]) -> list[int]:
+        """The token ids of the format's call markers (each a single token), for an engine that can
+        write control tokens out as text: a vocabulary may hold the markers as control tokens."""
+        if treq is None or not _takes_keyword(engine.submit, "preserved_tokens"):
+            return []
+        if treq.format not in preserved_cache:
+            ids = []
+            for marker in tool_calls_mod.preserved_tokens(treq.format):
+                try:
+                    t = engine.tokenize(marker, False)
+                except Exception:  # noqa: BLE001 - a marker the vocabulary cannot take is no token
+                    continue
+                if len(t) == 1:
+                    ids.append(t[0])
+            preserved_cache[treq.format] = ids
+        return preserved_cache[treq.format]
+
+    def parse_answer(treq: ToolRequest, text: str, rfmt: str):
+        """A whole answer's content -> engine.tool_calls.ParsedMessage, calls with ids (the model's,
+        else 32 random letters and digits, as llama-server's)."""
+        msg = tool_calls_mod.parse_message(text, treq.format, tools=treq.tools, extract_reasoning=rfmt != "none",
+                                           max_calls=treq.max_calls)
+        for c in msg.tool_calls:
+            c.id = c.id or _rand_id("")
+        return msg
+
+    def tool_stream(treq: ToolRequest, rfmt: str):
+        return tool_calls_mod.ToolCallStream(treq.format, tools=treq.tools, extract_reasoning=rfmt != "none",
+                                             max_calls=treq.max_calls, new_id=lambda: _rand_id(""))
+
+    def oai_delta(part: tuple) -> dict:
+        """An OpenAI chat delta of one streamed part: ("content"|"reasoning", text), or a tool call's
+        start ("tool_call", index, id, name, "") / its next arguments ("tool_call", index, None, None, text)."""
+        if part[0] == "reasoning":
+            return {"reasoning_content": part[1]}
+        if part[0] == "content":
+            return {"content": part[1]}
+        _, index, id_, name, frag = part
+        if name is not None:
+            return {"tool_calls": [{"index": index, "id": id_, "type": "function",
+                                    "function": {"name": name, "arguments": frag}}]}
+        return {"tool_calls": [{"index": index, "function": {"arguments": frag}}]}
+
     # ------------------------------------------------------------------------- OpenAI chat
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
@@ -1274,12 +1475,14 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
                 and messages[-1].get("role") == "assistant":
             rfmt = "none"       # a prefilled assistant answer is continued as it is, as ik does
         text = await render_prompt(body)
+        treq = tool_request(body)
         # the template opened the reasoning itself (Qwen3 / DeepSeek-R1 prompts ending in <think>):
         # the answer starts inside it and only </think> comes
         forced_open = text.rstrip().endswith(THINK_OPEN)
         prompt = await chat_prompt(body, text)
         gen = Generation()
-        gen.submit(engine, [prompt], params, n_predict, stop, get_cache_prompt(body), n_cmpl)
+        gen.submit(engine, [prompt], params, n_predict, stop, get_cache_prompt(body), n_cmpl,
+                   preserved=preserved_ids(treq))
         cmpl_id, created = _rand_id("chatcmpl-"), int(time.time())
 
         def head() -> dict:
@@ -1306,7 +1509,16 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
                         message["content"] = content
                     if reasoning:
                         message["reasoning_content"] = reasoning
-                choice = {"index": i, "finish_reason": oai_finish_reason(ev), "message": message}
+                calls: list = []
+                if treq is not None:     # the content's tool calls (content null when only calls)
+                    parsed = parse_answer(treq, message["content"], rfmt)
+                    calls = parsed.tool_calls
+                    message["content"] = parsed.content if parsed.content or not calls else None
+                    if parsed.reasoning:     # gpt-oss: its analysis channel
+                        message["reasoning_content"] = message.get("reasoning_content", "") + parsed.reasoning
+                    if calls:
+                        message["tool_calls"] = oai_tool_calls(calls)
+                choice = {"index": i, "finish_reason": oai_finish_reason(ev, bool(calls)), "message": message}
                 if params.n_probs > 0:
                     choice["logprobs"] = oai_logprobs(params, results[i]["probs"])
                 choices.append(choice)
@@ -1326,6 +1538,8 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
             splits = {i: ReasoningSplit(forced_open) for i in range(n_cmpl)} \
                 if rfmt in ("deepseek", "auto") else None
             held_probs: dict[int, list] = {i: [] for i in range(n_cmpl)}   # of text held back
+            # the content goes on through the tool-call parser: calls come out as tool_calls deltas
+            tstreams = {i: tool_stream(treq, rfmt) for i in range(n_cmpl)} if treq is not None else None
             async for i, ev in gen.events():
                 if splits is None:
                     parts = [("content", ev.text)] if ev.text else []
@@ -1333,10 +1547,16 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
                     parts = splits[i].feed(ev.text or "")
                     if ev.done:
                         parts += splits[i].finish()
+                if tstreams is not None:
+                    routed: list = []
+                    for part in parts:
+                        routed += tstreams[i].feed(part[1]) if part[0] == "content" else [part]
+                    if ev.done:
+                        routed += tstreams[i].finish()
+                    parts = routed
                 held_probs[i] += getattr(ev, "probs", None) or []
-                for n, (kind, piece_) in enumerate(parts):
-                    delta = {"index": i, "finish_reason": None,
-                             "delta": {"reasoning_content" if kind == "reasoning" else "content": piece_}}
+                for n, part in enumerate(parts):
+                    delta = {"index": i, "finish_reason": None, "delta": oai_delta(part)}
                     if params.n_probs > 0 and n == len(parts) - 1:
                         delta["logprobs"] = oai_logprobs(params, held_probs[i])
                         held_probs[i] = []
@@ -1347,7 +1567,9 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
                 if ev.done:
                     finals[i] = ev
                     n_prompt, n_gen = counts(gen, i, ev)
-                    last = {**head(), "choices": [{"index": i, "finish_reason": oai_finish_reason(ev), "delta": {}}],
+                    has_calls = tstreams is not None and bool(tstreams[i].ids)
+                    last = {**head(), "choices": [{"index": i, "finish_reason": oai_finish_reason(ev, has_calls),
+                                                   "delta": {}}],
                             "usage": usage_json(n_prompt, n_gen, n_cached(gen, i, ev))}
                     timings = timings_json(ev.timings, n_ctx_slot, n_prompt + n_gen)
                     # each choice's last chunk carries its own usage (and timings); with include_usage
@@ -1361,39 +1583,112 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
 
     # ------------------------------------------------------------------- Anthropic Messages API
     def anthropic_chat(body: dict) -> dict:
-        """An Anthropic Messages request as the OpenAI chat body the chat path reads (text blocks
-        only: images, tools and documents are refused)."""
-        def text_of(v: Any, what: str) -> str:
+        """An Anthropic Messages request as the OpenAI chat body the chat path reads, as llama-server
+        converts it: text blocks, tool_use blocks (assistant tool calls), tool_result blocks (tool
+        messages, in their place among the user's text), thinking blocks (reasoning_content);
+        `tools` with input_schema, `tool_choice` auto/any/tool/none.  Images and documents are refused."""
+        def blocks_of(v: Any, what: str) -> list:
             if isinstance(v, str):
-                return v
-            if isinstance(v, list):
-                parts = []
-                for b in v:
-                    if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
-                        kind = b.get("type") if isinstance(b, dict) else type(b).__name__
-                        raise bad_request(f"{what}: content blocks of type '{kind}' are not supported by this server")
-                    parts.append(b["text"])
-                return "".join(parts)
-            raise bad_request(f"{what} must be a string or an array of content blocks")
+                return [{"type": "text", "text": v}]
+            if not isinstance(v, list):
+                raise bad_request(f"{what} must be a string or an array of content blocks")
+            for j, b in enumerate(v):
+                if not isinstance(b, dict) or not isinstance(b.get("type"), str):
+                    raise bad_request(f"{what}[{j}] must be a content block object with a 'type'")
+            return v
+
+        def text_of(v: Any, what: str) -> str:
+            parts = []
+            for j, b in enumerate(blocks_of(v, what)):
+                if b["type"] != "text" or not isinstance(b.get("text"), str):
+                    raise bad_request(f"{what}: content blocks of type '{b['type']}' are not supported by this server")
+                parts.append(b["text"])
+            return "".join(parts)
 
         messages = _field(body, "messages")
         if not isinstance(messages, list) or not messages:
             raise bad_request("'messages' must be a non-empty array")
-        if _field(body, "tools") not in (_MISSING, [], None):
-            raise bad_request("'tools' are not supported by this server")
-        out = []
+        out: list[dict] = []
         system = _field(body, "system")
         if system not in (_MISSING, None):
             out.append({"role": "system", "content": text_of(system, "'system'")})
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
                 raise bad_request(f"messages[{i}]: 'role' must be 'user' or 'assistant'")
-            out.append({"role": m["role"], "content": text_of(m.get("content", ""), f"messages[{i}].content")})
-        chat = {"messages": out, "stream": _field(body, "stream", False)}
+            what = f"messages[{i}].content"
+            blocks = blocks_of(m.get("content", ""), what)
+            if m["role"] == "assistant":
+                text, thinking, calls = [], [], []
+                for j, b in enumerate(blocks):
+                    if b["type"] == "text" and isinstance(b.get("text"), str):
+                        text.append(b["text"])
+                    elif b["type"] == "thinking" and isinstance(b.get("thinking"), str):
+                        thinking.append(b["thinking"])
+                    elif b["type"] == "tool_use":
+                        if not isinstance(b.get("name"), str) or not isinstance(b.get("id"), str) \
+                                or not isinstance(b.get("input", {}), dict):
+                            raise bad_request(f"{what}[{j}]: a tool_use block needs 'id', 'name' and an 'input' object")
+                        calls.append({"id": b["id"], "type": "function", "function": {
+                            "name": b["name"], "arguments": json.dumps(b.get("input", {}), ensure_ascii=False)}})
+                    else:
+                        raise bad_request(f"{what}: content blocks of type '{b['type']}' are not supported by this server")
+                msg: dict[str, Any] = {"role": "assistant", "content": "".join(text) if text or not calls else None}
+                if calls:
+                    msg["tool_calls"] = calls
+                if thinking:
+                    msg["reasoning_content"] = "".join(thinking)
+                out.append(msg)
+                continue
+            text = []
+
+            def flush() -> None:
+                if text:
+                    out.append({"role": "user", "content": "".join(text)})
+                    text.clear()
+            for j, b in enumerate(blocks):
+                if b["type"] == "text" and isinstance(b.get("text"), str):
+                    text.append(b["text"])
+                elif b["type"] == "tool_result":
+                    if not isinstance(b.get("tool_use_id"), str):
+                        raise bad_request(f"{what}[{j}]: a tool_result block needs 'tool_use_id'")
+                    flush()
+                    result = text_of(b.get("content", ""), f"{what}[{j}].content")
+                    if b.get("is_error") is True:
+                        result = "Error: " + result
+                    out.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": result})
+                else:
+                    raise bad_request(f"{what}: content blocks of type '{b['type']}' are not supported by this server")
+            flush()
+            if not blocks:
+                out.append({"role": "user", "content": ""})
+        chat: dict[str, Any] = {"messages": out, "stream": _field(body, "stream", False)}
         for src, dst in (("max_tokens", "max_tokens"), ("stop_sequences", "stop"), ("temperature", "temperature"),
                          ("top_p", "top_p"), ("top_k", "top_k")):
             if _field(body, src) is not _MISSING:
                 chat[dst] = body[src]
+        tools = _field(body, "tools")
+        if tools not in (_MISSING, None):
+            if not isinstance(tools, list):
+                raise bad_request("'tools' must be an array")
+            chat["tools"] = []
+            for j, t in enumerate(tools):
+                if not isinstance(t, dict) or not isinstance(t.get("name"), str) \
+                        or not isinstance(t.get("input_schema"), dict):
+                    raise bad_request(f"tools[{j}]: a client tool with 'name' and 'input_schema' is needed "
+                                      f"(server tools are not supported by this server)")
+                chat["tools"].append({"type": "function", "function": {
+                    "name": t["name"], "description": t.get("description") or "", "parameters": t["input_schema"]}})
+        choice = _field(body, "tool_choice")
+        if choice is not _MISSING:
+            kind = choice.get("type") if isinstance(choice, dict) else None
+            if kind not in ("auto", "any", "tool", "none"):
+                raise bad_request("'tool_choice' must be {'type': 'auto' | 'any' | 'tool' | 'none'}")
+            if kind == "tool":
+                chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
+            else:
+                chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[kind]
+            if choice.get("disable_parallel_tool_use") is True:
+                chat["parallel_tool_calls"] = False
         return chat
 
     def anthropic_usage(gen: Generation, ev) -> dict:
@@ -1401,9 +1696,11 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         cached = n_cached(gen, 0, ev)
         return {"cache_read_input_tokens": cached, "input_tokens": n_prompt - cached, "output_tokens": n_gen}
 
-    def anthropic_stop(ev) -> tuple[str, Optional[str]]:
+    def anthropic_stop(ev, tool_calls: bool = False) -> tuple[str, Optional[str]]:
         kind = stop_type(ev)
-        return ("end_turn" if kind in ("eos", "word") else "max_tokens"), (ev.stopping_word or None)
+        if kind in ("eos", "word"):
+            return ("tool_use" if tool_calls else "end_turn"), (ev.stopping_word or None)
+        return "max_tokens", (ev.stopping_word or None)
 
     def asse(event: str, data: dict) -> str:
         return f"event: {event}\n" + sse(data)
@@ -1413,17 +1710,24 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         chat = anthropic_chat(await read_json(request))
         stream, stop, n_predict = request_basics(chat)
         params = sampling_params(chat, "chat")
+        treq = tool_request(chat)
         prompt = await chat_prompt(chat)
         gen = Generation()
-        gen.submit(engine, [prompt], params, n_predict, stop, True)
+        gen.submit(engine, [prompt], params, n_predict, stop, True, preserved=preserved_ids(treq))
         msg_id = _rand_id("msg_")
         if not stream:
             results = await collect(request, gen)
             ev = results[0]["final"]
             text = "".join(results[0]["text"])
-            reason, word = anthropic_stop(ev)
-            return {"id": msg_id, "type": "message", "role": "assistant",
-                    "content": [{"type": "text", "text": text}] if text else [], "model": alias,
+            calls: list = []
+            if treq is not None:
+                parsed = parse_answer(treq, text, "none")
+                text, calls = parsed.content, parsed.tool_calls
+            reason, word = anthropic_stop(ev, bool(calls))
+            content = [{"type": "text", "text": text}] if text else []
+            content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": anthropic_tool_input(c.arguments)}
+                        for c in calls]
+            return {"id": msg_id, "type": "message", "role": "assistant", "content": content, "model": alias,
                     "stop_reason": reason, "stop_sequence": word, "usage": anthropic_usage(gen, ev)}
 
         async def chunks() -> AsyncIterator[str]:
@@ -1431,23 +1735,50 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
                 "id": msg_id, "type": "message", "role": "assistant", "content": [], "model": alias,
                 "stop_reason": None, "stop_sequence": None,
                 "usage": {"cache_read_input_tokens": 0, "input_tokens": len(prompt), "output_tokens": 0}}})
-            started = False
+            # content blocks one after the other: text, then each tool_use (its input as JSON fragments);
+            # text after a call opens a new text block
+            tstream = tool_stream(treq, "none") if treq is not None else None
+            block: dict[str, Any] = {"index": -1, "kind": None}
+
+            def start(kind: str, content_block: dict) -> list[str]:
+                out = stop_block()
+                block["index"] += 1
+                block["kind"] = kind
+                return out + [asse("content_block_start", {"type": "content_block_start", "index": block["index"],
+                                                           "content_block": content_block})]
+
+            def stop_block() -> list[str]:
+                if block["kind"] is None:
+                    return []
+                block["kind"] = None
+                return [asse("content_block_stop", {"type": "content_block_stop", "index": block["index"]})]
+
+            def delta(d: dict) -> str:
+                return asse("content_block_delta", {"type": "content_block_delta", "index": block["index"], "delta": d})
+
             async for _i, ev in gen.events():
-                if ev.text:
-                    if not started:
-                        yield asse("content_block_start", {"type": "content_block_start", "index": 0,
-                                                           "content_block": {"type": "text", "text": ""}})
-                        started = True
-                    yield asse("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                       "delta": {"type": "text_delta", "text": ev.text}})
+                parts = [("content", ev.text)] if ev.text else []
+                if tstream is not None:
+                    parts = tstream.feed(ev.text or "") + (tstream.finish() if ev.done else [])
+                for part in parts:
+                    if part[0] in ("content", "reasoning"):
+                        if block["kind"] != "text":
+                            for e in start("text", {"type": "text", "text": ""}):
+                                yield e
+                        yield delta({"type": "text_delta", "text": part[1]})
+                    elif part[3] is not None:       # a tool call starts
+                        for e in start("tool_use", {"type": "tool_use", "id": part[2], "name": part[3], "input": {}}):
+                            yield e
+                    else:
+                        yield delta({"type": "input_json_delta", "partial_json": part[4]})
                 if gen.engine_failed(ev):
                     yield asse("error", {"type": "error", "error": {"type": "api_error",
                                                                     "message": engine_failed_error().message}})
                     return
                 if ev.done:
-                    if started:
-                        yield asse("content_block_stop", {"type": "content_block_stop", "index": 0})
-                    reason, word = anthropic_stop(ev)
+                    for e in stop_block():
+                        yield e
+                    reason, word = anthropic_stop(ev, tstream is not None and bool(tstream.ids))
                     yield asse("message_delta", {"type": "message_delta",
                                                  "delta": {"stop_reason": reason, "stop_sequence": word},
                                                  "usage": {"output_tokens": counts(gen, 0, ev)[1]}})

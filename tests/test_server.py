@@ -496,7 +496,7 @@ BAD_REQUESTS = [
     ("/completion", {"prompt": "x", "logit_bias": [[5, "a"]]}, "bias must be a number or false"),
     ("/completion", {"prompt": "x", "ignore_eos": "yes"}, "ignore_eos"),
     # output-changing llama.cpp fields this server does not implement: refused, not silently dropped
-    ("/completion", {"prompt": "x", "grammar": "root ::= \"a\""}, "grammar"),
+    ("/completion", {"prompt": "x", "grammar": "root ::= \"a"}, "grammar"),
     ("/completion", {"prompt": "x", "adaptive_target": 0.5}, "'adaptive_target': not supported"),
     # ik's other samplers are implemented: bad values are named
     ("/completion", {"prompt": "x", "mirostat": 3}, "mirostat"),
@@ -505,7 +505,7 @@ BAD_REQUESTS = [
     ("/completion", {"prompt": "x", "dry_sequence_breakers": []}, "dry_sequence_breakers must be a non-empty array"),
     ("/completion", {"prompt": "x", "dry_sequence_breakers": [1]}, "dry_sequence_breakers"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "response_format": {"type": "json_object"}}, "response_format"),
+                              "response_format": {"type": "yaml"}}, "response_format"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": "9"},
      "max_completion_tokens"),
 ]
