@@ -40,6 +40,10 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, cell_pos: np.n
     window > 0: a sliding window, query t sees only cells with q_pos[t] - cell_pos < window.
     sinks (H,): one more logit per head in each softmax, with no value (gpt-oss).
     """
+    from .device import on_device
+    if on_device(q) or on_device(k) or on_device(v):
+        from . import cuda_backend
+        return cuda_backend.causal_attention(q, k, v, cell_pos, q_pos, kq_scale, window, sinks)
     T, H, dk = q.shape
     n_kv, hkv, dv = v.shape
     g = H // hkv

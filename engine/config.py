@@ -65,6 +65,8 @@ class EngineConfig:
     use_thp: bool = False      # -thp: read the model into huge pages (MAP_HUGETLB) where the system has them
     kv_overrides: list = field(default_factory=list)   # --override-kv (key, type, value)
     rope: RopeOverrides = field(default_factory=RopeOverrides)
+    n_gpu_layers: int = 0      # -ngl: the last N repeating layers (N > n_layer: and the output) on the GPU
+    kv_offload: bool = True    # False (-nkvo): GPU layers keep their KV cache in host memory
 
     def threads(self, batch: bool) -> int:
         t = self.n_threads_batch if batch and self.n_threads_batch > 0 else self.n_threads

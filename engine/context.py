@@ -37,6 +37,8 @@ class Context:
                                fused_moe=cfg.fused_moe, ser=(cfg.ser_min, cfg.ser_thresh))
         type_k, type_v = CACHE_TYPES[cfg.type_k], CACHE_TYPES[cfg.type_v]
         self.caches = [model.arch.make_cache(self.n_ctx // n_seq, self.opts, type_k, type_v) for _ in range(n_seq)]
+        for c in self.caches:
+            model.place_cache(c)          # the GPU layers' stores into GPU memory (-ngl / -ot, not -nkvo)
         self.cache = self.caches[0]
         p = "llama_init_from_model"
         log(f"{p}: n_ctx         = {self.n_ctx}")
@@ -56,7 +58,11 @@ class Context:
         kb = sum(c.size_bytes()[0] for c in self.caches)
         vb = sum(c.size_bytes()[1] for c in self.caches)
         mib = 1024 ** 2
-        log(f"llama_kv_cache_init: {'CPU':>10s} KV buffer size = {(kb + vb) / mib:8.2f} MiB")
+        on_gpu = sum(s.nbytes for c in self.caches for L in c.layers for s in L.stores() if s.device != "CPU")
+        if kb + vb - on_gpu or not on_gpu:
+            log(f"llama_kv_cache_init: {'CPU':>10s} KV buffer size = {(kb + vb - on_gpu) / mib:8.2f} MiB")
+        if on_gpu:
+            log(f"llama_kv_cache_init: {'CUDA0':>10s} KV buffer size = {on_gpu / mib:8.2f} MiB")
         L0 = self.cache.layers[0] if self.cache.layers else None
         head = f"llama_init_from_model: KV self size  = {(kb + vb) / mib:7.2f} MiB, "
         if L0 is None:

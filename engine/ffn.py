@@ -16,7 +16,13 @@ from .linear import matmul, matmul_id, moe_up_gate, up_gate
 from quant.tensor import QTensor
 
 from .hparams import GATING_SIGMOID, GATING_SOFTMAX_WEIGHT
-from .ops import sigmoid, silu, softmax
+from .device import on_device
+from .ops import host, sigmoid, silu, softmax
+
+def on_host(fn, *args):
+    from .cuda_backend import on_host as run_on_host
+    return run_on_host(fn, *args)
+
 
 SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = np.float32(1.702), np.float32(7.0)
 
@@ -87,7 +93,7 @@ def moe_ffn(x: np.ndarray, m: MoEWeights, n_used: int, gating: int, norm_w: bool
 
     ser = (K, t): Smart Expert Reduction (see route); dropped experts are not computed.
     """
-    logits = matmul(m.router, x)
+    logits = host(matmul(m.router, x))      # routing runs on the host (a GPU router's logits come down)
     if m.router_bias is not None:
         logits += m.router_bias
     ids, w = route(logits, n_used, gating, m.probs_bias, norm_w, scale, *ser)
@@ -101,7 +107,7 @@ def moe_ffn(x: np.ndarray, m: MoEWeights, n_used: int, gating: int, norm_w: bool
         if m.gate_bias is not None:
             g += m.gate_bias[pair_ids]
             u += m.up_bias[pair_ids]
-        par = swiglu_oai(g, u)
+        par = swiglu_oai(g, u) if not on_device(g) else on_host(swiglu_oai, g, u)
     elif fused:
         par = moe_up_gate(m.gate, m.up, x, pair_ids, pair_rows)
     else:
@@ -114,6 +120,9 @@ def moe_ffn(x: np.ndarray, m: MoEWeights, n_used: int, gating: int, norm_w: bool
     # sum over slots in slot order, the same for a token alone or in a batch
     slot_pair = np.full(ids.shape, -1, dtype=np.int64)
     slot_pair[keep] = np.arange(n_pairs)
+    if on_device(y):
+        from .cuda_backend import moe_combine
+        return moe_combine(y, slot_pair, x.shape[0])
     out = np.zeros((x.shape[0], m.down.shape[-2]), dtype=np.float32)
     for j in range(ids.shape[1]):
         k = slot_pair[:, j]

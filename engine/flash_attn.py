@@ -40,6 +40,7 @@ from numba.extending import intrinsic
 from quant.gemm import gemm
 from quant.kernels import F16_TO_F32, QK, decode_cache_rows, dequant_rows, tag
 
+from .device import on_device, to_host
 from .flash_common import _combine, _exp2, _split_cells
 from .kv_cache import RowStore
 
@@ -374,6 +375,10 @@ def flash_attn(q: np.ndarray, k: RowStore, v: RowStore | None, n_kv: int, n_head
     no cell gets zeros.  block: cells per tile of the BLAS path (default CELL_TILE); path:
     None (choose by size with use_kernel_path), "kernel" or "blas".
     """
+    if k.device != "CPU":               # the cache is in GPU memory: attend there
+        from . import cuda_backend
+        return cuda_backend.flash_attn(q, k, v, n_kv, n_head_kv, dk, dv, cell_pos, q_pos, scale, window, sinks)
+    q = to_host(q)                      # a GPU query over a host cache (-nkvo) comes down
     q = np.asarray(q, dtype=np.float32)
     T, H, _ = q.shape
     if H % n_head_kv or q.shape[2] != dk:
@@ -391,6 +396,18 @@ def flash_attn(q: np.ndarray, k: RowStore, v: RowStore | None, n_kv: int, n_head
     if path == "blas":
         return _flash_blas(q, k, v, n_kv, n_head_kv, dk, dv, cell_pos, q_pos, q_lo, scale, block or CELL_TILE, sink2)
     raise ValueError(f"flash_attn: unknown path {path!r}")
+
+
+def flash_attn_rows(q, k, v, cell_pos: np.ndarray, q_pos: np.ndarray, scale: float):
+    """flash_attn over computed f32 keys k (n_kv, Hkv, dk) and values v (n_kv, Hkv, dv) rather
+    than a cache (decompressed MLA heads), on the side the arrays are."""
+    n_kv, hkv, dk = k.shape
+    dv = v.shape[-1]
+    if on_device(k):
+        from . import cuda_backend
+        return cuda_backend.causal_attention(q, k, v, cell_pos, q_pos, scale)
+    return flash_attn(q, RowStore.from_f32(k.reshape(n_kv, -1)), RowStore.from_f32(v.reshape(n_kv, -1)), n_kv, hkv,
+                      dk, dv, cell_pos, q_pos, scale)
 
 
 # bf16 dot products (engine.flash_bf16) for the kernel path where the CPU has AVX512-BF16:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from quant import reference
+
+from .device import to_host
 from quant.types import BF16, F16, F32, Q4_0, Q6_0, Q8_0, type_info
 
 # -ctk / -ctv names (llama.cpp spelling) -> GGML type ids
@@ -33,6 +35,8 @@ def cache_type_name(qtype: int) -> str:
 
 class RowStore:
     """n_ctx rows of `width` values in GGML type `qtype`: data is (n_ctx, row_bytes) uint8."""
+
+    device = "CPU"          # engine.cuda_backend.DeviceRowStore: the same rows in GPU memory
 
     def __init__(self, n_ctx: int, width: int, qtype: int) -> None:
         ti = type_info(qtype)
@@ -58,7 +62,7 @@ class RowStore:
     def write(self, i0: int, x: np.ndarray) -> None:
         """Rows [i0, i0 + len(x)) = x (t, width) f32, converted / quantized to the store's type."""
         t = x.shape[0]
-        x = np.ascontiguousarray(x, dtype=np.float32).reshape(t, self.width)
+        x = np.ascontiguousarray(to_host(x), dtype=np.float32).reshape(t, self.width)
         if self.qtype == F32:
             self.data[i0:i0 + t] = x.view(np.uint8)
         elif self.qtype == F16:           # converted in place: no f16 temporary per token
@@ -88,7 +92,9 @@ class RowStore:
 
 
 class TransposedStore:
-    """kv^T of `-mla 1` without flash attention: (width, n_ctx) in a float type."""
+    """kv^T of `-mla 1` without flash attention: (width, n_ctx) in a float type (host memory only)."""
+
+    device = "CPU"
 
     def __init__(self, n_ctx: int, width: int, qtype: int) -> None:
         if qtype not in FLOAT_TYPES:
@@ -102,7 +108,7 @@ class TransposedStore:
 
     def write(self, i0: int, x: np.ndarray) -> None:
         t = x.shape[0]
-        xt = np.ascontiguousarray(x, dtype=np.float32).T
+        xt = np.ascontiguousarray(to_host(x), dtype=np.float32).T
         if self.qtype == F32:
             self.data[:, i0:i0 + t] = xt
         elif self.qtype == F16:

@@ -27,8 +27,9 @@ def quiet_log(msg: str) -> None:
 class Weights:
     """Typed access to a model file's tensors by GGUF name, with clear errors for missing ones."""
 
-    def __init__(self, mf: ModelFile, repack: bool = False) -> None:
+    def __init__(self, mf: ModelFile, repack: bool = False, on_gpu: Callable[[str], bool] = lambda name: False) -> None:
         self.mf = mf
+        self.on_gpu = on_gpu                  # placement (-ngl / -ot): GPU tensors are not repacked
         self.used: set[str] = set()
         self.extra: dict[str, QTensor] = {}   # tensors computed at load (e.g. attn_kv_b)
         self.repack = repack                  # -rtr: repack matrices into _R4/_R8 types
@@ -63,7 +64,7 @@ class Weights:
         q = t.qtensor()
         if type_info(q.qtype).interleave:
             q = self._unpacked(q)
-        elif self.repack:
+        elif self.repack and not self.on_gpu(name):
             q = self._repacked(name, q)
         q.name = name   # the label engine.linear's observers (imatrix) see
         self.by_type.setdefault(q.qtype, q)
@@ -125,6 +126,19 @@ class Model:
         self.arch = arch
         self.log = log
         self.matrix_types: dict = {}    # one weight matrix of each type the products use
+        self.placement = None           # engine.placement.Placement (None: everything on the CPU)
+
+    def place_cache(self, cache) -> None:
+        """Move the KV stores of the layers whose attention is on the GPU into GPU memory."""
+        pl = self.placement
+        if pl is None or not pl.any_gpu:
+            return
+        from .cuda_backend import DeviceRowStore
+        for il, lc in enumerate(cache.layers):
+            if pl.kv_on_gpu(il):
+                lc.k = DeviceRowStore.like(lc.k)
+                if lc.v is not None:
+                    lc.v = DeviceRowStore.like(lc.v)
 
     @property
     def n_vocab(self) -> int:
@@ -188,23 +202,49 @@ def log_hparams(mf: ModelFile, hp: HParams, log: Log) -> None:
     log(f"{p}: general.name     = {mf.meta.get('general.name', '')}")
 
 
-def log_overrides(mf: ModelFile, overrides, log: Log) -> None:
-    """-ot: the first rule whose regex is found in a tensor's name places it (all buffers are the
-    CPU here); logged in llama.cpp's words."""
-    import re
-    rules = [(re.compile(p), b) for p, b in overrides]
-    if not rules:
-        return
-    for name, t in mf.tensors.items():
-        for rx, buf in rules:
-            if rx.search(name):
-                log(f"Tensor {name} (size = {t.nbytes / 1024 ** 2:.2f} MiB) buffer type overridden to {buf}")
-                break
+def place_on_gpu(arch, pl, log: Log) -> int:
+    """Upload the weights placement `pl` puts on the GPU (the layers', and the output's); returns
+    their bytes.  A tensor of a type without CUDA kernels stays on the CPU (one line per type)."""
+    from .cuda_backend import supports, upload_weights
+    from .placement import GPU
+    kept: dict[str, int] = {}
+
+    def chooser(default: str):
+        def want(q) -> bool:
+            if pl.buffer(q.name.split(" ")[0] or default) != GPU:
+                return False
+            if not supports(q.qtype):
+                tn = type_info(q.qtype).name.lower()
+                kept[tn] = kept.get(tn, 0) + 1
+                return False
+            return True
+        return want
+
+    total = 0
+    for il, L in enumerate(arch.layers):
+        _, n = upload_weights(L, chooser(f"blk.{il}.derived"), vectors=pl.buffer(f"blk.{il}.attn_norm.weight") == GPU)
+        total += n
+    head = arch.head
+    if pl.buffer("output.weight") == GPU:          # a tied output is duplicated to the GPU, as llama.cpp does
+        want = chooser("output.weight")
+        out = head.output
+        out.name, name = "output.weight", out.name
+        if want(out):
+            from .cuda_backend import GpuTensor, GpuVector
+            head.output = GpuTensor.upload(out)
+            head.output_norm = head.output_norm.view(GpuVector)
+            total += out.nbytes
+        out.name = name
+    for tn, n in kept.items():
+        log(f"ikcli: {n} {tn} tensors placed on {GPU} stay on the CPU: {tn} has no CUDA kernels "
+            f"(ik_llama.cpp computes the CPU-only _R4/_R8 layouts on the CPU too)")
+    return total
 
 
 def load_model(path: str, log: Log = stderr_log, mla: int = 3, overrides: list | tuple = (),
                repack: bool = False, use_mmap: bool = True, *, use_mlock: bool = False, use_thp: bool = False,
-               kv_overrides: list | tuple = (), rope=None, check_tensors: bool = False, numa: bool = False) -> Model:
+               kv_overrides: list | tuple = (), rope=None, check_tensors: bool = False, numa: bool = False,
+               n_gpu_layers: int = 0, kv_offload: bool = True) -> Model:
     """Open, validate and bind a GGUF model. Raises ModelFileError with a one-line message.
     repack (-rtr): matrices with a row-interleaved form are repacked into it in memory;
     use_mmap False (--no-mmap): the files are read into memory instead of mapped;
@@ -212,7 +252,9 @@ def load_model(path: str, log: Log = stderr_log, mla: int = 3, overrides: list |
     locked in RAM; kv_overrides: (key, type, value) metadata overrides (--override-kv);
     rope: engine.config.RopeOverrides (--rope-* / --yarn-*), applied after the model's values
     are logged, as ik's context applies them; check_tensors (-vq): every value checked finite; numa (--numa on several nodes): the
-    pages are not prefetched, so that each lands on the node of the thread that reads it first."""
+    pages are not prefetched, so that each lands on the node of the thread that reads it first;
+    n_gpu_layers (-ngl), overrides (-ot REGEX=CPU|CUDA0) and kv_offload (not -nkvo): engine.placement."""
+    from .placement import GPU, Placement
     from .hparams import override_rope
     from .tokenizer import Tokenizer
 
@@ -241,7 +283,13 @@ def load_model(path: str, log: Log = stderr_log, mla: int = 3, overrides: list |
         mf.lock(log)
     if check_tensors:
         mf.check_tensors()
-    w = Weights(mf, repack=repack)
+    want_gpu = n_gpu_layers > 0 or any(b == GPU for _, b in overrides)
+    if want_gpu:
+        from .device import gpu_status
+        if gpu_status():
+            raise ModelFileError(f"cannot place tensors on {GPU}: {gpu_status()}")
+    pl = Placement(hp.n_layer, n_gpu_layers, list(overrides), kv_offload, gpu=want_gpu)
+    w = Weights(mf, repack=repack, on_gpu=lambda name: pl.buffer(name) == GPU)
     if hp.arch in ("llama", "qwen2", "qwen2moe"):
         from .arch.llama import LlamaArch
         arch = LlamaArch(hp, w, log)
@@ -262,9 +310,13 @@ def load_model(path: str, log: Log = stderr_log, mla: int = 3, overrides: list |
         arch = DeepSeek2Arch(hp, w, log, mla=mla)
     else:  # read_hparams already refused it
         raise ModelFileError(f"{path}: unknown model architecture '{hp.arch}'")
-    log_overrides(mf, overrides, log)
+    pl.log_overrides(mf.tensors, log)
+    pl.log_offload(log)
+    gpu_bytes = place_on_gpu(arch, pl, log) if pl.any_gpu else 0
     buf = sum(mf.tensors[n].nbytes for n in w.used) + sum(t.nbytes for t in w.extra.values())
-    log(f"llm_load_tensors: {'CPU':>10s} buffer size = {buf / 1024 ** 2:8.2f} MiB")
+    log(f"llm_load_tensors: {'CPU':>10s} buffer size = {max(buf - gpu_bytes, 0) / 1024 ** 2:8.2f} MiB")
+    if pl.any_gpu:
+        log(f"llm_load_tensors: {GPU:>10s} buffer size = {gpu_bytes / 1024 ** 2:8.2f} MiB")
     if w.n_repacked:
         log(f"============ Repacked {w.n_repacked} tensors")
     if w.unpacked:
@@ -275,6 +327,7 @@ def load_model(path: str, log: Log = stderr_log, mla: int = 3, overrides: list |
         log(f"-rtr: {n} {tn} tensors kept in their plain layout (ikcli has no faster kernel for "
             f"{interleaved_form(type_info(tn).id).name.lower()})")
     model = Model(mf, hp, tok, arch, log)
+    model.placement = pl
     for q in w.extra.values():
         w.by_type.setdefault(q.qtype, q)
     model.matrix_types = dict(w.by_type)

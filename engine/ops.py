@@ -1,4 +1,5 @@
-"""Element-wise and normalisation operations of the forward pass (float32 NumPy; RMSNorm in
+"""Element-wise and normalisation operations of the forward pass (float32 NumPy; an
+engine.device.DeviceArray input runs the op on the GPU, engine.cuda_backend; RMSNorm in
 Numba: a 1B-model token runs 41 norms, ~9 us each as NumPy expressions, ~2 us compiled, for
 one row of 384..1024 values)."""
 from __future__ import annotations
@@ -7,6 +8,13 @@ import math
 
 import numpy as np
 from numba import njit
+
+from .device import DeviceArray, empty, on_device, to_host
+
+
+def _gpu():
+    from . import cuda_backend       # imports numba.cuda: only when an activation is on the GPU
+    return cuda_backend
 
 
 @njit(cache=True, nogil=True, fastmath={"reassoc", "contract", "nsz"})
@@ -25,6 +33,8 @@ def _rms_norm_rows(x, w, eps, out):
 
 def rms_norm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
     """RMSNorm over the last axis; w is the learned scale (None: no scale)."""
+    if on_device(x) or getattr(w, "on_gpu", False):
+        return _gpu().rms_norm(to_device_of(x), w, eps)
     n = x.shape[-1]
     x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, n)
     w = np.ones(n, np.float32) if w is None else np.ascontiguousarray(w, dtype=np.float32)
@@ -34,11 +44,17 @@ def rms_norm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
 
 
 def silu(x: np.ndarray) -> np.ndarray:
+    if on_device(x):
+        return _gpu().silu(x)
     with np.errstate(over="ignore"):          # exp(-x) = inf for very negative x gives the right 0
         return x / (1.0 + np.exp(-x))
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    if on_device(x):
+        if axis not in (-1, x.ndim - 1):
+            raise ValueError("softmax on the GPU runs over the last axis")
+        return _gpu().softmax(x)
     m = np.max(x, axis=axis, keepdims=True)
     e = np.exp(x - m)
     e /= np.sum(e, axis=axis, keepdims=True)
@@ -50,10 +66,14 @@ _GELU_C = np.float32(math.sqrt(2.0 / math.pi))
 
 def gelu(x: np.ndarray) -> np.ndarray:
     """GELU, tanh approximation (ggml_gelu's)."""
+    if on_device(x):
+        return _gpu().on_host(gelu, x)
     return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(_GELU_C * x * (np.float32(1.0) + np.float32(0.044715) * x * x)))
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
+    if on_device(x):
+        return _gpu().sigmoid(x)
     with np.errstate(over="ignore"):          # exp(-x) = inf for very negative x gives the right 0
         return 1.0 / (1.0 + np.exp(-x))
 
@@ -62,3 +82,39 @@ def log_softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     m = np.max(x, axis=axis, keepdims=True)
     z = x - m
     return z - np.log(np.sum(np.exp(z), axis=axis, keepdims=True))
+
+
+# ---- the same spelling for host and GPU arrays (the architectures use these, not np.*, where an
+# ---- activation may live on the GPU: NumPy's array constructors cannot dispatch on a GPU array)
+
+def to_device_of(x):
+    from .device import to_device
+    return to_device(x)
+
+
+def contiguous(x):
+    """x as a C-contiguous array, on the side it is (np.ascontiguousarray for host arrays)."""
+    return x.contiguous() if isinstance(x, DeviceArray) else np.ascontiguousarray(x)
+
+
+def empty_like_side(shape: tuple, like) -> "np.ndarray | DeviceArray":
+    """An uninitialised f32 array on the side of `like`."""
+    return empty(shape, like)
+
+
+def host(x) -> np.ndarray:
+    """x on the host (a GPU array comes down; counted in engine.device.TRANSFERS)."""
+    return to_host(x)
+
+
+def take_rows(x, rows: np.ndarray):
+    """x[rows] (fancy row selection), contiguous."""
+    if on_device(x):
+        return _gpu().take_rows(x, rows)
+    return np.ascontiguousarray(x[rows])
+
+
+def all_finite(x) -> bool:
+    if on_device(x):
+        return _gpu().all_finite(x)
+    return bool(np.isfinite(x).all())

@@ -37,6 +37,10 @@ def rope_cos_sin(pos: np.ndarray, n_dims: int, freq_base: float, freq_scale: flo
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndarray:
     """Rotate x of shape (n_tok, n_head, n_dims) in place; cos/sin are (n_tok, n_dims // 2)."""
+    from .device import on_device
+    if on_device(x):
+        from . import cuda_backend
+        return cuda_backend.apply_rope(x, cos, sin, neox)
     c = cos[:, None, :]
     s = sin[:, None, :]
     if neox:

@@ -24,7 +24,7 @@ AmbOpt = typer.Option(256, "-amb", "--attention-max-batch", help="max. MiB for t
 CtkOpt = typer.Option("f16", "-ctk", "--cache-type-k", help="KV cache type for K: f32, f16, bf16, q8_0, q4_0, q6_0")
 CtvOpt = typer.Option("f16", "-ctv", "--cache-type-v", help="KV cache type for V: f32, f16, bf16, q8_0, q4_0, q6_0 (quantized V needs -fa)")
 FmoeOpt = typer.Option("1", "-fmoe", "--fused-moe", help="fused MoE gate/up/SiLU (default on; -fmoe alone = on; -no-fmoe = off)")
-OtOpt = typer.Option(None, "-ot", "--override-tensor", help="REGEX=BUFFER[,...]: place tensors whose name matches (first rule wins); buffers: CPU (no GPU backend in this build)")
+OtOpt = typer.Option(None, "-ot", "--override-tensor", help="REGEX=BUFFER[,...]: place tensors whose name matches (first rule wins); buffers: CPU, CUDA0 (where a GPU can be used)")
 RtrOpt = typer.Option(False, "-rtr", "--run-time-repack",
                       help="repack CPU weights into row-interleaved _R4/_R8 types at load (no mmap for them)")
 NoMmapOpt = typer.Option(False, "--no-mmap", help="read the model into memory instead of mapping it")
@@ -263,12 +263,19 @@ def check_common(n_ctx: int, n_batch: int, n_ubatch: int, n_threads: int, n_thre
         raise CliError("-t/-tb must be >= 0")
     if mla not in (0, 1, 2, 3):
         raise CliError(f"-mla must be 0, 1, 2 or 3 (got {mla})")
-    if ngl != 0:
+    if ngl != 0 and gpu_missing():
         log("warning: not compiled with GPU offload support, --gpu-layers option will be ignored")
-        log("warning: see the README for the CUDA status of ikcli")
+        log(f"warning: {gpu_missing()} (ikcli's GPU path needs numba.cuda and a CUDA device; see the README)")
 
 
-BUFFER_TYPES = ("CPU",)
+def gpu_missing() -> str:
+    """"" when ikcli can use a GPU, else why not (imports numba.cuda: call only when a GPU is asked for)."""
+    from engine.device import gpu_status
+    return gpu_status()
+
+
+def buffer_types() -> tuple[str, ...]:
+    return ("CPU",) if gpu_missing() else ("CPU", "CUDA0")
 
 
 def parse_overrides(values: Optional[list[str]]) -> list[tuple[str, str]]:
@@ -280,9 +287,10 @@ def parse_overrides(values: Optional[list[str]]) -> list[tuple[str, str]]:
             pat, eq, buf = rule.partition("=")
             if not eq or not pat:
                 raise CliError(f"invalid tensor buffer type override '{rule}' in -ot {value}: expected REGEX=BUFFER")
-            if buf not in BUFFER_TYPES:
+            if buf != "CPU" and buf not in buffer_types():
+                why = f" ({gpu_missing()})" if gpu_missing() else ""
                 raise CliError(f"unknown buffer type '{buf}' in -ot rule '{rule}'; available buffer types: "
-                               f"{', '.join(BUFFER_TYPES)} (this ikcli has no GPU backend)")
+                               f"{', '.join(buffer_types())}{why}")
             try:
                 re.compile(pat)
             except re.error as e:
@@ -319,6 +327,7 @@ class EngineFlags:
     no_warmup: bool = False
     check_tensors: bool = False
     numa: Optional[str] = None
+    nkvo: bool = False
 
 
 _ENGINE_OPTIONS = [("mla", int, MlaOpt), ("fa", str, FaOpt), ("amb", int, AmbOpt), ("ctk", str, CtkOpt),
@@ -327,6 +336,7 @@ _ENGINE_OPTIONS = [("mla", int, MlaOpt), ("fa", str, FaOpt), ("amb", int, AmbOpt
                    ("mlock", bool, MlockOpt), ("thp", bool, ThpOpt), ("override_kv", Optional[List[str]], OkvOpt),
                    *_ROPE_OPTIONS,
                    ("numa", Optional[str], typer.Option(None, "--numa", help="distribute, isolate or numactl: where the compute threads run on a machine with several NUMA nodes")),
+                   ("nkvo", bool, typer.Option(False, "-nkvo", "--no-kv-offload", help="keep the KV cache of GPU layers in host memory")),
                    ("check_tensors", bool, typer.Option(False, "-vq", "--check-tensors", help="check every tensor's data for NaN / infinite values at load")),
                    ("no_warmup", bool, typer.Option(False, "--no-warmup", help="skip the warm-up run (then the first pass compiles any kernel not yet in the cache)"))]
 
@@ -367,7 +377,7 @@ def with_engine_flags(fn):
 
 
 def engine_config(path: str, flags: EngineFlags, *, n_ctx: int, n_batch: int, n_ubatch: int, threads: int,
-                  threads_batch: int, seed: int = -1):
+                  threads_batch: int, seed: int = -1, ngl: int = 0):
     """The EngineConfig for the engine flags every model-running tool shares (validated here)."""
     from engine.config import EngineConfig
     flash = parse_bool("-fa", flags.fa)
@@ -389,7 +399,8 @@ def engine_config(path: str, flags: EngineFlags, *, n_ctx: int, n_batch: int, n_
                         use_mlock=flags.mlock, use_thp=flags.thp, check_tensors=flags.check_tensors,
                         numa=parse_numa(flags.numa),
                         kv_overrides=parse_kv_overrides(flags.override_kv),
-                        rope=rope_overrides(flags))
+                        rope=rope_overrides(flags),
+                        n_gpu_layers=ngl if ngl > 0 and not gpu_missing() else 0, kv_offload=not flags.nkvo)
     return cfg
 
 
@@ -436,4 +447,4 @@ def load_model(path: str, cfg):
     first_run_notice(log)
     return load(path, log, mla=cfg.mla, overrides=cfg.tensor_overrides, repack=cfg.repack, use_mmap=cfg.use_mmap,
                 use_mlock=cfg.use_mlock, use_thp=cfg.use_thp, kv_overrides=cfg.kv_overrides, rope=cfg.rope,
-                check_tensors=cfg.check_tensors, numa=bool(cfg.numa))
+                check_tensors=cfg.check_tensors, numa=bool(cfg.numa), n_gpu_layers=cfg.n_gpu_layers)

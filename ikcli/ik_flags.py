@@ -328,14 +328,14 @@ COMMON_FLAGS: tuple[tuple[tuple[str, ...], int], ...] = (
 )
 
 # ---- why an undeclared flag is ignored or refused --------------------------------------------
-NO_GPU = "no GPU backend in this ikcli"
+NO_GPU = "ikcli drives one GPU, CUDA0, chosen by -ngl / -ot (no multi-GPU split, RPC or draft-model offload)"
 # steer only what ikcli does not have; results unchanged: ignored everywhere
 NO_EFFECT: dict[str, str] = {
     "--perplexity": "perplexity and imatrix always compute the logits they score",
     "-np": "only the server runs parallel sequences (perplexity sets its own count from -b / -c)",
     **{f: "only ik's llama-lookup example reads the lookup caches" for f in ("-lcs", "-lcd")},
-    **{f: NO_GPU for f in ("-ngl", "-ngld", "-mg", "--max-gpu", "-sm", "-ts", "--rpc", "-gfm", "-cuda", "-dev", "-devd",
-                          "-op", "-no-ooae", "-cmoe", "-ncmoe", "--fit", "--fit-margin", "-wgt", "-nkvo", "-smgs",
+    **{f: NO_GPU for f in ("-ngld", "-mg", "--max-gpu", "-sm", "-ts", "--rpc", "-gfm", "-cuda", "-dev", "-devd",
+                          "-op", "-no-ooae", "-cmoe", "-ncmoe", "--fit", "--fit-margin", "-wgt", "-smgs",
                           "-sas", "-smf16", "-smf32", "-grt", "-gap", "--no-mmproj-offload", "--defer-experts",
                           "--prefetch-experts", "--prefetch-experts-threads")},
     **{f: "a graph-building / kernel-selection switch of ggml; ikcli has no graph"

@@ -120,7 +120,7 @@ def imatrix(
     text = _input_text(file, None, escape, prompt)[0]
     path = common.resolve_model(model)
     cfg = common.engine_config(path, flags, n_ctx=0, n_batch=batch_size, n_ubatch=ubatch_size, threads=threads,
-                               threads_batch=threads_batch)
+                               threads_batch=threads_batch, ngl=ngl)
     timings = _Timings(0.0)        # counts from the start of the load, as ik's context does
     m = common.load_model(path, cfg)
     c = ctx_size if ctx_size > 0 else m.hp.n_ctx_train

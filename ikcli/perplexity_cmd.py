@@ -128,7 +128,7 @@ def perplexity(
 
     path = common.resolve_model(model)
     cfg = common.engine_config(path, flags, n_ctx=0, n_batch=batch_size, n_ubatch=ubatch_size, threads=threads,
-                               threads_batch=threads_batch, seed=seed)
+                               threads_batch=threads_batch, seed=seed, ngl=ngl)
     base = None
     if kl and not task:
         from engine.perplexity import open_base_logits

@@ -142,7 +142,7 @@ def server(
 
     path = common.resolve_model(model)
     cfg = common.engine_config(path, flags, n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size, threads=threads,
-                               threads_batch=threads_batch, seed=seed)
+                               threads_batch=threads_batch, seed=seed, ngl=ngl)
     sock = _bind(host, port)
     engine = None
     try:

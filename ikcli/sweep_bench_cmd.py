@@ -103,7 +103,7 @@ def sweep_bench(
     output_format: str = typer.Option("md", "--output-format", help="md (= table, default) or jsonl"),
     plot: Optional[str] = typer.Option(None, "--plot", help="after the run, write a PNG of S_PP and S_TG against N_KV to this file (needs matplotlib)"),
     seed: int = typer.Option(DEFAULT_SEED, "-s", "--seed", help=f"seed of the random prompt/generation tokens (default: {DEFAULT_SEED}, fixed so runs are reproducible; -1 = a random seed)"),
-    ngl: int = typer.Option(-1, "-ngl", "--gpu-layers", "--n-gpu-layers", help="number of layers to store in VRAM (accepted and printed; ikcli runs on the CPU)"),
+    ngl: int = typer.Option(-1, "-ngl", "--gpu-layers", "--n-gpu-layers", help="number of layers to store in VRAM (-1: ik's default, none)"),
     flags: "common.EngineFlags" = None,
 ) -> None:
     fmt = output_format.strip().lower()
@@ -125,7 +125,7 @@ def sweep_bench(
     common.minilog(mini)
     path = common.resolve_model(model)
     cfg = common.engine_config(path, flags, n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size, threads=threads,
-                               threads_batch=threads_batch, seed=seed)
+                               threads_batch=threads_batch, seed=seed, ngl=max(ngl, 0))
     t0 = time.perf_counter()
     m = common.load_model(path, cfg)
     t_load = time.perf_counter() - t0

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -22,6 +23,7 @@ class QTensor:
     qtype: int
     shape: tuple
     name: str = ""
+    device: ClassVar[str] = "CPU"   # where the bytes live (engine.cuda_backend.GpuTensor: "CUDA0")
 
     @property
     def cols(self) -> int:
@@ -34,6 +36,11 @@ class QTensor:
     def __getitem__(self, i: int) -> "QTensor":
         """Select along the leading (expert) axis."""
         return QTensor(self.data[i], self.qtype, tuple(self.shape[1:]))
+
+    def row_block(self, r0: int, r1: int) -> "QTensor":
+        """Rows [r0, r1) of a 2-D weight (of a 3-D one seen as its stacked rows), a view."""
+        rb = self.data.shape[-1]
+        return QTensor(self.data.reshape(-1, rb)[r0:r1], self.qtype, (r1 - r0, self.cols))
 
     @property
     def nbytes(self) -> int:

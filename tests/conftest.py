@@ -15,6 +15,10 @@ sys.path.insert(0, str(ROOT))
 # the `ikcli` processes some tests start use Numba's cache beside the sources, as this process
 # does (ikcli.app: otherwise one directory per version of the kernel sources)
 os.environ.setdefault("IKCLI_NUMBA_CACHE", "source")
+# without a GPU, the CUDA kernels and the -ngl / -ot CUDA0 paths run on Numba's CUDA simulator
+# (it must be chosen before numba.cuda is first imported)
+if "NUMBA_ENABLE_CUDASIM" not in os.environ and not os.path.exists("/dev/nvidiactl"):
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
 
 
 def _load_script(name: str):

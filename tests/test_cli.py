@@ -119,7 +119,7 @@ def test_short_text_is_a_clear_error(make_model, tmp_path, capsys):
     (["perplexity", "-ctk", "q8_KV"], "not available in ikcli"),
     (["perplexity", "-ser", "6"], "invalid value '6' for -ser"),
     (["perplexity", "-fa", "off", "-ctv", "q8_0"], "Quantized V cache cannot be used without flash attention"),
-    (["perplexity", "-ot", "exps=CUDA0"], "available buffer types: CPU"),
+    (["perplexity", "-ot", "exps=CUDA1"], "available buffer types: CPU"),
     (["perplexity", "-ot", "(exps=CPU"], "bad regex in -ot rule '(exps=CPU'"),
     (["perplexity", "-ot", "exps"], "expected REGEX=BUFFER"),
     (["tokenize", "-m", "/no/such.gguf", "-p", "x"], "no such file"),

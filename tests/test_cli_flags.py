@@ -117,7 +117,7 @@ def test_values_spellings_and_ignored_lines(monkeypatch):
                                      "--temp", "0.3", "--numa", "distribute", "-fa", "-b", "512"])
     assert out == ["--ctx-size", "64", "-s", "-1", "-ser", "7,1", "--numa", "distribute", "-fa", "on", "-b", "512"]
     assert [n.split(":")[0] for n in notes] == ["-mg", "-cmoe", "--temp"]
-    assert "no GPU backend" in notes[0] and "perplexity does not use it" in notes[2]
+    assert "ikcli drives one GPU" in notes[0] and "perplexity does not use it" in notes[2]
     out, notes = _run("server", ["--ctx-size=64", "-mqkv"])
     assert out == ["--ctx-size=64"] and notes and notes[0].startswith("-mqkv: ignored")
     # -v: ik's server logs request bodies with it (as ikcli's); its perplexity ignores it
@@ -136,10 +136,10 @@ def test_other_tools_refuse_unknown_flags_too():
 
 
 def test_ignored_flags_end_to_end(capsys):
-    code, out, err = cli(capsys, "perplexity", "-c", "64", "--chunks", "1", "-t", "2", "-ngl", "99", "-cmoe",
+    code, out, err = cli(capsys, "perplexity", "-c", "64", "--chunks", "1", "-t", "2", "-ngl", "0", "-cmoe",
                          "--top-k", "40", "-mqkv")
     assert code == 0, err[-2000:]
-    assert "-cmoe: ignored: no GPU backend in this ikcli" in err
+    assert "-cmoe: ignored: ikcli drives one GPU" in err
     assert "--top-k: ignored" in err and "-mqkv: ignored" in err
     m = FINAL_PPL.search(out)
     assert m and m.group(0).startswith("Final estimate: PPL over 1 chunks for n_ctx=64 = ")

@@ -11,7 +11,7 @@ from quant.tensor import QTensor
 from ..attention import standard_attention
 from ..hparams import HParams
 from ..linear import matmul      # observed: imatrix --process-output / -lsim record the output tensor
-from ..ops import rms_norm
+from ..ops import all_finite, contiguous, empty_like_side, host, rms_norm, take_rows
 from ..rope import rope_cos_sin
 
 
@@ -58,10 +58,10 @@ class Head:
         return get_rows(self.tok_embd, tokens.astype(np.int64))
 
     def logits(self, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        h = rms_norm(np.ascontiguousarray(x[rows]), self.output_norm, self.eps)
-        if not np.isfinite(h).all():     # else quantizing the activations for the output would hide it
+        h = rms_norm(take_rows(x, rows), self.output_norm, self.eps)
+        if not all_finite(h):            # else quantizing the activations for the output would hide it
             raise FloatingPointError("the hidden state reached the output layer with NaN or infinite values")
-        return matmul(self.output, h)
+        return host(matmul(self.output, h))
 
 
 def cached_attention(ub: UBatch, cache, il: int, q: np.ndarray, k: np.ndarray, v: np.ndarray,
@@ -72,12 +72,12 @@ def cached_attention(ub: UBatch, cache, il: int, q: np.ndarray, k: np.ndarray, v
     it (window: a sliding window; sinks: gpt-oss's per-head sink logits).  Returns (T, H, dv)."""
     T, H, dk = q.shape
     hkv, dv = v.shape[1], v.shape[2]
-    a = np.empty((T, H, dv), dtype=np.float32)
+    a = empty_like_side((T, H, dv), q)
     for sg in ub.segs(cache):
         lc, sl = sg.cache.layers[il], slice(sg.t0, sg.t1)
         lc.k.write(sg.cell0, k[sl].reshape(sg.t1 - sg.t0, -1))
         lc.v.write(sg.cell0, v[sl].reshape(sg.t1 - sg.t0, -1))
-        a[sl] = standard_attention(np.ascontiguousarray(q[sl]), lc, sg.cache.n, hkv, dk, dv, sg.cache.pos,
+        a[sl] = standard_attention(contiguous(q[sl]), lc, sg.cache.n, hkv, dk, dv, sg.cache.pos,
                                    ub.pos[sl], kq_scale, opts.flash_attn, opts.amb_bytes, window=window, sinks=sinks)
     return a
 

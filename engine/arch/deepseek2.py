@@ -28,9 +28,9 @@ from ..attention import causal_attention, split_heads_for_decompression
 from ..ffn import MoEWeights, ffn_silu, moe_ffn
 from ..gguf_file import ModelFileError
 from ..hparams import HParams, rope_attn_factor, yarn_kq_scale
-from ..kv_cache import KVCache, LayerCache, RowStore
+from ..kv_cache import KVCache, LayerCache
 from ..linear import matmul, matmul_id
-from ..ops import rms_norm
+from ..ops import contiguous, empty_like_side, rms_norm
 from ..rope import apply_rope
 from .common import Head, RunOptions, UBatch, cached_attention, check_moe_shapes, rope_tables
 
@@ -178,21 +178,21 @@ class DeepSeek2Arch:
             q = matmul(L["wq"], h)
         q = q.reshape(T, H, dk)
         kvr = matmul(L["wkv_a"], h)
-        c = rms_norm(np.ascontiguousarray(kvr[:, :lora]), L["kv_a_norm"], hp.rms_eps)
-        k_pe = np.ascontiguousarray(kvr[:, lora:]).reshape(T, 1, rope)
-        q_pe = np.ascontiguousarray(q[:, :, nope:])
+        c = rms_norm(contiguous(kvr[:, :lora]), L["kv_a_norm"], hp.rms_eps)
+        k_pe = contiguous(kvr[:, lora:]).reshape(T, 1, rope)
+        q_pe = contiguous(q[:, :, nope:])
         apply_rope(q_pe, cos, sin, False)
         apply_rope(k_pe, cos, sin, False)
         q[:, :, nope:] = q_pe
-        a = np.empty((T, H, dv), dtype=np.float32)
+        a = empty_like_side((T, H, dv), q)
         if opts.mla == 0:
             kv = matmul(L["wkv_b"], c).reshape(T, H, nope + dv)
-            k = np.empty((T, H, dk), dtype=np.float32)
+            k = empty_like_side((T, H, dk), kv)
             k[:, :, :nope] = kv[:, :, :nope]
             k[:, :, nope:] = k_pe
             a = cached_attention(ub, cache, il, q, k, kv[:, :, nope:], self.kq_scale, opts)
         else:
-            row = np.empty((T, lora + rope), dtype=np.float32)
+            row = empty_like_side((T, lora + rope), c)
             row[:, :lora] = c
             row[:, lora:] = k_pe.reshape(T, rope)
             for sg in ub.segs(cache):
@@ -200,7 +200,7 @@ class DeepSeek2Arch:
                 lc.k.write(sg.cell0, row[sl])
                 if lc.vt is not None:
                     lc.vt.write(sg.cell0, c[sl])
-                qs = np.ascontiguousarray(q[sl])
+                qs = contiguous(q[sl])
                 if opts.mla >= 2 and opts.flash_attn and n >= PP_DECOMPRESS_MIN_TOKENS:
                     a[sl] = self._attend_decompressed(L, qs, lc, sg.cache.n, sg.cache.pos, ub.pos[sl], opts)
                 else:
@@ -210,29 +210,26 @@ class DeepSeek2Arch:
     def _attend_decompressed(self, L: dict, q: np.ndarray, lc: LayerCache, n_kv: int, cell_pos: np.ndarray,
                              q_pos: np.ndarray, opts: RunOptions) -> np.ndarray:
         """Prompt processing of -mla 2/3: expand the cached latents to per-head K/V, flash-attend."""
-        from ..flash_attn import flash_attn
+        from ..flash_attn import flash_attn_rows
         hp = self.hp
         T, H, dk = q.shape
-        dv, lora, nope = hp.n_embd_head_v, hp.kv_lora_rank, self.nope
+        dv, lora, rope, nope = hp.n_embd_head_v, hp.kv_lora_rank, hp.n_rot, self.nope
         cached = lc.k.read(n_kv)
-        c_all = np.ascontiguousarray(cached[:, :lora])
-        k_pe = cached[:, lora:]
+        c_all = contiguous(cached[:, :lora])
+        k_pe = contiguous(cached[:, lora:])
         wkv_b = L["wkv_b"]
-        rb = wkv_b.data.shape[-1]
         per = nope + dv
         hs = split_heads_for_decompression(H, H * per * n_kv * 4, opts.amb_bytes)
-        out = np.empty((T, H, dv), dtype=np.float32)
+        out = empty_like_side((T, H, dv), q)
         for h0 in range(0, H, hs):
             h1 = min(H, h0 + hs)
-            w_part = QTensor(wkv_b.data.reshape(H, per, rb)[h0:h1].reshape(-1, rb), wkv_b.qtype, ((h1 - h0) * per, lora))
+            w_part = wkv_b.row_block(h0 * per, h1 * per)
             kv = matmul(w_part, c_all).reshape(n_kv, h1 - h0, per)
-            k = np.empty((n_kv, h1 - h0, dk), dtype=np.float32)
+            k = empty_like_side((n_kv, h1 - h0, dk), kv)
             k[:, :, :nope] = kv[:, :, :nope]
-            k[:, :, nope:] = k_pe[:, None, :]
-            v = np.ascontiguousarray(kv[:, :, nope:])
-            out[:, h0:h1] = flash_attn(np.ascontiguousarray(q[:, h0:h1]), RowStore.from_f32(k.reshape(n_kv, -1)),
-                                       RowStore.from_f32(v.reshape(n_kv, -1)), n_kv, h1 - h0, dk, dv,
-                                       cell_pos[:n_kv], q_pos, self.kq_scale)
+            k[:, :, nope:] = k_pe.reshape(n_kv, 1, rope)
+            v = contiguous(kv[:, :, nope:])
+            out[:, h0:h1] = flash_attn_rows(contiguous(q[:, h0:h1]), k, v, cell_pos[:n_kv], q_pos, self.kq_scale)
         return out
 
     def _attend_latent(self, L: dict, q: np.ndarray, lc: LayerCache, n_kv: int, cell_pos: np.ndarray,
@@ -241,8 +238,8 @@ class DeepSeek2Arch:
         hp = self.hp
         T, H, dk = q.shape
         lora, rope, nope = hp.kv_lora_rank, hp.n_rot, self.nope
-        ql = np.empty((T, H, lora + rope), dtype=np.float32)
-        ql[:, :, :lora] = per_head(L["wk_b"], np.ascontiguousarray(q[:, :, :nope]))
+        ql = empty_like_side((T, H, lora + rope), q)
+        ql[:, :, :lora] = per_head(L["wk_b"], contiguous(q[:, :, :nope]))
         ql[:, :, lora:] = q[:, :, nope:]
         if opts.flash_attn and opts.mla in (1, 3):
             from ..flash_attn import flash_attn
@@ -265,8 +262,8 @@ class DeepSeek2Arch:
             if "moe" in L:
                 y = moe_ffn(h, L["moe"], hp.n_expert_used, hp.expert_gating_func, hp.expert_weights_norm,
                             hp.expert_weights_scale, fused=opts.fused_moe, ser=opts.ser)
-                if "sh_gate" in L:
-                    y += ffn_silu(h, L["sh_gate"], L["sh_up"], L["sh_down"])
+                if "sh_gate" in L:      # not +=: a GPU shared expert's sum then stays on the GPU
+                    y = y + ffn_silu(h, L["sh_gate"], L["sh_up"], L["sh_down"])
             else:
                 y = ffn_silu(h, L["gate"], L["up"], L["down"])
             x = x + y

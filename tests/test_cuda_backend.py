@@ -1,0 +1,120 @@
+"""The CUDA backend: placement (-ngl / -ot / -nkvo), GPU activations (engine.device), and a whole
+DeepSeek model with its attention on the GPU and its routed experts on the CPU, against the CPU path.
+
+Without a GPU these run on Numba's CUDA simulator (conftest sets NUMBA_ENABLE_CUDASIM=1).  The
+simulator runs every GPU thread as a Python thread and is slow, so the whole-model check offloads
+one layer of a tiny model and decodes a few tokens; the kernels themselves are checked type by type
+in tests/test_cuda_kernels.py.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.placement import CPU, GPU, Placement
+
+
+# ------------------------------------------------------------------------------------ placement
+
+def test_ngl_places_the_last_layers_and_the_output_after_all_layers() -> None:
+    pl = Placement(n_layer=4, n_gpu_layers=2, gpu=True)
+    assert [pl.buffer(f"blk.{i}.attn_norm.weight") for i in range(4)] == [CPU, CPU, GPU, GPU]
+    assert pl.buffer("output.weight") == CPU and pl.buffer("token_embd.weight") == CPU
+    full = Placement(n_layer=4, n_gpu_layers=99, gpu=True)
+    assert full.buffer("output.weight") == GPU and full.buffer("output_norm.weight") == GPU
+    assert full.buffer("token_embd.weight") == CPU          # the input layer always stays on the CPU
+    assert Placement(n_layer=4, n_gpu_layers=5, gpu=True).buffer("output.weight") == GPU
+    assert Placement(n_layer=4, n_gpu_layers=4, gpu=True).buffer("output.weight") == CPU
+
+
+def test_overrides_first_match_wins_and_kv_follows_attention() -> None:
+    pl = Placement(n_layer=3, n_gpu_layers=99, overrides=[("exps", CPU), (r"blk\.0\.", CPU), ("ffn", GPU)], gpu=True)
+    assert pl.buffer("blk.2.ffn_up_exps.weight") == CPU       # first rule
+    assert pl.buffer("blk.0.attn_q_a.weight") == CPU           # second rule
+    assert pl.buffer("blk.0.ffn_up_shexp.weight") == CPU       # second rule before the third
+    assert pl.buffer("blk.1.ffn_up_shexp.weight") == GPU
+    assert [pl.kv_on_gpu(i) for i in range(3)] == [False, True, True]
+    nkvo = Placement(n_layer=3, n_gpu_layers=99, kv_offload=False, gpu=True)
+    assert not any(nkvo.kv_on_gpu(i) for i in range(3))
+    cpu_only = Placement(n_layer=3, n_gpu_layers=99, gpu=False)
+    assert cpu_only.buffer("blk.2.attn_norm.weight") == CPU and not cpu_only.any_gpu
+
+
+def test_offload_log_lines() -> None:
+    lines: list[str] = []
+    Placement(n_layer=27, n_gpu_layers=99, gpu=True).log_offload(lines.append)
+    assert lines == ["llm_load_tensors: offloading 27 repeating layers to GPU",
+                     "llm_load_tensors: offloading non-repeating layers to GPU",
+                     "llm_load_tensors: offloaded 28/28 layers to GPU"]
+
+
+# -------------------------------------------------------------------------------- GPU arrays
+
+cuda = pytest.importorskip("numba.cuda")
+if not cuda.is_available():
+    pytest.skip("no CUDA device and NUMBA_ENABLE_CUDASIM is not 1", allow_module_level=True)
+
+
+def test_device_arrays_follow_numpy_and_count_transfers() -> None:
+    from engine.device import TRANSFERS, to_device, to_host
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((3, 4, 8)).astype(np.float32)
+    b = rng.standard_normal(8).astype(np.float32)
+    TRANSFERS.reset()
+    d = to_device(a)
+    np.testing.assert_array_equal(to_host(d + b), a + b)
+    np.testing.assert_array_equal(to_host(b * d), b * a)
+    np.testing.assert_array_equal(to_host(d[:, 1:3, 2:].contiguous()), a[:, 1:3, 2:])
+    e = np.zeros_like(d)
+    e[:, :, 4:] = d[:, :, :4]
+    want = np.zeros_like(a)
+    want[:, :, 4:] = a[:, :, :4]
+    np.testing.assert_array_equal(to_host(e), want)
+    d *= to_device(np.full((3, 1, 1), 2.0, np.float32))
+    np.testing.assert_array_equal(to_host(d.reshape(12, -1)), (a * 2).reshape(12, -1))
+    with pytest.raises(TypeError):
+        np.asarray(d)                                   # a transfer is always explicit
+    h = np.ones_like(a)
+    h += d                                              # host op= device: the device operand comes down
+    np.testing.assert_array_equal(h, 1 + 2 * a)
+    assert (TRANSFERS.h2d, TRANSFERS.d2h) == (4, 6)      # a, b twice, the factors; 5 to_host + the +=
+
+
+# ------------------------------------------------------------------------------- whole model
+
+def _decode(path: str, toks: np.ndarray, gen: list[int], log=None, **placement):
+    from engine.config import EngineConfig
+    from engine.context import Context
+    from engine.device import TRANSFERS
+    from engine.model import load_model, quiet_log
+    log = log or quiet_log
+    cfg = EngineConfig(path, n_ctx=256, mla=3, flash_attn=True, type_k="q8_0", **placement)
+    m = load_model(path, log, mla=3, overrides=cfg.tensor_overrides, n_gpu_layers=cfg.n_gpu_layers,
+                   kv_offload=cfg.kv_offload)
+    ctx = Context(m, cfg, log)
+    out = [ctx.decode(toks)]
+    TRANSFERS.reset()
+    for t in gen:
+        out.append(ctx.decode(np.array([t], dtype=np.int32)))
+    return np.concatenate(out), (TRANSFERS.h2d, TRANSFERS.d2h)
+
+
+def test_deepseek_attention_on_gpu_experts_on_cpu_matches_cpu(make_model) -> None:
+    """-ngl 1 -ot exps=CPU -mla 3 -fa with a Q8_0 latent cache: the last layer's attention, shared
+    expert and router on the GPU (its cache in GPU memory), the routed experts on the CPU."""
+    path = make_model(preset="tiny", qtype="f16", kv_lora_rank=48)      # latent rows of 48 + 16: Q8_0 blocks
+    toks = np.array([3, 17, 101], dtype=np.int32)
+    ref, _ = _decode(path, toks, [42])
+    lines: list[str] = []
+    got, (h2d, d2h) = _decode(path, toks, [42], log=lines.append, n_gpu_layers=1,
+                              tensor_overrides=[("exps", "CPU")])
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-4 * np.abs(ref).max())
+    text = "\n".join(lines)
+    assert "llm_load_tensors: offloaded 1/4 layers to GPU" in text
+    assert "Tensor blk.2.ffn_up_exps.weight" in text and "buffer type overridden to CPU" in text
+    assert "     CUDA0 buffer size" in text and "     CUDA0 KV buffer size" in text
+    # one generated token, one GPU layer after two CPU layers.  Up: the residual for the attention
+    # norm and for the residual add (ggml would reuse one copy), the routed experts' sum.  Down: the
+    # router's logits, the normed state for the routed experts, the final state for the CPU output.
+    # Not one transfer per product: the attention's five products and the shared expert add none.
+    assert (h2d, d2h) == (3, 3), (h2d, d2h)
