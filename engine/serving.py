@@ -73,6 +73,7 @@ class Event:
     n_generated: int
     timings: Timings | None = None
     probs: list = field(default_factory=list)   # TokenProbs of the tokens since the previous event (n_probs > 0)
+    truncated: bool = False       # the context was shifted (tokens dropped) during this generation
 
 
 @dataclass
@@ -89,6 +90,8 @@ class Job:
     # control tokens written out as text (llama.cpp's preserved_tokens: tool-call markers such as
     # gpt-oss's <|call|> or Kimi-K2's <|tool_calls_section_begin|>, which the parser must see)
     preserved_tokens: frozenset = frozenset()
+    n_keep: int = 0                  # context shift: tokens kept at the start (-1: the whole prompt)
+    n_discard: int = 0               # ... tokens dropped per shift (0: half of what follows n_keep)
 
     def cancel(self) -> None:
         """Thread-safe: the engine frees the slot at its next step and sends a final event."""
@@ -115,12 +118,17 @@ class _Slot:
     t_prompt_done: float = 0.0
     last: Job | None = None                         # the latest job, kept for /slots
     stop_kind: str = ""                             # how it ended: "eos" | "word" | "limit" | ""
+    truncated: bool = False                         # the context was shifted during this job
+    shift_keep: int = 0                             # ... cells before its first gap (reusable as they are)
     stop_word: str = ""
 
 
 class ServingEngine:
-    def __init__(self, model: Model, cfg: EngineConfig, n_parallel: int, log: Log, ctx=None) -> None:
-        """ctx: the Context of n_parallel caches to serve from (default: a new one)."""
+    def __init__(self, model: Model, cfg: EngineConfig, n_parallel: int, log: Log, ctx=None,
+                 ctx_shift: bool = True) -> None:
+        """ctx: the Context of n_parallel caches to serve from (default: a new one); ctx_shift
+        (llama-server's --context-shift, on by default in ik): a generation that fills its slot's
+        context drops tokens after n_keep and goes on, instead of stopping."""
         from .context import Context
         if n_parallel < 1:
             raise ValueError("--parallel must be >= 1")
@@ -142,6 +150,9 @@ class ServingEngine:
         self.cv = threading.Condition()
         self.thread: threading.Thread | None = None
         self.running = False
+        self.ctx_shift = ctx_shift and hasattr(model.arch, "shift_keys")
+        if ctx_shift and not self.ctx_shift:
+            log("ctx_shift is not supported by this model's KV cache, it will be disabled")
         log(f"srv init: {n_parallel} slots, n_ctx_slot = {self.n_ctx_slot}")
 
     # ---- public, any thread ---------------------------------------------------------------
@@ -159,7 +170,7 @@ class ServingEngine:
 
     def submit(self, prompt: list[int], params: SamplingParams, n_predict: int, stop: list[str],
                on_event: Callable[[Event], None], cache_prompt: bool = True,
-               preserved_tokens: list[int] | None = None) -> Job:
+               preserved_tokens: list[int] | None = None, n_keep: int = 0, n_discard: int = 0) -> Job:
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -171,7 +182,8 @@ class ServingEngine:
                              f"{self.n_ctx_slot} tokens allows (-c {self.n_ctx_slot * self.n_parallel} "
                              f"split over {self.n_parallel} slots)")
         job = Job(prompt, params, int(n_predict), [s for s in stop if s], on_event, cache_prompt=bool(cache_prompt),
-                  preserved_tokens=frozenset(int(t) for t in preserved_tokens or ()))
+                  preserved_tokens=frozenset(int(t) for t in preserved_tokens or ()),
+                  n_keep=int(n_keep), n_discard=int(n_discard))
         with self.cv:
             job.id_task, self.n_tasks = self.n_tasks, self.n_tasks + 1
             self.queue.append(job)
@@ -391,6 +403,9 @@ class ServingEngine:
         s.stop_kind, s.stop_word = "", ""
         s.sampler = sampler
         keep = self._reusable(s, job.prompt) if job.cache_prompt else 0
+        if s.truncated:         # cells after a shift's gap were computed with the dropped tokens in view
+            keep = min(keep, s.shift_keep)
+        s.truncated = False
         if keep:
             s.cache.seq_rm(keep)
         else:
@@ -485,7 +500,10 @@ class ServingEngine:
         hold = max((k for w in job.stop for k in range(1, len(w)) if text.endswith(w[:k])), default=0)
         upto = len(text) - hold
         self._emit(s, text[s.n_sent:upto], tok, False)
-        if len(s.generated) >= job.n_predict >= 0 or s.cache.n + 1 >= self.n_ctx_slot:
+        if len(s.generated) >= job.n_predict >= 0:
+            self._finish(s, "length")
+            return
+        if s.cache.n + 1 >= self.n_ctx_slot and not (self.ctx_shift and self._shift(s)):
             self._finish(s, "length")
             return
         if s.sampler.grammar is not None and s.sampler.grammar.is_stopped():
@@ -494,6 +512,31 @@ class ServingEngine:
             self._finish(s, "stop")
             return
         s.pending = tok
+
+    def _shift(self, s: _Slot) -> bool:
+        """llama-server's context shift: keep the first n_keep cached tokens (the whole prompt for
+        n_keep -1; one more for a BOS), drop n_discard after them (default: half the rest) and
+        move the later ones down.  False when nothing can be dropped."""
+        from .arch.common import context_shift
+        job = s.job
+        n_past = s.cache.n
+        n_keep = len(job.prompt) if job.n_keep < 0 else job.n_keep
+        tk = self.model.tokenizer
+        if job.prompt and getattr(tk, "add_bos", False) and job.prompt[0] == getattr(tk, "bos_id", None):
+            n_keep += 1
+        n_keep = max(0, min(self.n_ctx_slot - 4, n_keep))
+        n_left = n_past - n_keep
+        n_discard = job.n_discard if job.n_discard > 0 else n_left // 2
+        n_discard = min(n_discard, n_left)
+        if n_discard <= 0:
+            return False
+        self.log(f"slot context shift: id_slot={s.id} id_task={job.id_task} n_keep={n_keep} n_left={n_left} "
+                 f"n_discard={n_discard} n_ctx={self.n_ctx_slot} n_past={n_past}")
+        context_shift(self.model.arch, s.cache, n_keep, n_discard)
+        del s.cached[n_keep:n_keep + n_discard]
+        s.shift_keep = n_keep if not s.truncated else min(s.shift_keep, n_keep)
+        s.truncated = True
+        return True
 
     @staticmethod
     def _utf8_cut(b: bytearray) -> int:
@@ -539,7 +582,8 @@ class ServingEngine:
         s.stop_kind = {"stop": "word" if word else "eos", "length": "limit"}.get(reason, "")
         s.stop_word = word
         probs, s.probs = s.probs, []
-        self._send(s, Event(rest, None, True, reason, word, len(job.prompt), n_g, tm, probs=probs))
+        self._send(s, Event(rest, None, True, reason, word, len(job.prompt), n_g, tm, probs=probs,
+                            truncated=s.truncated))
         self.log(f"slot print_timings: id {s.id:2d} | \n"
                  f"prompt eval time = {t_p:10.2f} ms / {n_p:5d} tokens ({t_p / max(n_p, 1):8.2f} ms per token, "
                  f"{1e3 * n_p / t_p if t_p > 0 else 0.0:8.2f} tokens per second)\n"

@@ -50,7 +50,8 @@ SerOpt = typer.Option(None, "-ser", "--smart-expert-reduction", help="K,t: run a
 # value they mean when alone, and the negative spellings that map onto them.
 OPTIONAL_VALUE = {"-fa": "on", "--flash-attn": "on", "-fmoe": "1", "--fused-moe": "1"}
 NEGATIONS = {"-no-fa": ("-fa", "off"), "--no-flash-attn": ("-fa", "off"),
-             "-no-fmoe": ("-fmoe", "0"), "--no-fused-moe": ("-fmoe", "0")}
+             "-no-fmoe": ("-fmoe", "0"), "--no-fused-moe": ("-fmoe", "0"),
+             "--no-context-shift": ("--context-shift", "off")}
 _BOOL_WORDS = {"on": True, "1": True, "true": True, "yes": True, "auto": True,
                "off": False, "0": False, "false": False, "no": False}
 SUPPORTED_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q6_0")

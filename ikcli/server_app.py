@@ -136,6 +136,12 @@ def get_int(body: dict, name: str, default: int, lo: Optional[int] = None) -> in
     return v
 
 
+def get_shift(body: dict) -> tuple[int, int]:
+    """llama-server's context-shift fields: n_keep (tokens kept at the start; -1: the whole prompt)
+    and n_discard (tokens dropped per shift; 0: half of the rest)."""
+    return get_int(body, "n_keep", 0, lo=-1), get_int(body, "n_discard", 0, lo=0)
+
+
 def get_bool(body: dict, name: str, default: bool) -> bool:
     v = _field(body, name)
     if v is _MISSING:
@@ -436,16 +442,20 @@ class Generation:
         return on_event
 
     def submit(self, engine, prompts: list[list[int]], params, n_predict: int, stop: list[str],
-               cache_prompt: bool = True, n_cmpl: int = 1, preserved: Optional[list[int]] = None) -> None:
+               cache_prompt: bool = True, n_cmpl: int = 1, preserved: Optional[list[int]] = None,
+               shift: tuple[int, int] = (0, 0)) -> None:
         """One job per prompt and choice: n_cmpl jobs of each prompt, job p * n_cmpl + j the choice j of
         prompt p (llama-server's order of results and their `index`).  As llama-server's child tasks,
         choice j > 0 samples with seed + j when the request fixes a seed, so the choices differ yet
         the answer is reproducible; a random seed (-1) stays random, one draw per choice.
         preserved: token ids to come out as text although they are control tokens (tool-call markers,
-        llama.cpp's preserved_tokens); handed to an engine whose submit() takes `preserved_tokens`."""
+        llama.cpp's preserved_tokens); handed to an engine whose submit() takes `preserved_tokens`.
+        shift: the request's (n_keep, n_discard) for a context shift."""
         kw = {} if cache_prompt else {"cache_prompt": False}   # llama.cpp's field: reuse the slot's prefix
         if preserved and _takes_keyword(engine.submit, "preserved_tokens"):
             kw["preserved_tokens"] = list(preserved)
+        if shift != (0, 0) and _takes_keyword(engine.submit, "n_keep"):
+            kw["n_keep"], kw["n_discard"] = shift
         for i, prompt in enumerate(p for p in prompts for _ in range(n_cmpl)):
             if not prompt:
                 self.cancel()
@@ -1313,7 +1323,7 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         params = sampling_params(body, "n_probs")
         raw_prompts, prompts = await prompts_of(body)
         gen = Generation()
-        gen.submit(engine, prompts, params, n_predict, stop, get_cache_prompt(body), n_cmpl)
+        gen.submit(engine, prompts, params, n_predict, stop, get_cache_prompt(body), n_cmpl, shift=get_shift(body))
         settings = generation_settings(params, n_predict, stop, stream)
         with_probs = params.n_probs > 0
 
@@ -1323,7 +1333,7 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
             return {**extra,
                 "content": content, "id_slot": getattr(gen.jobs[i], "id_slot", -1), "stop": True, "model": alias,
                 "tokens_predicted": n_gen, "tokens_evaluated": n_prompt, "generation_settings": settings,
-                "prompt": raw_prompts[i // n_cmpl], "truncated": False,
+                "prompt": raw_prompts[i // n_cmpl], "truncated": bool(getattr(ev, "truncated", False)),
                 "stopped_eos": stop_type(ev) == "eos", "stopped_word": stop_type(ev) == "word",
                 "stopped_limit": stop_type(ev) == "limit", "stop_type": stop_type(ev),
                 "stopping_word": ev.stopping_word or "", "tokens_cached": n_prompt + n_gen,
@@ -1364,7 +1374,7 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         params = sampling_params(body, "logprobs")
         _raw, prompts = await prompts_of(body)
         gen = Generation()
-        gen.submit(engine, prompts, params, n_predict, stop, get_cache_prompt(body), n_cmpl)
+        gen.submit(engine, prompts, params, n_predict, stop, get_cache_prompt(body), n_cmpl, shift=get_shift(body))
         cmpl_id, created = _rand_id("cmpl-"), int(time.time())
 
         def head() -> dict:
@@ -1481,7 +1491,7 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         forced_open = text.rstrip().endswith(THINK_OPEN)
         prompt = await chat_prompt(body, text)
         gen = Generation()
-        gen.submit(engine, [prompt], params, n_predict, stop, get_cache_prompt(body), n_cmpl,
+        gen.submit(engine, [prompt], params, n_predict, stop, get_cache_prompt(body), n_cmpl, shift=get_shift(body),
                    preserved=preserved_ids(treq))
         cmpl_id, created = _rand_id("chatcmpl-"), int(time.time())
 

@@ -88,6 +88,7 @@ def server(
     jinja: bool = typer.Option(False, "--jinja", help="use the Jinja chat template (ikcli always does: the GGUF's, or --chat-template-file)"),
     chat_template: Optional[str] = typer.Option(None, "--chat-template", help="ik's built-in chat format by name (chatml, llama3, gemma, mistral-v7, deepseek3, ...; a wrong name lists them all) instead of the GGUF's template; with --jinja, a value that is no built-in name is a Jinja template"),
     chat_template_file: Optional[str] = typer.Option(None, "--chat-template-file", help="Jinja chat template to use instead of the GGUF's tokenizer.chat_template"),
+    context_shift: str = typer.Option("on", "--context-shift", help="auto|on|off|0|1: when a generation fills its slot's context, drop tokens after n_keep (half the rest, or the request's n_discard) and go on; off: stop at the context size (default: on, as ik; --no-context-shift: off)"),
     reasoning_format: str = typer.Option("deepseek", "--reasoning-format", help="chat answers: where <think>...</think> text goes: 'none' leaves it in message.content; 'deepseek' or 'auto' puts it in message.reasoning_content (streamed deltas too); 'deepseek-legacy' also keeps the tags in content, and streams them inline (default: deepseek)"),
     cont_batching: bool = typer.Option(True, "-cb/-nocb", "--cont-batching/--no-cont-batching", help="continuous batching: the slots' tokens decode together (always on in ikcli; -nocb is refused)"),
     batch_size: int = common.BatchOpt,
@@ -153,7 +154,8 @@ def server(
             cfg.n_ctx = m.hp.n_ctx_train
         elif ctx_size > m.hp.n_ctx_train:
             common.log(f"warning: model was trained on only {m.hp.n_ctx_train} context tokens ({ctx_size} specified)")
-        engine = ServingEngine(m, cfg, parallel, common.log, common.new_context(m, cfg, flags, n_seq=parallel))
+        engine = ServingEngine(m, cfg, parallel, common.log, common.new_context(m, cfg, flags, n_seq=parallel),
+                               ctx_shift=common.parse_bool("--context-shift", context_shift))
         engine.start()
         app = create_app(engine, m, model_path=path, alias=alias or os.path.basename(path), chat_template=template,
                          render_chat=render, api_key=keys or None, default_n_predict=n_predict, default_sampling=sampling,

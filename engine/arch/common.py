@@ -99,3 +99,43 @@ def check_moe_shapes(path: str, prefix: str, m, n_expert: int, n_embd: int) -> N
         if tuple(t.shape) != shape:
             raise ModelFileError(f"{path}: tensor '{prefix}{name}.weight' has shape {list(reversed(t.shape))}, "
                                  f"expected {list(reversed(shape))}")
+
+
+# ---- context shift (llama-server's --context-shift) -----------------------------------------
+
+def shift_rope_tables(hp: HParams, n: int, delta: int, freq_factors: np.ndarray | None = None):
+    """cos / sin of a rotation by `delta` positions, without YaRN's magnitude factor (the cached
+    keys already carry it once): RoPE angles are linear in the position, so rotating a key cached
+    at p by delta gives exactly the key at p + delta."""
+    import math
+    f = 1.0 / (1.0 + 0.1 * math.log(1.0 / hp.rope_freq_scale)) if hp.yarn_ext_factor != 0.0 else 1.0
+    return rope_tables(hp, np.full(n, delta, dtype=np.int64), f, freq_factors)
+
+
+def rotate_key_rows(store, c0: int, c1: int, n_heads: int, head_dim: int, r0: int, n_rot: int, cos, sin,
+                    neox: bool) -> None:
+    """Rotate the RoPE part (values r0 .. r0 + n_rot of each head) of cache rows [c0, c1) in place
+    (read as f32, rotated, written back in the store's type, as ggml's K shift does)."""
+    from ..device import to_host
+    from ..rope import apply_rope
+    if c1 <= c0:
+        return
+    rows = np.array(to_host(store.read(c1))[c0:c1], dtype=np.float32).reshape(c1 - c0, n_heads, head_dim)
+    part = np.ascontiguousarray(rows[:, :, r0:r0 + n_rot])
+    apply_rope(part, cos, sin, neox)
+    rows[:, :, r0:r0 + n_rot] = part
+    store.write(c0, rows.reshape(c1 - c0, -1))
+
+
+def context_shift(arch, cache, n_keep: int, n_discard: int) -> int:
+    """Drop the cells at positions [n_keep, n_keep + n_discard) and move the later ones down by
+    n_discard positions, their keys re-rotated (arch.shift_keys).  Returns the cells dropped."""
+    n_before = cache.n
+    gone = cache.seq_rm(n_keep, n_keep + n_discard)
+    moved = np.nonzero(cache.pos[:cache.n] >= n_keep + n_discard)[0]
+    if len(moved):
+        c0, c1 = int(moved[0]), int(moved[-1]) + 1        # cells stay in position order
+        arch.shift_keys(cache, c0, c1, -n_discard)
+        cache.pos[c0:c1] -= n_discard
+    assert cache.n == n_before - gone
+    return gone

@@ -32,7 +32,8 @@ from ..kv_cache import KVCache, LayerCache
 from ..linear import matmul, matmul_id
 from ..ops import contiguous, empty_like_side, rms_norm
 from ..rope import apply_rope
-from .common import Head, RunOptions, UBatch, cached_attention, check_moe_shapes, rope_tables
+from .common import (Head, RunOptions, UBatch, cached_attention, check_moe_shapes, rope_tables, rotate_key_rows,
+                     shift_rope_tables)
 
 PP_DECOMPRESS_MIN_TOKENS = 128   # ik_llama.cpp's threshold for decompressed prompt processing (-mla 2/3)
 
@@ -165,6 +166,17 @@ class DeepSeek2Arch:
         row_type = type_k if (opts.flash_attn or opts.mla == 1) else type_v
         vt_type = type_v if (opts.mla == 1 and not opts.flash_attn) else None
         return KVCache.mla(n_ctx, hp.n_layer, hp.kv_lora_rank, hp.n_rot, row_type, vt_type)
+
+    def shift_keys(self, cache: KVCache, c0: int, c1: int, delta: int) -> None:
+        """Re-rotate the cached keys of cells [c0, c1) by delta positions (context shift): the k_pe
+        tail of latent rows, or the rope part of each head of -mla 0's K rows; c and V have no RoPE."""
+        hp = self.hp
+        cos, sin = shift_rope_tables(hp, c1 - c0, delta)
+        for lc in cache.layers:
+            if cache.latent:
+                rotate_key_rows(lc.k, c0, c1, 1, hp.kv_lora_rank + hp.n_rot, hp.kv_lora_rank, hp.n_rot, cos, sin, False)
+            else:
+                rotate_key_rows(lc.k, c0, c1, hp.n_head, hp.n_embd_head_k, self.nope, hp.n_rot, cos, sin, False)
 
     # ---- forward -----------------------------------------------------------------------
     def attention(self, L: dict, h: np.ndarray, ub: UBatch, cos, sin, cache: KVCache, il: int,

@@ -14,7 +14,8 @@ from ..kv_cache import KVCache
 from ..linear import matmul
 from ..ops import rms_norm, sigmoid
 from ..rope import apply_rope
-from .common import Head, RunOptions, UBatch, cached_attention, check_moe_shapes, rope_tables
+from .common import (Head, RunOptions, UBatch, cached_attention, check_moe_shapes, rope_tables, rotate_key_rows,
+                     shift_rope_tables)
 
 
 class LlamaArch:
@@ -81,6 +82,13 @@ class LlamaArch:
     def layer_window(self, il: int) -> int:
         """The sliding window of layer il (0: attends to the whole context)."""
         return 0
+
+    def shift_keys(self, cache: KVCache, c0: int, c1: int, delta: int) -> None:
+        """Re-rotate the cached keys of cells [c0, c1) by delta positions (context shift)."""
+        hp = self.hp
+        cos, sin = shift_rope_tables(hp, c1 - c0, delta, self.freq_factors)
+        for lc in cache.layers:
+            rotate_key_rows(lc.k, c0, c1, hp.n_head_kv, hp.n_embd_head_k, 0, hp.n_rot, cos, sin, hp.rope_neox)
 
     def make_cache(self, n_ctx: int, opts: RunOptions, type_k: int, type_v: int) -> KVCache:
         hp = self.hp
