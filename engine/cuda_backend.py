@@ -24,7 +24,8 @@ from quant import cuda_matmul
 from quant.tensor import QTensor
 
 from . import cuda_ops
-from .device import DEVICE_NAME, TRANSFERS, DeviceArray, const, on_device, simulated, to_device, to_host
+from .device import (DEVICE_NAME, TRANSFERS, DeviceArray, const, is_contiguous, on_device, simulated, to_device,
+                     to_host)
 
 
 def _simulator_launches() -> None:
@@ -231,7 +232,7 @@ def _table(a: np.ndarray) -> Any:
 
 
 def apply_rope(x: DeviceArray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> DeviceArray:
-    if not x.dev.is_c_contiguous() if hasattr(x.dev, "is_c_contiguous") else not x.dev.flags["C_CONTIGUOUS"]:
+    if not is_contiguous(x.dev):
         raise ValueError("RoPE on the GPU rotates contiguous arrays in place")
     cuda_ops.apply_rope(x.dev, _table(cos), _table(sin), bool(neox))
     return x

@@ -92,12 +92,12 @@ def _same_rank(d: Any, ndim: int) -> Any:
     """d with leading axes of length 1 added up to rank ndim (a copy if d is not contiguous)."""
     if d.ndim == ndim:
         return d
-    if not _contiguous(d):
+    if not is_contiguous(d):
         d = _contiguous_copy(d)
     return d.reshape((1,) * (ndim - d.ndim) + tuple(d.shape))
 
 
-def _contiguous(d: Any) -> bool:
+def is_contiguous(d: Any) -> bool:
     return d.is_c_contiguous() if hasattr(d, "is_c_contiguous") else bool(d.flags["C_CONTIGUOUS"])
 
 
@@ -161,7 +161,7 @@ class DeviceArray:
         return f"DeviceArray(shape={self.shape}, dtype={self.dtype})"
 
     def contiguous(self) -> "DeviceArray":
-        return self if _contiguous(self.dev) else DeviceArray(_contiguous_copy(self.dev))
+        return self if is_contiguous(self.dev) else DeviceArray(_contiguous_copy(self.dev))
 
     def reshape(self, *shape: Any) -> "DeviceArray":
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
@@ -189,7 +189,7 @@ class DeviceArray:
         self._check_index(idx)
         view = self.dev[idx]
         if np.isscalar(value):
-            if not _contiguous(view):
+            if not is_contiguous(view):
                 raise TypeError("filling a strided device view is not supported")
             flat = view.reshape(int(np.prod(view.shape)))
             _kernels()["fill"][_kernels()["launch"](flat.shape[0])](flat, self.dtype.type(value))
