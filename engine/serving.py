@@ -92,6 +92,7 @@ class Job:
     preserved_tokens: frozenset = frozenset()
     n_keep: int = 0                  # context shift: tokens kept at the start (-1: the whole prompt)
     n_discard: int = 0               # ... tokens dropped per shift (0: half of what follows n_keep)
+    truncated: bool = False          # the prompt was cut to fit the slot (context shift)
 
     def cancel(self) -> None:
         """Thread-safe: the engine frees the slot at its next step and sends a final event."""
@@ -177,18 +178,36 @@ class ServingEngine:
         bad = [t for t in prompt if t < 0 or t >= self.model.n_vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} is out of range [0, {self.model.n_vocab})")
+        truncated = False
+        if len(prompt) >= self.n_ctx_slot and self.ctx_shift:
+            prompt, truncated = self._truncated_prompt(prompt, int(n_keep), int(n_discard)), True
         if len(prompt) >= self.n_ctx_slot:
             raise ValueError(f"the prompt has {len(prompt)} tokens, more than the slot's context of "
                              f"{self.n_ctx_slot} tokens allows (-c {self.n_ctx_slot * self.n_parallel} "
                              f"split over {self.n_parallel} slots)")
         job = Job(prompt, params, int(n_predict), [s for s in stop if s], on_event, cache_prompt=bool(cache_prompt),
                   preserved_tokens=frozenset(int(t) for t in preserved_tokens or ()),
-                  n_keep=int(n_keep), n_discard=int(n_discard))
+                  n_keep=int(n_keep), n_discard=int(n_discard), truncated=truncated)
         with self.cv:
             job.id_task, self.n_tasks = self.n_tasks, self.n_tasks + 1
             self.queue.append(job)
             self.cv.notify_all()
         return job
+
+    def _truncated_prompt(self, prompt: list[int], n_keep: int, n_discard: int) -> list[int]:
+        """ik's prompt truncation under context shift: keep the first n_keep tokens (+1 for a BOS;
+        n_keep -1 counts as 0 here, as in ik) and drop blocks of n_discard (default: half of what
+        the slot holds after them) after them until the prompt fits."""
+        tk = self.model.tokenizer
+        bos = 1 if prompt and getattr(tk, "add_bos", False) and prompt[0] == getattr(tk, "bos_id", None) else 0
+        keep = max(0, n_keep + bos)
+        step = n_discard if n_discard > 0 else (self.n_ctx_slot - keep) // 2
+        if step <= 0 or keep >= self.n_ctx_slot:
+            return prompt
+        gone = 0
+        while len(prompt) - gone >= self.n_ctx_slot:
+            gone += step
+        return prompt[:keep] + prompt[keep + gone:]
 
     def tokenize(self, text: str, add_special: bool) -> list[int]:
         return self.model.tokenizer.encode(text, add_special=add_special, parse_special=True)
@@ -503,6 +522,11 @@ class ServingEngine:
         if len(s.generated) >= job.n_predict >= 0:
             self._finish(s, "length")
             return
+        if job.n_predict < 0 and len(job.prompt) + len(s.generated) >= self.model.hp.n_ctx_train > 0:
+            # ik: no token limit and context shift would let an EOS-less answer run forever
+            s.truncated = True
+            self._finish(s, "length")
+            return
         if s.cache.n + 1 >= self.n_ctx_slot and not (self.ctx_shift and self._shift(s)):
             self._finish(s, "length")
             return
@@ -583,7 +607,7 @@ class ServingEngine:
         s.stop_word = word
         probs, s.probs = s.probs, []
         self._send(s, Event(rest, None, True, reason, word, len(job.prompt), n_g, tm, probs=probs,
-                            truncated=s.truncated))
+                            truncated=s.truncated or job.truncated))
         self.log(f"slot print_timings: id {s.id:2d} | \n"
                  f"prompt eval time = {t_p:10.2f} ms / {n_p:5d} tokens ({t_p / max(n_p, 1):8.2f} ms per token, "
                  f"{1e3 * n_p / t_p if t_p > 0 else 0.0:8.2f} tokens per second)\n"

@@ -75,3 +75,28 @@ def test_generation_goes_past_the_context_with_a_shift(demo):
     assert text.startswith(text_off)                      # identical up to the first shift
     with pytest.raises(TypeError):
         _generate(demo, 5, True, n_keeps=1)
+
+
+def test_a_long_prompt_is_cut_to_fit_with_context_shift(demo):
+    """ik's prompt truncation: n_keep tokens (+ the BOS) kept, blocks of half the rest dropped
+    after them until the prompt fits; without context shift the prompt is refused."""
+    from engine.serving import ServingEngine
+    text = "ROMEO:\nBut soft, what light through yonder window breaks? " * 40
+    p = demo.tokenizer.encode(text, add_special=True)
+    assert len(p) > 256
+    e = ServingEngine(demo, EngineConfig(demo_model(), n_ctx=256, n_threads=2), 1, quiet_log)
+    done, final = threading.Event(), []
+    e.start()
+    try:
+        job = e.submit(p, SamplingParams(temperature=0.0), 4, [], lambda ev: ev.done and (final.append(ev), done.set()),
+                       n_keep=5)
+        keep = 5 + (p[0] == demo.tokenizer.bos_id)
+        step = (256 - keep) // 2
+        gone = step * -(-(len(p) - 255) // step)          # whole blocks until it fits
+        assert job.prompt == p[:keep] + p[keep + gone:] and len(job.prompt) < 256
+        assert done.wait(120) and final[0].truncated and final[0].n_prompt == len(job.prompt)
+    finally:
+        e.shutdown()
+    off = ServingEngine(demo, EngineConfig(demo_model(), n_ctx=256, n_threads=2), 1, quiet_log, ctx_shift=False)
+    with pytest.raises(ValueError, match="more than the slot's context"):
+        off.submit(p, SamplingParams(temperature=0.0), 4, [], lambda ev: None)

@@ -120,7 +120,10 @@ def test_cancel_frees_the_slot(model):
 
 
 def test_prompt_longer_than_the_slot_is_refused(model):
-    e = engine(model, 2, n_ctx=256)              # 128 cells per slot
+    """Without context shift (with it the prompt is cut: tests/test_context_shift.py)."""
+    from engine.serving import ServingEngine
+    e = ServingEngine(model, EngineConfig(demo_model(), n_ctx=256, n_threads=2), 2, quiet_log, ctx_shift=False)
+    e.start()                                    # 128 cells per slot
     try:
         with pytest.raises(ValueError, match="slot's context of 128"):
             e.submit(list(range(1, 200)), SamplingParams(), 4, [], lambda ev: None)
