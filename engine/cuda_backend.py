@@ -193,13 +193,7 @@ def _unary(fn: Any, x: DeviceArray) -> DeviceArray:
 
 
 def silu(x: DeviceArray) -> DeviceArray:
-    return silu_mul(x, _ones_like(x))
-
-
-def _ones_like(x: DeviceArray) -> DeviceArray:
-    o = np.empty_like(x)
-    o[...] = 1.0
-    return o
+    return _unary(cuda_ops.silu, x)
 
 
 def sigmoid(x: DeviceArray) -> DeviceArray:

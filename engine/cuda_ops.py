@@ -38,6 +38,8 @@ from quant import cuda_matmul as CM
 from quant.cuda_matmul import dmax, dmin
 from quant.types import type_info
 
+from .device import elementwise
+
 F32, F16, Q4_0, Q8_0, BF16, Q6_0 = 0, 1, 2, 8, 30, 133
 CACHE_TYPES = frozenset({F32, F16, BF16, Q8_0, Q4_0, Q6_0})     # flash_attn reads these
 WRITE_TYPES = frozenset({F32, F16, BF16, Q8_0, Q4_0, Q6_0})     # write_rows writes these
@@ -103,7 +105,7 @@ _KERNELS: dict = {}
 # ------------------------------------------------------------------------------------------
 # element-wise ops: one kernel, specialised per op
 # ------------------------------------------------------------------------------------------
-_ADD, _MUL, _SCALE, _SILU_MUL, _SIGMOID = 0, 1, 2, 3, 4
+_SILU_MUL, _SIGMOID, _SILU = 3, 4, 5     # add / mul / scale: engine.device.elementwise
 
 
 def _ew_kernel(op: int) -> Any:
@@ -114,57 +116,59 @@ def _ew_kernel(op: int) -> Any:
 
     @cuda.jit
     def ew(a, b, out, s):
-        # out[i] = a[i] (op) b[i % len(b)]  (b a bias of len n broadcast over rows, or a's size)
-        nb = b.shape[0]
+        # out[i] = act(a[i]) (* b[i]): the activations (the arithmetic is engine.device's)
         for i in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
             x = a[i]
-            if OP == 0:
-                out[i] = x + b[i % nb]
-            elif OP == 1:
-                out[i] = x * b[i % nb]
-            elif OP == 2:
-                out[i] = x * s
-            elif OP == 3:
-                out[i] = x / (float32(1.0) + math.exp(-x)) * b[i % nb]
-            else:
+            if OP == 3:
+                out[i] = x / (float32(1.0) + math.exp(-x)) * b[i]
+            elif OP == 4:
                 out[i] = float32(1.0) / (float32(1.0) + math.exp(-x))
+            else:
+                out[i] = x / (float32(1.0) + math.exp(-x))
 
     _KERNELS[("ew", op)] = ew
     return ew
 
 
-def _binary(op: int, a: Any, b: Any, out: Any, stream: Any, s: float = 0.0) -> Any:
+def _binary(op: int, a: Any, b: Any, out: Any, stream: Any) -> Any:
+    """An activation kernel over a (and b, of a's shape, for silu_mul)."""
+    out = _checked_out(a, b, out)
+    n = int(np.prod(a.shape))
+    if n:
+        _ew_kernel(op)[_blocks(n, THREADS), THREADS, stream](_flat(a), _flat(a if b is None else b), _flat(out),
+                                                            float32(0.0))
+    return out
+
+
+def _checked_out(a: Any, b: Any, out: Any) -> Any:
     if out is None:
         out = _empty(a.shape)
     elif tuple(out.shape) != tuple(a.shape):
         raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(a.shape)}")
-    n = int(np.prod(a.shape))
-    if b is None:
-        b = _flat(a)
-    else:
-        nb = int(np.prod(b.shape))
-        if not (tuple(b.shape) == tuple(a.shape) or (len(b.shape) == 1 and nb == int(tuple(a.shape)[-1]))):
-            raise ValueError(f"operand of shape {tuple(b.shape)} does not fit {tuple(a.shape)} "
-                             "(same shape, or a row of the last axis)")
-        b = _flat(b)
-    if n:
-        _ew_kernel(op)[_blocks(n, THREADS), THREADS, stream](_flat(a), b, _flat(out), float32(s))
+    if b is not None and not (tuple(b.shape) == tuple(a.shape) or (len(b.shape) == 1 and b.shape[0] == tuple(a.shape)[-1])):
+        raise ValueError(f"operand of shape {tuple(b.shape)} does not fit {tuple(a.shape)} "
+                         "(same shape, or a row of the last axis)")
     return out
 
 
 def add(a: Any, b: Any, out: Any = None, stream: Any = 0) -> Any:
     """a + b: b of a's shape, or (n,) broadcast over the rows of a (..., n) (a bias)."""
-    return _binary(_ADD, a, b, out, stream)
+    return elementwise(_checked_out(a, b, out), a, b, "add")
 
 
 def mul(a: Any, b: Any, out: Any = None, stream: Any = 0) -> Any:
     """a * b, shapes as add."""
-    return _binary(_MUL, a, b, out, stream)
+    return elementwise(_checked_out(a, b, out), a, b, "mul")
 
 
 def scale(a: Any, s: float, out: Any = None, stream: Any = 0) -> Any:
     """a * s for a scalar s."""
-    return _binary(_SCALE, a, None, out, stream, float(s))
+    return elementwise(_checked_out(a, None, out), a, cuda.to_device(np.array([s], dtype=np.float32)), "mul")
+
+
+def silu(x: Any, out: Any = None, stream: Any = 0) -> Any:
+    """x * sigmoid(x)."""
+    return _binary(_SILU, x, None, out, stream)
 
 
 def silu_mul(g: Any, u: Any, out: Any = None, stream: Any = 0) -> Any:
@@ -641,7 +645,7 @@ def flash_attn(q: Any, k_rows: Any, k_qtype: int, v_rows: Any, v_qtype: int | No
     if T == 0 or H == 0:
         return out
     if n_kv <= 0:
-        _fill[_blocks(T * H * dv, THREADS), THREADS, stream](out.reshape(T * H * dv), float32(0.0))
+        elementwise(out, out, cuda.to_device(np.zeros(1, np.float32)), "copy")
         return out
     cell_pos = _dev(cell_pos, np.int32)
     q_pos = _dev(q_pos, np.int32)
@@ -673,11 +677,5 @@ def flash_attn(q: Any, k_rows: Any, k_qtype: int, v_rows: Any, v_qtype: int | No
     return out
 
 
-@cuda.jit
-def _fill(a, v):
-    for i in range(cuda.grid(1), a.shape[0], cuda.gridsize(1)):
-        a[i] = v
-
-
-__all__ = ["rms_norm", "add", "mul", "scale", "silu_mul", "softmax_rows", "sigmoid", "apply_rope",
+__all__ = ["rms_norm", "add", "mul", "scale", "silu", "silu_mul", "softmax_rows", "sigmoid", "apply_rope",
            "flash_attn", "write_rows", "CACHE_TYPES", "WRITE_TYPES"]

@@ -106,6 +106,14 @@ def _empty(shape: tuple, dtype=np.float32) -> Any:
     return cuda.device_array(tuple(int(s) for s in shape), dtype=dtype)
 
 
+def elementwise(out: Any, a: Any, b: Any, op: str) -> Any:
+    """out = a (op) b on numba device arrays, op "copy" (b), "add", "sub" or "mul"; a and b broadcast
+    to out's shape (axes of length 1, fewer leading axes).  The element-wise kernels of the GPU path
+    (engine.cuda_ops' add / mul / scale call this too).  Returns out."""
+    _elementwise(out, a, b, _OPS[op])
+    return out
+
+
 def _elementwise(out: Any, a: Any, b: Any, op: int) -> None:
     n = int(np.prod(out.shape))
     if n == 0:

@@ -17,12 +17,7 @@ from quant.tensor import QTensor
 
 from .hparams import GATING_SIGMOID, GATING_SOFTMAX_WEIGHT
 from .device import on_device
-from .ops import host, sigmoid, silu, softmax
-
-def on_host(fn, *args):
-    from .cuda_backend import on_host as run_on_host
-    return run_on_host(fn, *args)
-
+from .ops import host, on_host, sigmoid, silu, softmax
 
 SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = np.float32(1.702), np.float32(7.0)
 

@@ -67,7 +67,7 @@ _GELU_C = np.float32(math.sqrt(2.0 / math.pi))
 def gelu(x: np.ndarray) -> np.ndarray:
     """GELU, tanh approximation (ggml_gelu's)."""
     if on_device(x):
-        return _gpu().on_host(gelu, x)
+        return on_host(gelu, x)
     return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(_GELU_C * x * (np.float32(1.0) + np.float32(0.044715) * x * x)))
 
 
@@ -90,6 +90,11 @@ def log_softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
 def to_device_of(x):
     from .device import to_device
     return to_device(x)
+
+
+def on_host(fn, *args):
+    """fn (a host op with no GPU kernel yet) on GPU inputs: they come down, the result goes up."""
+    return _gpu().on_host(fn, *args)
 
 
 def contiguous(x):

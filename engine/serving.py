@@ -194,13 +194,16 @@ class ServingEngine:
             self.cv.notify_all()
         return job
 
+    def _bos(self, prompt: list[int]) -> int:
+        """1 when the prompt starts with the BOS the tokenizer adds (ik counts n_keep after it)."""
+        tk = self.model.tokenizer
+        return int(bool(prompt) and getattr(tk, "add_bos", False) and prompt[0] == getattr(tk, "bos_id", None))
+
     def _truncated_prompt(self, prompt: list[int], n_keep: int, n_discard: int) -> list[int]:
         """ik's prompt truncation under context shift: keep the first n_keep tokens (+1 for a BOS;
         n_keep -1 counts as 0 here, as in ik) and drop blocks of n_discard (default: half of what
         the slot holds after them) after them until the prompt fits."""
-        tk = self.model.tokenizer
-        bos = 1 if prompt and getattr(tk, "add_bos", False) and prompt[0] == getattr(tk, "bos_id", None) else 0
-        keep = max(0, n_keep + bos)
+        keep = max(0, n_keep + self._bos(prompt))
         step = n_discard if n_discard > 0 else (self.n_ctx_slot - keep) // 2
         if step <= 0 or keep >= self.n_ctx_slot:
             return prompt
@@ -544,10 +547,7 @@ class ServingEngine:
         from .arch.common import context_shift
         job = s.job
         n_past = s.cache.n
-        n_keep = len(job.prompt) if job.n_keep < 0 else job.n_keep
-        tk = self.model.tokenizer
-        if job.prompt and getattr(tk, "add_bos", False) and job.prompt[0] == getattr(tk, "bos_id", None):
-            n_keep += 1
+        n_keep = (len(job.prompt) if job.n_keep < 0 else job.n_keep) + self._bos(job.prompt)
         n_keep = max(0, min(self.n_ctx_slot - 4, n_keep))
         n_left = n_past - n_keep
         n_discard = job.n_discard if job.n_discard > 0 else n_left // 2
