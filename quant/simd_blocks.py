@@ -178,6 +178,7 @@ class BlockDot:
     unpack: Callable
     row_scale: str = ""
     tail: "BlockDot | None" = None     # for the rest of a row that is not whole blocks of this
+    prefetch: bool = True              # software prefetch ahead of the row (see `prefetch`)
 
     @property
     def meta(self) -> int:
@@ -837,8 +838,10 @@ BLOCK_DOTS: dict[int, BlockDot] = {
     10: BlockDot("Q2_K", 256, 84, 0, _unpack_q2_k),
     11: BlockDot("Q3_K", 256, 110, 4, _unpack_q3_k),
     12: BlockDot("Q4_K", 256, 144, 0, _unpack_q4_k),
-    13: BlockDot("Q5_K", 256, 176, 0, _unpack_q5_k),
-    14: BlockDot("Q6_K", 256, 210, 32, _unpack_q6_k),
+    # Q5_K / Q6_K read faster with the hardware prefetcher alone (102400 x 2048, one token, one
+    # thread: 7.79 -> 7.51 and 7.40 -> 6.94 ms; Q4_K and IQ4_XS lose 1-4 % without it)
+    13: BlockDot("Q5_K", 256, 176, 0, _unpack_q5_k, prefetch=False),
+    14: BlockDot("Q6_K", 256, 210, 32, _unpack_q6_k, prefetch=False),
     23: BlockDot("IQ4_XS", 256, 136, 128, _unpack_iq4_xs),
     137: BlockDot("IQ2_K", 256, 76, 128, _unpack_iq2_k),
     138: BlockDot("IQ3_K", 256, 110, 128, _unpack_iq3_k),
@@ -961,7 +964,8 @@ def _blocks_loop(b: ir.IRBuilder, fmt: BlockDot, blocks, sub0, nb, act: Act, nto
     with cgutils.for_range(b, nb) as loop:
         ib = loop.index
         bp = b.gep(blocks, [b.mul(ib, _const_i64(fmt.nbytes))])
-        prefetch(b, bp, PREFETCH_BYTES, fmt.nbytes)
+        if fmt.prefetch:
+            prefetch(b, bp, PREFETCH_BYTES, fmt.nbytes)
         blk = fmt.unpack(b, bp)
         prep = _block_prep(b, blk, nsub, vnni)
         k0 = b.add(sub0, b.mul(ib, _const_i64(nsub)))

@@ -48,8 +48,9 @@ def main() -> None:
         t = time.perf_counter()
         orig(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, *rest)
         dt = time.perf_counter() - t
-        nbytes = len(ge) * nrows * int(K.type_row_bytes(qtype, cols)) * (2 if fused else 1)
-        rec[(qtype, nrows, cols, len(ge), int(gb[-1]), bool(fused))].append((dt, nbytes))
+        tid = int(qtype)     # a kernel tag (quant.typetag) is an int subclass
+        nbytes = len(ge) * nrows * int(K.type_row_bytes(tid, cols)) * (2 if fused else 1)
+        rec[(tid, nrows, cols, len(ge), int(gb[-1]), bool(fused))].append((dt, nbytes))
 
     K.matvec_int = timed
     t0 = time.perf_counter()
