@@ -5,6 +5,7 @@ import numpy as np
 
 from .arch.common import RunOptions, UBatch
 from .config import EngineConfig
+from .heap import retain_freed_memory
 from .kv_cache import CACHE_TYPES, cache_type_name
 from .model import Log, Model
 
@@ -25,6 +26,7 @@ class Context:
     def __init__(self, model: Model, cfg: EngineConfig, log: Log | None = None, n_seq: int = 1) -> None:
         """n_seq > 1: that many KV caches of n_ctx / n_seq cells each (the server's slots, as
         llama.cpp splits -c); `cache` is the first."""
+        retain_freed_memory()          # the ubatches' scratch arrays reuse pages (engine.heap)
         self.model = model
         self.cfg = cfg
         hp = model.hp
