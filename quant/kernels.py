@@ -551,12 +551,13 @@ def quantize_act_q8_serial(x, qk, q, s, bs):
 #
 # fused=True adds a second tensor b ("up", same type and shape) and stores
 # silu(a_row . x) * (b_row . x) in out (outb: scratch of out's shape): the gate/up
-# projection of a SiLU MLP in one call over activations quantized once.  The parallel loop
-# runs over all of a's runs, then all of b's (one weight stream per thread), then SiLU*mul:
-# a's and b's runs in turn (16 rows of each) measured ~10 % below two separate products
-# (Q4_K, 16384 x 2048 each, one token, 1 and 2 threads: 15.9 / 32 against 17.7 / 35 GB/s).
+# projection of a SiLU MLP in one call over activations quantized once.  A work item takes
+# FUSED_RUNS runs of rows: a's, then the same rows of b, then SiLU*mul on them.  a's and b's
+# runs in turn (16 rows of each) measured ~10 % below two separate products (Q4_K, 16384 x 2048
+# each, one token, 1 and 2 threads: 15.9 / 32 against 17.7 / 35 GB/s).
 ROW_RUN = 16
 assert ROW_RUN == _gemm.ROWS
+FUSED_RUNS = 8      # runs per work item of the fused kernels (128 rows of a, then of b)
 # From this many pairs on, a run of rows of a type quant.simd_gemm packs (WEAVE: the simd_blocks
 # and simd_r4 types, Q8_0, Q4_0 and their _R8 forms) is packed into a 16-row tile and multiplied
 # by quant.simd_gemm (with AVX512-VNNI): one thread, 4096^2, n = 8 /
@@ -711,11 +712,10 @@ def _f32_run(qtype, buf, ebase, stride, r0, r1, k0, k1, cols, qk, lut, x, y, out
             out[k, r] = acc
 
 
-@njit(parallel=True, **_opts)
-def _silu_mul_all(out, outb):
-    """out = silu(out) * outb over all pairs (the fused kernels' last pass)."""
-    for k in prange(out.shape[0]):
-        for r in range(out.shape[1]):
+@njit(**_opts)
+def _silu_mul_run(r0, r1, k0, k1, out, outb):
+    for k in range(k0, k1):
+        for r in range(r0, r1):
             out[k, r] = _silu_mul(out[k, r], outb[k, r])
 
 
@@ -726,42 +726,42 @@ def matvec_int(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut,
     block_sums16, one row per pair), integer block sums.  out, outb: (n_pairs, nrows)."""
     nb = cols // qk
     nrun = (nrows + ROW_RUN - 1) // ROW_RUN
-    nit = ge.shape[0] * nrun
-    ntot = nit
-    if fused:
-        ntot = 2 * nit
-    for i in prange(ntot):
-        second = np.int64(i) >= nit
-        j = np.int64(i) - nit if second else np.int64(i)
-        g = j // nrun
-        r0 = (j - g * nrun) * ROW_RUN
-        r1 = min(nrows, r0 + ROW_RUN)
-        if not second:
+    nch = (nrun + FUSED_RUNS - 1) // FUSED_RUNS if fused else nrun
+    for i in prange(ge.shape[0] * nch):
+        g = i // nch
+        c = i - g * nch
+        if not fused:
+            r0 = c * ROW_RUN
+            r1 = min(nrows, r0 + ROW_RUN)
             _int_run(qtype, bufa, ge[g] * esa, sa, r0, r1, gb[g], gb[g + 1], nb, qk, lut, q, s, bs, b16, out)
-        else:
-            _int_run(qtype, bufb, ge[g] * esb, sb, r0, r1, gb[g], gb[g + 1], nb, qk, lut, q, s, bs, b16, outb)
-    if fused:
-        _silu_mul_all(out, outb)
+            continue
+        c0 = c * FUSED_RUNS * ROW_RUN
+        c1 = min(nrows, c0 + FUSED_RUNS * ROW_RUN)
+        for r0 in range(c0, c1, ROW_RUN):
+            _int_run(qtype, bufa, ge[g] * esa, sa, r0, min(c1, r0 + ROW_RUN), gb[g], gb[g + 1], nb, qk, lut,
+                     q, s, bs, b16, out)
+        for r0 in range(c0, c1, ROW_RUN):
+            _int_run(qtype, bufb, ge[g] * esb, sb, r0, min(c1, r0 + ROW_RUN), gb[g], gb[g + 1], nb, qk, lut,
+                     q, s, bs, b16, outb)
+        _silu_mul_run(c0, c1, gb[g], gb[g + 1], out, outb)
 
 
 @njit(parallel=True, **_opts)
 def matvec_float(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut, x, ge, gb, out, outb):
     """Any type . f32 activations (one row per pair), rows decoded to f32 one at a time."""
     nrun = (nrows + ROW_RUN - 1) // ROW_RUN
-    nit = ge.shape[0] * nrun
-    ntot = nit
-    if fused:
-        ntot = 2 * nit
-    for i in prange(ntot):
-        second = np.int64(i) >= nit
-        j = np.int64(i) - nit if second else np.int64(i)
-        g = j // nrun
-        r0 = (j - g * nrun) * ROW_RUN
-        r1 = min(nrows, r0 + ROW_RUN)
+    nch = (nrun + FUSED_RUNS - 1) // FUSED_RUNS if fused else nrun
+    for i in prange(ge.shape[0] * nch):
+        g = i // nch
+        c = i - g * nch
         y = np.empty(cols, dtype=np.float32)
-        if not second:
-            _f32_run(qtype, bufa, ge[g] * esa, sa, r0, r1, gb[g], gb[g + 1], cols, qk, lut, x, y, out)
-        else:
-            _f32_run(qtype, bufb, ge[g] * esb, sb, r0, r1, gb[g], gb[g + 1], cols, qk, lut, x, y, outb)
-    if fused:
-        _silu_mul_all(out, outb)
+        if not fused:
+            r0 = c * ROW_RUN
+            _f32_run(qtype, bufa, ge[g] * esa, sa, r0, min(nrows, r0 + ROW_RUN), gb[g], gb[g + 1], cols, qk, lut,
+                     x, y, out)
+            continue
+        c0 = c * FUSED_RUNS * ROW_RUN
+        c1 = min(nrows, c0 + FUSED_RUNS * ROW_RUN)
+        _f32_run(qtype, bufa, ge[g] * esa, sa, c0, c1, gb[g], gb[g + 1], cols, qk, lut, x, y, out)
+        _f32_run(qtype, bufb, ge[g] * esb, sb, c0, c1, gb[g], gb[g + 1], cols, qk, lut, x, y, outb)
+        _silu_mul_run(c0, c1, gb[g], gb[g + 1], out, outb)
