@@ -10,10 +10,18 @@ from .kv_cache import CACHE_TYPES, cache_type_name
 from .model import Log, Model
 
 
+_threads_set: list[int] = []
+
+
 def set_threads(n: int) -> None:
-    """Both pools: Numba's kernels and the BLAS behind the many-token matmuls."""
+    """Both pools: Numba's kernels and the BLAS behind the many-token matmuls (skipped when this
+    thread last set the same count: a token's decode call paid ~10 us for it)."""
+    import numba
     from quant.matmul import set_num_threads
+    if _threads_set == [n] and numba.get_num_threads() == min(max(1, n), numba.config.NUMBA_NUM_THREADS):
+        return
     set_num_threads(n)
+    _threads_set[:] = [n]
 
 
 def padded_ctx(n_ctx: int, flash_attn: bool) -> int:
@@ -107,17 +115,24 @@ class Context:
         if pos0 is None:
             pos0 = self.cache.next_pos()
         set_threads(self.cfg.threads(batch=n > 1))
+        if 0 < n <= self.n_ubatch:             # one ubatch: its logits are the result (no copy)
+            return self._ubatch(tokens, np.arange(min(logits_from, n), n), pos0)
         out = np.empty((max(n - logits_from, 0), self.model.n_vocab), dtype=np.float32)
         for s in range(0, n, self.n_ubatch):
             e = min(n, s + self.n_ubatch)
             rows = np.arange(max(s, logits_from), e) - s
-            pos = np.arange(pos0 + s, pos0 + e, dtype=np.int32)
-            cell0 = self.cache.reserve(pos)
-            try:
-                lg = self.model.arch.forward(UBatch(tokens[s:e], pos, rows, cell0), self.cache, self.opts)
-            except BaseException:
-                self.cache.n = cell0          # the batch's cells hold nothing valid
-                raise
+            lg = self._ubatch(tokens[s:e], rows, pos0 + s)
             if len(rows):
                 out[rows[0] + s - logits_from: e - logits_from] = lg
         return out
+
+    def _ubatch(self, tokens: np.ndarray, rows: np.ndarray, pos0: int) -> np.ndarray:
+        """One micro-batch at positions pos0.. into the cache; the logits of its `rows`."""
+        pos = np.arange(pos0, pos0 + len(tokens), dtype=np.int32)
+        cell0 = self.cache.reserve(pos)
+        try:
+            lg = self.model.arch.forward(UBatch(tokens, pos, rows, cell0), self.cache, self.opts)
+        except BaseException:
+            self.cache.n = cell0          # the batch's cells hold nothing valid
+            raise
+        return np.asarray(lg, dtype=np.float32).reshape(len(rows), self.model.n_vocab)

@@ -531,11 +531,14 @@ def block_sums16(q, s, i16, f16):
 
 
 @njit(**_qopts)
-def quantize_act_q8_serial(x, qk, q, s, bs):
-    """quantize_act_q8 on the calling thread: for a few rows, waking the pool costs more
-    (tens of microseconds with OMP_WAIT_POLICY=PASSIVE) than the work."""
+def quantize_act_q8_serial(x, qk, q, s, bs, b16):
+    """quantize_act_q8 then block_sums16 (when b16 has columns) on the calling thread, in one
+    call: for a few rows, waking the pool costs more (tens of microseconds with
+    OMP_WAIT_POLICY=PASSIVE) than the work, and a second dispatch a few more."""
     for t in range(x.shape[0]):
         _quantize_row_q8(x[t], qk, q[t], s[t], bs[t])
+    if b16.shape[1]:
+        block_sums16(q, s, bs, b16)
 
 
 # ----------------------------------------------------------------------------------------

@@ -286,8 +286,11 @@ def _quantize_act(x: np.ndarray, sums16: bool = True, ints16: bool = True
     # parallel only for big inputs: in token generation the pool has usually gone to sleep, and the
     # parallel call for an MLA per-head product (16 heads x 128 values) averaged ~27 us in the 1B
     # model (cProfile), the serial one ~3.6 us
-    (K.quantize_act_q8 if x.size >= 65536 else K.quantize_act_q8_serial)(x, K.QK, q, s, bs)
     b16 = np.empty((x.shape[0], x.shape[1] // 16 if sums16 else 0), dtype=np.float32)
+    if x.size < 65536:
+        K.quantize_act_q8_serial(x, K.QK, q, s, bs, b16)
+        return q, s, bs, b16
+    K.quantize_act_q8(x, K.QK, q, s, bs)
     if sums16:
         K.block_sums16(q, s, bs, b16)
     return q, s, bs, b16
