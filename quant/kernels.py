@@ -167,6 +167,17 @@ def _bits_to_f32(typingctx, u):
     return types.float32(u), codegen
 
 
+@intrinsic
+def _f32_bits(typingctx, x):
+    """The bit pattern of f32 x as a uint32."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.uint32(types.float32), codegen
+
+
 # ----------------------------------------------------------------------------------------
 # one row of weights -> f32
 # ----------------------------------------------------------------------------------------
@@ -482,24 +493,25 @@ def _quantize_row_q8(xr, qk, qr, sr, br):
     """One row: the rule of the Q8_2 activation blocks ik_llama.cpp multiplies Q8_0 / Q4_0
     weights with: d = amax/127 rounded to bfloat16 (nearest even), q = x/d rounded to nearest
     even and saturated to int8.  Matching it keeps perplexities within noise of the C++ tool.
-    br: each block's sum of q (the VNNI kernels' offset correction, quant.simd)."""
-    for b in range(xr.shape[0] // qk):
-        xv = xr[b * qk:b * qk + qk]
-        qv = qr[b * qk:b * qk + qk]
+    br: each block's sum of q (the VNNI kernels' offset correction, quant.simd).  qk must be QK:
+    the loops use the constant, f32 bounds and the bf16 rounding on the bits (9216 values, one
+    call: 14.8 -> 7.8 us)."""
+    for b in range(xr.shape[0] // QK):
+        o = b * QK
         amax = np.float32(0.0)
-        for j in range(qk):
-            amax = max(amax, abs(xv[j]))
+        for j in range(QK):
+            amax = max(amax, abs(xr[o + j]))
         d = amax / np.float32(127.0)
-        if d > 0:
-            m, e = math.frexp(np.float64(d))          # bf16 keeps 8 significant bits
-            d = np.float32(math.ldexp(np.rint(m * 256.0) / 256.0, e))
+        if d > 0:       # to bf16, nearest even, on the bits (ggml's fp32 -> bf16; frexp / ldexp cost ~20 ns)
+            u = _f32_bits(d)
+            d = _bits_to_f32((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000))
         inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
         sr[b] = d
-        tot = 0
-        for j in range(qk):
-            r = np.rint(xv[j] * inv)
-            qv[j] = np.int8(min(127.0, max(-128.0, r)))
-            tot += np.int32(qv[j])
+        tot = np.int32(0)
+        for j in range(QK):
+            qi = np.int32(min(np.float32(127.0), max(np.float32(-128.0), np.rint(xr[o + j] * inv))))
+            qr[o + j] = np.int8(qi)
+            tot += qi
         br[b] = tot
 
 
