@@ -17,7 +17,7 @@ from quant.tensor import QTensor
 
 from .hparams import GATING_SIGMOID, GATING_SOFTMAX_WEIGHT
 from .device import on_device
-from .ops import host, on_host, sigmoid, silu, softmax
+from .ops import host, on_host, sigmoid, silu, softmax, weighted_row_sums
 
 SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = np.float32(1.702), np.float32(7.0)
 
@@ -111,18 +111,11 @@ def moe_ffn(x: np.ndarray, m: MoEWeights, n_used: int, gating: int, norm_w: bool
     y = matmul_id(m.down, par, pair_ids, np.arange(n_pairs))
     if m.down_bias is not None:
         y += m.down_bias[pair_ids]
-    y *= w[keep][:, None]
     # sum over slots in slot order, the same for a token alone or in a batch
     slot_pair = np.full(ids.shape, -1, dtype=np.int64)
     slot_pair[keep] = np.arange(n_pairs)
     if on_device(y):
         from .cuda_backend import moe_combine
+        y *= w[keep][:, None]
         return moe_combine(y, slot_pair, x.shape[0])
-    out = np.zeros((x.shape[0], m.down.shape[-2]), dtype=np.float32)
-    for j in range(ids.shape[1]):
-        k = slot_pair[:, j]
-        if keep[:, j].all():
-            out += y[k]
-        else:
-            out[keep[:, j]] += y[k[keep[:, j]]]
-    return out
+    return weighted_row_sums(y, w, slot_pair)

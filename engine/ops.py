@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from .device import DeviceArray, empty, on_device, to_host
 
@@ -123,3 +123,27 @@ def all_finite(x) -> bool:
     if on_device(x):
         return _gpu().all_finite(x)
     return bool(np.isfinite(x).all())
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _weighted_row_sums(y, w, idx, out):
+    for t in prange(idx.shape[0]):
+        for c in range(out.shape[1]):
+            out[t, c] = np.float32(0.0)
+        for j in range(idx.shape[1]):
+            k = idx[t, j]
+            if k >= 0:
+                wj = w[t, j]
+                for c in range(out.shape[1]):
+                    out[t, c] += y[k, c] * wj
+
+
+def weighted_row_sums(y: np.ndarray, w: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """out[t] = sum over j of w[t, j] * y[idx[t, j]] (idx -1: skipped), j in order, in f32: the
+    same products and sums, in the same order, as multiplying y's rows by their weights and
+    adding them slot by slot in NumPy (the MoE expert sum; one parallel pass instead of
+    n_used fancy-index passes: ~5 ms per layer of a 512-token batch)."""
+    out = np.empty((idx.shape[0], y.shape[1]), dtype=np.float32)
+    _weighted_row_sums(np.ascontiguousarray(y, dtype=np.float32), np.ascontiguousarray(w, dtype=np.float32),
+                       np.ascontiguousarray(idx, dtype=np.int64), out)
+    return out

@@ -553,6 +553,20 @@ def quantize_act_q8_serial(x, qk, q, s, bs, b16):
         block_sums16(q, s, bs, b16)
 
 
+@njit(parallel=True, cache=True, nogil=True)
+def gather_rows(a, rows, out):
+    """out[i] = a[rows[i]] in parallel over i (a prompt's pairs: NumPy's fancy indexing is one thread)."""
+    for i in prange(rows.shape[0]):
+        out[i, :] = a[rows[i], :]
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def scatter_rows(src, rows, out):
+    """out[rows[i]] = src[i] in parallel over i (rows distinct)."""
+    for i in prange(rows.shape[0]):
+        out[rows[i], :] = src[i, :]
+
+
 # ----------------------------------------------------------------------------------------
 # few-token matmuls: out[k, r] = dot(W_e[r], x[k]) for (expert e, activation row k) pairs
 # ----------------------------------------------------------------------------------------

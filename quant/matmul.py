@@ -441,12 +441,15 @@ def _mul_id(va: _View, vb: _View | None, x: np.ndarray, ids: np.ndarray,
         po = order[:few]                            # the few-pair pairs, grouped by expert
         act = act_x
         if not (rows_identity and few == x.shape[0]):
-            act = tuple(a[x_rows[po]] for a in act)   # one row per pair (fancy indexing copies)
+            act = tuple(_gather(a, x_rows[po]) for a in act)   # one row per pair
         identity = few == P and order_identity
         res = out if identity else np.empty((few, va.rows), dtype=np.float32)
         _few_pairs(va, vb, act, ge, gb, res)
         if not identity:
-            out[po] = res
+            if res.size >= _PARALLEL_COPY:
+                K.scatter_rows(res, po, out)
+            else:
+                out[po] = res
     if few < P:
         xr = _round_act(va.qtype, x, act_x)
         with _tile_threads():
@@ -458,6 +461,18 @@ def _mul_id(va: _View, vb: _View | None, x: np.ndarray, ids: np.ndarray,
                 xe = xr[x_rows[pe]]
                 y = _product(_expert(va, e), xe)
                 out[pe] = y if vb is None else _silu_mul(y, _product(_expert(vb, e), xe))
+    return out
+
+
+_PARALLEL_COPY = 1 << 16     # elements from which row gathers / scatters run in numba's pool
+
+
+def _gather(a: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """a[rows] (rows of a 2-D array), in the pool when big."""
+    if rows.size * a.shape[1] < _PARALLEL_COPY:
+        return a[rows]
+    out = np.empty((rows.size, a.shape[1]), dtype=a.dtype)
+    K.gather_rows(a, rows, out)
     return out
 
 

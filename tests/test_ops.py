@@ -23,3 +23,45 @@ def test_rms_norm(shape, scaled):
     # a strided view (a slice of the last axis, as for the latent part of kv_a) gives the same
     wide = np.concatenate([x, x[..., :64]], axis=-1)
     assert np.array_equal(rms_norm(wide[..., :shape[-1]], w, eps), y)
+
+
+def test_weighted_row_sums_matches_slot_by_slot_numpy():
+    """engine.ops.weighted_row_sums (the MoE expert sum) against the NumPy it replaced:
+    rows scaled by their weights, then added slot by slot from zeros; bitwise equal, with
+    dropped slots (-1, as -ser leaves them)."""
+    from engine.ops import weighted_row_sums
+    rng = np.random.default_rng(3)
+    T, S, C = 37, 6, 300
+    idx = rng.permutation(T * S).reshape(T, S).astype(np.int64)
+    idx[rng.random((T, S)) < 0.2] = -1
+    y = rng.standard_normal((T * S, C)).astype(np.float32)
+    w = rng.random((T, S)).astype(np.float32)
+    ref = np.zeros((T, C), np.float32)
+    ys = y.copy()
+    for t in range(T):
+        for j in range(S):
+            if idx[t, j] >= 0:
+                ys[idx[t, j]] *= w[t, j]
+    for j in range(S):
+        k = idx[:, j]
+        m = k >= 0
+        ref[m] += ys[k[m]]
+    assert np.array_equal(weighted_row_sums(y, w, idx), ref)
+
+
+def test_parallel_row_gather_and_scatter():
+    from quant import kernels as K
+    rng = np.random.default_rng(4)
+    for dt in (np.int8, np.int32, np.float32):
+        a = (rng.standard_normal((50, 70)) * 50).astype(dt)
+        rows = rng.integers(0, 50, 120)
+        out = np.empty((120, 70), dt)
+        K.gather_rows(a, rows, out)
+        assert np.array_equal(out, a[rows])
+    src = rng.standard_normal((40, 9)).astype(np.float32)
+    perm = rng.permutation(60)[:40]
+    out = np.zeros((60, 9), np.float32)
+    K.scatter_rows(src, perm, out)
+    ref = np.zeros((60, 9), np.float32)
+    ref[perm] = src
+    assert np.array_equal(out, ref)
