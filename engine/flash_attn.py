@@ -323,28 +323,43 @@ def _n_splits(n_items: int, n_kv: int) -> int:
 
 
 @njit(parallel=True, **_opts)
-def _softmax_tile(s, cp, qp, qlo, G, m, l, acc):
-    """BLAS path: scores s (Hkv, rows, cells), row t * G + i -> probabilities in place, with the
-    online-softmax update of m / l (Hkv, rows) and the rescaling of acc (Hkv, rows, dv); one
-    pass instead of ~8 NumPy ones."""
-    hkv, rows = s.shape[0], s.shape[1]
+def _softmax_tile(st, n, cp, qp, qlo, G, m, l, acc):
+    """BLAS path: scores st[:, :, :n] (Hkv, rows, cells), row t * G + i -> probabilities in
+    place, with the online-softmax update of m / l (Hkv, rows) and the rescaling of acc (Hkv,
+    rows, dv); one pass instead of ~8 NumPy ones.  st is the whole C-contiguous scratch, not
+    the slice: the loops over a row then vectorize (over an 'A'-layout slice they did not), and
+    rows that see the whole tile skip the mask.  flash_attn_rows, 512 queries x 16 heads of
+    192/128 over 4096 cells, two threads: 161 -> 132 ms (2048 cells: 81.7 -> 66.3)."""
+    hkv, rows = st.shape[0], st.shape[1]
+    cmin, cmax = cp.min(), cp.max()
     for it in prange(hkv * rows):
         g, r = it // rows, it % rows
         pos = qp[r // G]
         lo = qlo[r // G]
-        sr = s[g, r]
+        sr = st[g, r, :n]
         mx = m[g, r]
-        for j in range(sr.shape[0]):
-            if cp[j] <= pos and cp[j] > lo:
+        full = cmax <= pos and cmin > lo          # the row sees every cell: loops without the mask
+        if full:
+            for j in range(n):
                 mx = max(mx, sr[j])
+        else:
+            for j in range(n):
+                if cp[j] <= pos and cp[j] > lo:
+                    mx = max(mx, sr[j])
         if mx == -np.inf:
             sr[:] = 0.0
             continue
         tot = np.float32(0.0)
-        for j in range(sr.shape[0]):
-            p = _exp2(sr[j] - mx) if cp[j] <= pos and cp[j] > lo else np.float32(0.0)
-            sr[j] = p
-            tot += p
+        if full:
+            for j in range(n):
+                p = _exp2(sr[j] - mx)
+                sr[j] = p
+                tot += p
+        else:
+            for j in range(n):
+                p = _exp2(sr[j] - mx) if cp[j] <= pos and cp[j] > lo else np.float32(0.0)
+                sr[j] = p
+                tot += p
         if mx > m[g, r]:
             alpha = _exp2(m[g, r] - mx) if m[g, r] > -np.inf else np.float32(0.0)
             l[g, r] *= alpha
@@ -510,7 +525,7 @@ def _flash_blas(q, k, v, n_kv, hkv, dk, dv, cell_pos, q_pos, q_lo, scale, block,
             kf = _read_tile(k, c0, c1, kt).reshape(c1 - c0, hkv, dk)
             vf = kf[:, :, :dv] if v is None else _read_tile(v, c0, c1, vt).reshape(c1 - c0, hkv, dv)
             s = gemm(qt, kf.transpose(1, 0, 2), st[:, :, :c1 - c0])   # (hkv, rows, cells), log2 domain
-            _softmax_tile(s, cp, qp, ql, G, m, lsum, acc)
+            _softmax_tile(st, c1 - c0, cp, qp, ql, G, m, lsum, acc)
             gemm(s, vf.transpose(1, 0, 2), acc, trans_b=False, accumulate=True)
         if sink2 is not None:   # one more logit per row in the softmax sum, with no value
             sk = _sink_rows(sink2, hkv, G, rows)
