@@ -13,13 +13,13 @@ cache, scratch is bounded by the block sizes.  Two paths, picked by `use_kernel_
   first dv values of the row, is read from the same scratch).  Scores and probabilities
   come from 4 rows x 4 cells register-blocked loops; scores are kept in the log2 domain (q
   is pre-scaled by scale*log2(e)) so the softmax needs only a vectorizable exp2.
-  Opt-in (IKCLI_FA_BF16=1), where the CPU has AVX512-BF16 and a kv head has >= 12 query
-  rows (16-lane chunks at least 3/4 full; dk, dv multiples of 16), engine.flash_bf16 runs
-  instead: the same split-K structure with bf16 dot products (~1.7x faster for 16 latent heads
-  of 576/512 at 3584 cells) and an f32 refinement of the scores near the running max; outputs
-  within ~2.5e-3 (relative L2) of this f32 kernel.  Off by default: ik_llama.cpp computes f16
-  caches in f32 (its AVX512 helpers convert f16 to f32), and the 1B random test model's
-  perplexity moved ~3% with it at -ub 4 (README, performance).
+  Where the CPU has AVX512-BF16 and a kv head has >= 12 query rows (16-lane chunks at least
+  3/4 full; dk, dv multiples of 16), engine.flash_bf16 runs instead (IKCLI_FA_BF16=0: never):
+  the same split-K structure with bf16 dot products (~1.7x faster for 16 latent heads of
+  576/512 at 3584 cells) and an f32 refinement of the scores near the running max; outputs
+  within ~2.5e-3 (relative L2) of this f32 kernel, perplexities as measured in engine.flash_bf16.
+  ik_llama.cpp computes f16 caches in f32; with f32 here, generation deep in a context fell to
+  0.70-0.74 of its N_KV 0 speed where ik keeps 0.76-0.80 (README, performance).
 * many queries (prompt processing): tiles of cells are decoded to f32 once per query tile
   and every kv head is updated with two batched BLAS products (scores, P·V) around one
   Numba pass for the masked online softmax; tiles no query of the query tile sees are
@@ -430,9 +430,9 @@ def flash_attn_rows(q, k, v, cell_pos: np.ndarray, q_pos: np.ndarray, scale: flo
                       dk, dv, cell_pos, q_pos, scale)
 
 
-# bf16 dot products (engine.flash_bf16) for the kernel path where the CPU has AVX512-BF16:
-# opt-in with IKCLI_FA_BF16=1 (see the module docstring); tests flip this to compare kernels
-USE_BF16 = os.environ.get("IKCLI_FA_BF16", "0") == "1"
+# bf16 dot products (engine.flash_bf16) for the kernel path where the CPU has AVX512-BF16
+# (see the module docstring); IKCLI_FA_BF16=0 turns them off; tests flip this to compare kernels
+USE_BF16 = os.environ.get("IKCLI_FA_BF16", "1") != "0"
 _BF16_HOST: bool | None = None
 
 

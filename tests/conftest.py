@@ -82,9 +82,11 @@ def corpus_text(shared_dir) -> str:
 
 @pytest.fixture(autouse=True)
 def _f32_flash_kernel(monkeypatch):
-    """Tests compare modes, paths and batchings at f32 tolerances (1e-3 and tighter).  The
-    opt-in AVX512-BF16 generation kernel (engine.flash_bf16, IKCLI_FA_BF16=1) rounds q, k, p
-    and v to 8 bits (~2.5e-3 on attention outputs): pinned off here whatever the environment;
-    tests/test_flash_bf16.py turns it on and checks it against the f32 kernel."""
+    """Tests compare modes, paths and batchings at f32 tolerances (1e-3 and tighter), on CPUs
+    with and without AVX512-BF16.  The AVX512-BF16 generation kernel (engine.flash_bf16, the
+    default where the CPU has it) rounds q, k, p and v to 8 bits (~2.5e-3 on attention
+    outputs): pinned off here, in this process and in the commands tests start
+    (IKCLI_FA_BF16=0); tests/test_flash_bf16.py turns it on and checks it against the f32 kernel."""
     from engine import flash_attn
     monkeypatch.setattr(flash_attn, "USE_BF16", False)
+    monkeypatch.setenv("IKCLI_FA_BF16", "0")

@@ -201,9 +201,20 @@ def test_f32_kernel_where_bf16_does_not_fit(monkeypatch, bf16_calls, H, dk, dv):
     close(out, reference(q, K, K[:, :, :dv], cp, qp, 0.3), 1e-4)
 
 
-def test_disabled_by_environment(monkeypatch):
-    monkeypatch.setenv("IKCLI_FA_BF16", "0")
-    assert not fb.available()
+def _use_bf16_in_new_process(**env_over) -> str:
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "IKCLI_FA_BF16"}
+    env.update(env_over)
+    res = subprocess.run([sys.executable, "-c", "import engine.flash_attn as fa; print(fa.USE_BF16)"],
+                         env=env, capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return res.stdout.strip()
+
+
+def test_disabled_by_environment():
+    assert _use_bf16_in_new_process(IKCLI_FA_BF16="0") == "False"
 
 
 @pytest.mark.parametrize("arch,kw", [("deepseek2", dict(n_head=16)),
@@ -230,16 +241,10 @@ def test_model_generation_with_bf16_kernel(make_model, monkeypatch, bf16_calls, 
     close(got, ref, 1e-2)
 
 
-def test_off_by_default(monkeypatch):
-    """Without IKCLI_FA_BF16=1 the f32 kernel runs, even on shapes the bf16 kernel takes."""
-    import os
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "IKCLI_FA_BF16"}
-    res = subprocess.run([sys.executable, "-c", "import engine.flash_attn as fa; print(fa.USE_BF16)"],
-                         env=env, capture_output=True, text=True, check=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert res.stdout.strip() == "False"
+def test_on_by_default_and_off_when_disabled(monkeypatch):
+    """Without IKCLI_FA_BF16 a process uses the bf16 kernel (this module runs only where the CPU
+    has it); with it off, the f32 kernel runs, even on shapes the bf16 kernel takes."""
+    assert _use_bf16_in_new_process() == "True"
     calls = []
     monkeypatch.setattr(fb, "flash_kernel_bf16", lambda *a, **kw: calls.append(1))
     monkeypatch.setattr(fa, "USE_BF16", False)
