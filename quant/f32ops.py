@@ -28,6 +28,17 @@ def fma_f32(typingctx, a, b, c):
 
 
 @intrinsic
+def f32_bits(typingctx, x):
+    """The bit pattern of f32 x as a uint32."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
 def f16_bits(typingctx, x):
     """IEEE half bit pattern of f32 x, rounded to nearest even (as GGML_FP32_TO_FP16 / F16C)."""
     if x != types.float32:

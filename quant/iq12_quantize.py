@@ -70,7 +70,7 @@ from numba import literally, njit, types
 from numba.extending import intrinsic
 
 from . import iquants
-from .f32ops import MAGIC, f16_bits, fma_f32, quantizer_rows
+from .f32ops import MAGIC, f16_bits, f32_bits as _f32_bits, fma_f32, quantizer_rows
 from .iquants import IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, QK_K
 from .types import type_info
 
@@ -95,17 +95,6 @@ _SIGNS = iquants.sign_byte(np.arange(128))   # 7 sign bits -> 8 with the parity 
 # scalar primitives (quant.f32ops)
 # ----------------------------------------------------------------------------------------
 _fma, _f16_bits = fma_f32, f16_bits
-
-
-@intrinsic
-def _f32_bits(typingctx, x):
-    """The bits of f32 x as an int32."""
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-    return types.int32(types.float32), codegen
 
 
 @njit(**_inl)

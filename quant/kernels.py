@@ -71,6 +71,7 @@ from . import interleaved as _interleaved, registry as _reg, simd as _simd  # no
 from . import simd_blocks as _blocks  # noqa: E402  (integer row dots of the other block types)
 from . import simd_r4 as _r4  # noqa: E402  (integer dots of the _R4 K-quant / IQK layouts)
 from . import simd_gemm as _gemm  # noqa: E402  (integer GEMM of the simd_blocks types)
+from .f32ops import f32_bits as _f32_bits  # noqa: E402
 from .iqk import decode_row_iqk  # noqa: E402
 from .iquants import decode_row_iquants  # noqa: E402
 from .ktquants import decode_row_kt, decode_row_kt_mm  # noqa: E402
@@ -165,17 +166,6 @@ def _bits_to_f32(typingctx, u):
             x = builder.zext(x, ir.IntType(32))
         return builder.bitcast(x, ir.FloatType())
     return types.float32(u), codegen
-
-
-@intrinsic
-def _f32_bits(typingctx, x):
-    """The bit pattern of f32 x as a uint32."""
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-    return types.uint32(types.float32), codegen
 
 
 # ----------------------------------------------------------------------------------------

@@ -35,6 +35,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .f32ops import f32_bits as _f32_bits
+
 Q8_0_ID, Q4_0_ID, Q2_K_ID, Q3_K_ID, Q4_K_ID, Q5_K_ID, Q6_K_ID, IQ4_NL_ID, IQ4_XS_ID = 8, 2, 10, 11, 12, 13, 14, 20, 23
 FAST_TYPES = frozenset({Q8_0_ID, Q4_0_ID, Q2_K_ID, Q3_K_ID, Q4_K_ID, Q5_K_ID, Q6_K_ID, IQ4_NL_ID, IQ4_XS_ID})
 # the types whose fast kernel also takes an imatrix (Q8_0 ignores it; Q4_0's imatrix path is legacy's)
@@ -63,16 +65,6 @@ def _fma(typingctx, a, b, c):
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f, [f, f, f]), "llvm.fma.f32")
         return builder.call(fn, args)
     return sig, codegen
-
-
-@intrinsic
-def _f32_bits(typingctx, x):
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-    return types.uint32(types.float32), codegen
 
 
 @intrinsic
