@@ -461,7 +461,9 @@ def _flash_kernel(q, k, v, n_kv, hkv, dk, dv, cell_pos, q_pos, q_lo, scale, sink
                               .reshape(hkv, R, dk), dtype=np.float32)
     rpos = np.repeat(q_pos, G)
     rlo = np.repeat(q_lo, G)
-    if USE_BF16 and _bf16_ok(R, dk, dv) and (q_lo == NO_WINDOW).all() and sink2 is None:   # bf16: neither
+    # chosen by the rows one token gives a kv head (G), not by T * G: a token's result must not
+    # depend on how many others share its batch (the server's slots decode side by side)
+    if USE_BF16 and _bf16_ok(G, dk, dv) and (q_lo == NO_WINDOW).all() and sink2 is None:   # bf16: neither
         from . import flash_bf16
         nch = -(-R // flash_bf16.LANES)
         nsplit = _n_splits(-(-nch // flash_bf16.CHUNKS_PER_ITEM), n_kv)

@@ -32,11 +32,12 @@ cache's own values (f16 -> f32 on the fly).  Cells further down carry weight <= 
 max each and keep their bf16 scores.  On that model ~5-10 % of the pairs are refined and the
 output error drops to ~2.5e-3, what the rounding of p (~1.3e-3) and v (~1.8e-3) leaves.
 IKCLI_FA_REFINE=-1 turns refinement off.  The kernel is the default where the CPU has AVX512-BF16
-(engine.flash_attn.USE_BF16); IKCLI_FA_BF16=0 keeps the f32 kernel of engine.flash_attn, which
-also runs on other CPUs.  Measured: the trained demo model's perplexity with every token through
-this kernel (-ub 4) moved 25.4972 -> 25.4964 (40 chunks); a random 2.2B DeepSeek-shaped model's
-(chaotic: near-tie routing) 752486 -> 764759 (+1.6 %, 3 chunks of 512); in exchange generation at
-3584 cells keeps 0.82-0.89 of its N_KV 0 speed instead of 0.70-0.74 (README, performance).
+and a kv head serves >= 12 query heads (engine.flash_attn.USE_BF16, _bf16_ok); IKCLI_FA_BF16=0
+keeps the f32 kernel of engine.flash_attn, which also runs on other CPUs.  Measured: a random 2.2B
+DeepSeek-shaped model's perplexity (chaotic: near-tie routing) 752486 -> 764758 (+1.6 %, 3 chunks
+of 512, -ub 4); the trained demo model's with the kernel on for every token 25.4972 -> 25.4964
+(40 chunks); generation at 3584 cells keeps 0.79-0.91 of its N_KV 0 speed instead of 0.70-0.75
+(README, performance).
 """
 from __future__ import annotations
 

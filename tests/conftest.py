@@ -15,6 +15,9 @@ sys.path.insert(0, str(ROOT))
 # the `ikcli` processes some tests start use Numba's cache beside the sources, as this process
 # does (ikcli.app: otherwise one directory per version of the kernel sources)
 os.environ.setdefault("IKCLI_NUMBA_CACHE", "source")
+# f32 generation attention in every process of the run, module-scoped fixtures and the commands
+# tests start included (see _f32_flash_kernel; tests/test_flash_bf16.py turns bf16 on itself)
+os.environ["IKCLI_FA_BF16"] = "0"
 # without a GPU, the CUDA kernels and the -ngl / -ot CUDA0 paths run on Numba's CUDA simulator
 # (it must be chosen before numba.cuda is first imported)
 if "NUMBA_ENABLE_CUDASIM" not in os.environ and not os.path.exists("/dev/nvidiactl"):
