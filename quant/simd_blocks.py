@@ -121,6 +121,19 @@ def _nib32(b: ir.IRBuilder, p, off):
     return _cat(b, _vshr(b, v, 0, 15, 16), _vshr(b, v, 4, 15, 16))
 
 
+def _nib32_pairs(b: ir.IRBuilder, p, off, n: int) -> list:
+    """_nib32 of the n consecutive 16-byte groups at p + off, two per 32-byte load: both nibble
+    planes of a pair come from one and / shift / and, then each group's levels are one 128-bit
+    lane permute (vperm2i128) instead of two half-width splits and an insert per group."""
+    out = []
+    for k in range(0, n, 2):
+        v = _ld(b, p, off + 16 * k)
+        lo, hi = _vshr(b, v, 0, 15), _vshr(b, v, 4, 15)
+        out.append(b.shuffle_vector(lo, hi, _cv(list(range(16)) + list(range(32, 48)))))
+        out.append(b.shuffle_vector(lo, hi, _cv(list(range(16, 32)) + list(range(48, 64)))))
+    return out
+
+
 def _bitlanes(b: ir.IRBuilder, word, n: int = 32):
     """Bit i of the i32 `word` in byte lane i (0 or 1), i < n."""
     w = b.shuffle_vector(b.insert_element(ir.Constant(_vec(_I32, 1), None), word, ir.Constant(_I32, 0)),
@@ -295,7 +308,7 @@ _T_IQ4NL = _tab16(_iqk.IQ4K[:16], 128)   # kvalues_iq4nl: IQ4_K's first table
 
 def _unpack_iq4_xs(b: ir.IRBuilder, p) -> Block:
     tab = _cat(b, _T_IQ4NL, _T_IQ4NL)
-    us = [_lookup(b, tab, _nib32(b, p, 8 + 16 * ib)) for ib in range(8)]
+    us = [_lookup(b, tab, nib) for nib in _nib32_pairs(b, p, 8, 8)]
     lo = _field(b, _bytes32(b, p, 4, 4), [ib >> 1 for ib in range(8)], [4 * (ib & 1) for ib in range(8)], 15)
     hi = b.and_(b.lshr(_splat32(b, _u16(b, p, 2), 8), _cv([2 * ib for ib in range(8)])), _cv([3] * 8))
     sc = b.sub(b.or_(lo, b.shl(hi, _cv([4] * 8))), _cv([32] * 8))
@@ -370,7 +383,7 @@ def _ls6_16(b: ir.IRBuilder, p):
 
 
 def _unpack_iq4_k(b: ir.IRBuilder, p) -> Block:
-    us = [_lookup_pieces(b, _T_IQ4K, _nib32(b, p, 16 + 16 * j)) for j in range(8)]
+    us = [_lookup_pieces(b, _T_IQ4K, nib) for nib in _nib32_pairs(b, p, 16, 8)]
     return Block(_f16(b, p, 0), us, _ls6_16(b, p), _extra_offs(b, _T_IQ4K, _bits16(b, _u16(b, p, 2))))
 
 
@@ -392,7 +405,7 @@ def _unpack_iq6_k(b: ir.IRBuilder, p) -> Block:
 
 
 def _unpack_iq4_ks(b: ir.IRBuilder, p) -> Block:
-    us = [_lookup_pieces(b, _T_IQ4K, _nib32(b, p, 8 + 16 * g)) for g in range(8)]
+    us = [_lookup_pieces(b, _T_IQ4K, nib) for nib in _nib32_pairs(b, p, 8, 8)]
     B = _bytes32(b, p, 0, 8)
     sc = b.sub(b.and_(B, _cv([254] * 8)), _cv([127] * 8))
     return Block(ir.Constant(_F32, 1.0), us, _pairs(b, sc), _pairs(b, _extra_offs(b, _T_IQ4K, b.and_(B, _cv([1] * 8)))))
