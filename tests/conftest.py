@@ -50,6 +50,50 @@ def cli(capsys, *args):
     return code, out, err
 
 
+def launch_server(*args: str, timeout: float = 120):
+    """`ikcli server --port 0 --alias demo ARGS` on the embedded demo model, in a process of its
+    own, once it listens: SimpleNamespace(proc, base URL, out and err, the lines read so far,
+    which threads keep reading).  stderr is drained from the start (a full pipe would stall the
+    server's startup); pytest.fail with its output when no port is announced within timeout."""
+    import subprocess
+    import threading
+    import time
+    from types import SimpleNamespace
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "ikcli", "server", "--port", "0", "--alias", "demo", *args],
+                            cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out: list = []
+    err: list = []
+    err_reader = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)
+    err_reader.start()
+    port, t0 = None, time.time()
+    for line in proc.stdout:
+        out.append(line)
+        m = re.search(r'HTTP server listening \|.* port="(\d+)"', line)
+        if m:
+            port = int(m.group(1))
+            break
+        if time.time() - t0 > timeout:
+            break
+    if port is None:
+        proc.kill()
+        err_reader.join(5)
+        pytest.fail("ikcli server did not start:\n" + "".join(out) + "".join(err))
+    out_reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
+    out_reader.start()
+    return SimpleNamespace(proc=proc, base=f"http://127.0.0.1:{port}", out=out, err=err,
+                           readers=(out_reader, err_reader))
+
+
+def stop_server(s) -> int:
+    """SIGTERM to a launch_server process; its exit status once it and the readers are done."""
+    s.proc.terminate()
+    rc = s.proc.wait(timeout=20)
+    for t in s.readers:
+        t.join(5)
+    return rc
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("models")

@@ -11,14 +11,12 @@ import glob
 import json
 import os
 import re
-import subprocess
-import sys
 import threading
-import time
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from conftest import launch_server, stop_server
 
 from engine import grammar as G  # noqa: E402
 from engine.sampling import Sampler, SamplingParams  # noqa: E402
@@ -415,26 +413,9 @@ def server():
     from ikcli.defaults import demo_model
     if not os.path.exists(demo_model()):
         pytest.skip("the embedded demo model is missing")
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "ikcli", "server", "--port", "0", "-c", "1024", "-np", "2",
-                             "-t", "2", "--alias", "demo"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    port, lines, t0 = None, [], time.time()
-    for line in proc.stdout:
-        lines.append(line)
-        m = re.search(r'HTTP server listening \|.* port="(\d+)"', line)
-        if m:
-            port = int(m.group(1))
-            break
-        if time.time() - t0 > 120:
-            break
-    if port is None:
-        proc.kill()
-        pytest.fail("ikcli server did not start:\n" + "".join(lines))
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-    yield f"http://127.0.0.1:{port}"
-    proc.terminate()
-    assert proc.wait(timeout=20) == 0
+    s = launch_server("-c", "1024", "-np", "2", "-t", "2")
+    yield s.base
+    assert stop_server(s) == 0
 
 
 PERSON = SCHEMAS["person"]

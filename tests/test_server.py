@@ -14,14 +14,13 @@ import os
 import queue
 import re
 import socket
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
+from conftest import launch_server, stop_server
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
@@ -894,36 +893,11 @@ def server():
     """`ikcli server` on the demo model (ctx 256 over 4 slots) on a free port; stopped with SIGTERM."""
     if _serving_available():
         pytest.skip(_serving_available())
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "ikcli", "server", "--port", "0", "-c", "256", "-np", "4",
-                             "-t", "2", "--alias", "demo"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    port, lines = None, []
-    t0 = time.time()
-    for line in proc.stdout:
-        lines.append(line)
-        m = re.search(r'HTTP server listening \|.* port="(\d+)"', line)
-        if m:
-            port = int(m.group(1))
-            break
-        if time.time() - t0 > 60:
-            break
-    if port is None:
-        proc.kill()
-        pytest.fail("ikcli server did not start:\n" + "".join(lines) + proc.stderr.read())
-    out_lines: list = []
-    reader = threading.Thread(target=lambda: out_lines.extend(proc.stdout), daemon=True)
-    reader.start()
-    err_lines: list = []
-    err_reader = threading.Thread(target=lambda: err_lines.extend(proc.stderr), daemon=True)
-    err_reader.start()
-    yield SimpleNamespace(base=f"http://127.0.0.1:{port}", proc=proc, out=out_lines, err=err_lines)
-    proc.terminate()
-    rc = proc.wait(timeout=20)
-    reader.join(5)
-    err_reader.join(5)
-    assert rc == 0, "".join(err_lines[-20:])
-    assert any("HTTP server stopped" in x for x in out_lines)
+    s = launch_server("-c", "256", "-np", "4", "-t", "2", timeout=60)
+    yield s
+    rc = stop_server(s)
+    assert rc == 0, "".join(s.err[-20:])
+    assert any("HTTP server stopped" in x for x in s.out)
 
 
 def _complete(base: str, prompt: str, seed: int, n: int = 24, **kw) -> dict:

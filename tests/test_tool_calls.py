@@ -17,14 +17,11 @@ import json
 import os
 import random
 import re
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import launch_server, stop_server
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
@@ -718,28 +715,9 @@ def demo():
     a context large enough for the tool descriptions."""
     if _serving_available():
         pytest.skip(_serving_available())
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "ikcli", "server", "--port", "0", "-c", "2048", "-np", "1",
-                             "-t", "1", "--alias", "demo"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    port, lines, t0 = None, [], time.time()
-    for line in proc.stdout:
-        lines.append(line)
-        m = re.search(r'HTTP server listening \|.* port="(\d+)"', line)
-        if m:
-            port = int(m.group(1))
-            break
-        if time.time() - t0 > 90:
-            break
-    if port is None:
-        proc.kill()
-        pytest.fail("ikcli server did not start:\n" + "".join(lines) + proc.stderr.read())
-    drain = [threading.Thread(target=lambda f=f: f.read(), daemon=True) for f in (proc.stdout, proc.stderr)]
-    for t in drain:
-        t.start()
-    yield f"http://127.0.0.1:{port}"
-    proc.terminate()
-    assert proc.wait(timeout=20) == 0
+    s = launch_server("-c", "2048", "-np", "1", "-t", "1", timeout=90)
+    yield s.base
+    assert stop_server(s) == 0
 
 
 def test_real_server_takes_tools(demo):
