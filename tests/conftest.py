@@ -33,6 +33,9 @@ def _load_script(name: str):
 
 
 make_test_model = _load_script("make_test_model")
+# the vocab fixtures' case files (llama.cpp's test-tokenizer-0 layout): split as the script that
+# writes them splits them
+split_vocab_cases = _load_script("extract_vocab_fixtures").split_cases
 
 # perplexity's last line, in ik_llama.cpp's words (groups: PPL, its uncertainty)
 FINAL_PPL = re.compile(r"^Final estimate: PPL over \d+ chunks for n_ctx=\d+ = (\d+\.\d{4}) \+/- (\d+\.\d{5})$", re.M)

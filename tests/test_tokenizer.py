@@ -10,13 +10,13 @@ from functools import lru_cache
 from pathlib import Path
 
 import pytest
+from conftest import split_vocab_cases
 
 from engine.gguf_meta import read_metadata
 from engine.tokenizer import Tokenizer
 
 VOCAB_DIR = Path(__file__).resolve().parents[2] / "shared" / "vocab"
 VOCABS = ["gpt-2", "llama-spm", "deepseek-llm", "deepseek-coder"]
-SEP = "\n__ggml_vocab_test__\n"
 
 needs_vocab = pytest.mark.skipif(not VOCAB_DIR.is_dir(), reason=f"vocab fixtures not found at {VOCAB_DIR}")
 
@@ -29,16 +29,7 @@ def load(name: str) -> Tokenizer:
 def read_cases(name: str) -> list[tuple[str, list[int]]]:
     base = VOCAB_DIR / f"ggml-vocab-{name}.gguf"
     raw = base.with_name(base.name + ".inp").read_bytes().decode("utf-8")
-    # same splitting as test-tokenizer-0.cpp: a trailing separator ends the last case
-    inputs = []
-    pos = 0
-    while pos < len(raw):
-        nxt = raw.find(SEP, pos)
-        if nxt < 0:
-            inputs.append(raw[pos:])
-            break
-        inputs.append(raw[pos:nxt])
-        pos = nxt + len(SEP)
+    inputs = split_vocab_cases(raw)     # as test-tokenizer-0.cpp: a trailing separator ends the last case
     lines = base.with_name(base.name + ".out").read_text(encoding="utf-8").splitlines()
     assert len(inputs) == len(lines), f"{name}: {len(inputs)} inputs vs {len(lines)} outputs"
     return [(s, [int(t) for t in line.split()]) for s, line in zip(inputs, lines)]

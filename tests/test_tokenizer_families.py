@@ -25,6 +25,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import pytest
+from conftest import split_vocab_cases
 
 from engine.gguf_meta import read_metadata
 from engine.tokenizer import (ATTR_CONTROL, ATTR_USER_DEFINED, Tokenizer, _is_han,
@@ -36,7 +37,6 @@ DATA = Path(__file__).resolve().parent / "data" / "vocab"
 MANIFEST = json.loads((DATA / "manifest.json").read_text())
 FIXTURES = sorted(MANIFEST["fixtures"])
 VOCABS = sorted(MANIFEST["vocabs"])
-SEP = "\n__ggml_vocab_test__\n"
 
 
 @lru_cache(maxsize=None)
@@ -69,16 +69,7 @@ def load(vocab_tmp):
 def read_cases(name: str) -> list[str]:
     """Cases of NAME.gguf.inp, split as test-tokenizer-0.cpp does (a trailing separator ends
     the last case)."""
-    raw = (DATA / f"ggml-vocab-{name}.gguf.inp").read_bytes().decode("utf-8")
-    cases, pos = [], 0
-    while pos < len(raw):
-        nxt = raw.find(SEP, pos)
-        if nxt < 0:
-            cases.append(raw[pos:])
-            break
-        cases.append(raw[pos:nxt])
-        pos = nxt + len(SEP)
-    return cases
+    return split_vocab_cases((DATA / f"ggml-vocab-{name}.gguf.inp").read_bytes().decode("utf-8"))
 
 
 def read_lines(name: str, suffix: str) -> list[str] | None:
