@@ -457,14 +457,26 @@ def dec_q6_0(d, r, c, y):
 
 
 @cuda.jit(device=True)
+def table_levels(d, r, q0, sh, lmask, h0, hs, hmask, lbits, table, ex, dl, y):
+    """The eight values of a non-linear type's chunk: y[j] = dl * table[ex + q] with q the low bits
+    (byte q0 + j, >> sh, & lmask) and, when hmask, the high bits (byte h0 + j, >> hs, & hmask)
+    above them (<< lbits).  IQ4_NL, MXFP4, IQ4_XS and the IQK types differ only in where those
+    bits and scales sit, which their decoders compute."""
+    for j in range(8):
+        q = (int64(d[r, q0 + j]) >> sh) & lmask
+        if hmask:
+            q |= ((int64(d[r, h0 + j]) >> hs) & hmask) << lbits
+        y[j] = dl * table[q + ex]
+
+
+@cuda.jit(device=True)
 def dec_iq4_nl(d, r, c, y):
     o = (c >> 2) * 18
     dd = f16_at(d, r, o)
     k = c & 3
     sh = 4 * (k >> 1)
     o += 2 + 8 * (k & 1)
-    for j in range(8):
-        y[j] = dd * KV_IQ4NL[(int64(d[r, o + j]) >> sh) & 15]
+    table_levels(d, r, o, sh, 15, 0, 0, 0, 0, KV_IQ4NL, 0, dd, y)
 
 
 @cuda.jit(device=True)
@@ -475,8 +487,7 @@ def dec_mxfp4(d, r, c, y):
     k = c & 3
     sh = 4 * (k >> 1)
     o += 1 + 8 * (k & 1)
-    for j in range(8):
-        y[j] = dd * KV_MXFP4[(int64(d[r, o + j]) >> sh) & 15]
+    table_levels(d, r, o, sh, 15, 0, 0, 0, 0, KV_MXFP4, 0, dd, y)
 
 
 # ---- k-quants (super-blocks of 256: 32 chunks) ----
@@ -589,8 +600,7 @@ def dec_iq4_xs(d, r, c, y):
     l0 = i & 31
     q0 = o + 8 + 16 * ib + (l0 & 15)
     sh = 4 * (l0 >> 4)
-    for j in range(8):
-        y[j] = dl * KV_IQ4NL[(int64(d[r, q0 + j]) >> sh) & 15]
+    table_levels(d, r, q0, sh, 15, 0, 0, 0, 0, KV_IQ4NL, 0, dl, y)
 
 
 # ---- IQK types (quant.iqk's docstring has the layouts; e = value within the super-block) ----
@@ -604,8 +614,7 @@ def dec_iq2_k(d, r, c, y):
     ex = 4 * ((u16_at(d, r, o + 2) >> g) & 1)
     q0 = o + 12 + 32 * (e >> 7) + (e & 31)
     sh = 2 * ((e >> 5) & 3)
-    for j in range(8):
-        y[j] = dl * IQ2NL[((int64(d[r, q0 + j]) >> sh) & 3) + ex]
+    table_levels(d, r, q0, sh, 3, 0, 0, 0, 0, IQ2NL, ex, dl, y)
 
 
 @cuda.jit(device=True)
@@ -622,9 +631,7 @@ def dec_iq3_k(d, r, c, y):
     sh = 2 * ((e >> 5) & 3)
     h0 = o + 78 + (e & 31)
     hs = e >> 5
-    for j in range(8):
-        q = ((int64(d[r, q0 + j]) >> sh) & 3) | (((int64(d[r, h0 + j]) >> hs) & 1) << 2)
-        y[j] = dl * IQ3NL[q + ex]
+    table_levels(d, r, q0, sh, 3, h0, hs, 1, 2, IQ3NL, ex, dl, y)
 
 
 @cuda.jit(device=True)
@@ -644,8 +651,7 @@ def dec_iq4_k(d, r, c, y):
     ex = 16 * ((u16_at(d, r, o + 2) >> g) & 1)
     q0 = o + 16 + 16 * (e >> 5) + (e & 15)
     sh = 4 * ((e & 31) >> 4)
-    for j in range(8):
-        y[j] = dl * IQ4K[((int64(d[r, q0 + j]) >> sh) & 15) + ex]
+    table_levels(d, r, q0, sh, 15, 0, 0, 0, 0, IQ4K, ex, dl, y)
 
 
 @cuda.jit(device=True)
@@ -659,9 +665,7 @@ def dec_iq5_k(d, r, c, y):
     sh = 4 * ((e & 63) >> 5)
     h0 = o + 144 + (e & 31)
     hs = e >> 5
-    for j in range(8):
-        q = ((int64(d[r, q0 + j]) >> sh) & 15) | (((int64(d[r, h0 + j]) >> hs) & 1) << 4)
-        y[j] = dl * IQ5NL[q + ex]
+    table_levels(d, r, q0, sh, 15, h0, hs, 1, 4, IQ5NL, ex, dl, y)
 
 
 def _make_dec_iq6_k(levels):
@@ -676,9 +680,7 @@ def _make_dec_iq6_k(levels):
         sh = 4 * ((e & 63) >> 5)
         h0 = o + 148 + 32 * (e >> 7) + (e & 31)
         hs = 2 * ((e >> 5) & 3)
-        for j in range(8):
-            q = ((int64(d[r, q0 + j]) >> sh) & 15) | (((int64(d[r, h0 + j]) >> hs) & 3) << 4)
-            y[j] = dl * levels[q + ex]
+        table_levels(d, r, q0, sh, 15, h0, hs, 3, 4, levels, ex, dl, y)
     return dec_iq6_k
 
 
@@ -695,8 +697,7 @@ def dec_iq4_ks(d, r, c, y):
     ex = 16 * (s & 1)
     q0 = o + 8 + 16 * (e >> 5) + (e & 15)
     sh = 4 * ((e & 31) >> 4)
-    for j in range(8):
-        y[j] = dl * IQ4K[((int64(d[r, q0 + j]) >> sh) & 15) + ex]
+    table_levels(d, r, q0, sh, 15, 0, 0, 0, 0, IQ4K, ex, dl, y)
 
 
 @cuda.jit(device=True)
@@ -710,9 +711,7 @@ def dec_iq5_ks(d, r, c, y):
     sh = 4 * ((e & 63) >> 5)
     h0 = o + 136 + (e & 31)
     hs = e >> 5
-    for j in range(8):
-        q = ((int64(d[r, q0 + j]) >> sh) & 15) | (((int64(d[r, h0 + j]) >> hs) & 1) << 4)
-        y[j] = dl * IQ5NL[q + ex]
+    table_levels(d, r, q0, sh, 15, h0, hs, 1, 4, IQ5NL, ex, dl, y)
 
 
 @cuda.jit(device=True)
@@ -726,8 +725,7 @@ def dec_iq2_ks(d, r, c, y):
     ex = 4 * ((extra >> g) & 1)
     q0 = o + 6 + 32 * (e >> 7) + (e & 31)
     sh = 2 * ((e >> 5) & 3)
-    for j in range(8):
-        y[j] = dl * IQ2NL[((int64(d[r, q0 + j]) >> sh) & 3) + ex]
+    table_levels(d, r, q0, sh, 3, 0, 0, 0, 0, IQ2NL, ex, dl, y)
 
 
 @cuda.jit(device=True)
@@ -743,9 +741,7 @@ def dec_iq3_ks(d, r, c, y):
     sh = 2 * ((e >> 5) & 3)
     h0 = o + 70 + (e & 31)
     hs = e >> 5
-    for j in range(8):
-        q = ((int64(d[r, q0 + j]) >> sh) & 3) | (((int64(d[r, h0 + j]) >> hs) & 1) << 2)
-        y[j] = dl * IQ3NL[q + ex]
+    table_levels(d, r, q0, sh, 3, h0, hs, 1, 2, IQ3NL, ex, dl, y)
 
 
 @cuda.jit(device=True)
