@@ -50,7 +50,8 @@ NO_WINDOW = -(1 << 62)  # the lower visibility edge of a query without a sliding
 
 BLOCK = 8              # cells decoded per step of the kernel path (multiple of 8)
 ROW_BLOCK = 32         # query rows per work item of the kernel path
-MIN_SPLIT_CELLS = 256  # cells per work item at least (split-K)
+MIN_SPLIT_CELLS = 64   # cells per work item at least (split-K): generation at 128-511 cells runs
+                       # on both threads (256 latent cells, 2 threads: ~148 -> ~110-127 us)
 SPLITS_PER_THREAD = 2  # work items per thread (measured faster than 3, 4 or 6)
 # kernel path while T * H * (dk + dv), the multiply-adds per cache cell, is at most this:
 # the measured crossover on 2 Zen 4 cores (n_kv 4096, f16) was T 8..12 for H=16 latent
@@ -399,20 +400,24 @@ def flash_attn(q: np.ndarray, k: RowStore, v: RowStore | None, n_kv: int, n_head
         from . import cuda_backend
         return cuda_backend.flash_attn(q, k, v, n_kv, n_head_kv, dk, dv, cell_pos, q_pos, scale, window, sinks)
     q = to_host(q)                      # a GPU query over a host cache (-nkvo) comes down
-    q = np.asarray(q, dtype=np.float32)
+    if q.dtype != np.float32:
+        q = q.astype(np.float32)
     T, H, _ = q.shape
     if H % n_head_kv or q.shape[2] != dk:
         raise ValueError(f"flash_attn: q {q.shape} does not fit {n_head_kv} kv heads of {dk} values")
     if path is None:
         path = "kernel" if use_kernel_path(T, H, dk, dv) else "blas"
-    cell_pos = np.ascontiguousarray(cell_pos[:n_kv], dtype=np.int64)
-    q_pos = np.ascontiguousarray(q_pos, dtype=np.int64)
-    q_lo = q_pos - window if window > 0 else np.full_like(q_pos, NO_WINDOW)
     if n_kv == 0 or T == 0:
         return np.zeros((T, H, dv), dtype=np.float32)
+    # (the conversions below copy nothing for the engine's own int64 arrays: ~1 us each a call)
+    cell_pos = np.ascontiguousarray(cell_pos[:n_kv], dtype=np.int64)
+    q_pos = np.ascontiguousarray(q_pos, dtype=np.int64)
+    q_lo = q_pos - window if window > 0 else None     # None: no sliding window
     sink2 = None if sinks is None else np.asarray(sinks, dtype=np.float32) * np.float32(LOG2E)   # log2 domain
     if path == "kernel":
         return _flash_kernel(q, k, v, n_kv, n_head_kv, dk, dv, cell_pos, q_pos, q_lo, scale, sink2)
+    if q_lo is None:
+        q_lo = np.full_like(q_pos, NO_WINDOW)
     if path == "blas":
         return _flash_blas(q, k, v, n_kv, n_head_kv, dk, dv, cell_pos, q_pos, q_lo, scale, block or CELL_TILE, sink2)
     raise ValueError(f"flash_attn: unknown path {path!r}")
@@ -436,15 +441,15 @@ USE_BF16 = os.environ.get("IKCLI_FA_BF16", "1") != "0"
 _BF16_HOST: bool | None = None
 
 
+_FB = None    # engine.flash_bf16 once _bf16_ok has imported it (it compiles intrinsics: not at import)
+
+
 def _bf16_ok(rows: int, dk: int, dv: int) -> bool:
-    global _BF16_HOST
+    global _BF16_HOST, _FB
     if _BF16_HOST is None:
-        from .flash_bf16 import available
-        _BF16_HOST = available()
-    if not _BF16_HOST:
-        return False
-    from .flash_bf16 import supports
-    return supports(rows, dk, dv)
+        from . import flash_bf16
+        _BF16_HOST, _FB = flash_bf16.available(), flash_bf16
+    return _BF16_HOST and _FB.supports(rows, dk, dv)
 
 
 def _sink_rows(sink2: np.ndarray, hkv: int, G: int, rows: int) -> np.ndarray:
@@ -459,17 +464,16 @@ def _flash_kernel(q, k, v, n_kv, hkv, dk, dv, cell_pos, q_pos, q_lo, scale, sink
     # rows of kv head g: (t, i) -> t * G + i, pre-scaled into the log2 domain
     qg = np.ascontiguousarray((q.reshape(T, hkv, G, dk) * np.float32(scale * LOG2E)).transpose(1, 0, 2, 3)
                               .reshape(hkv, R, dk), dtype=np.float32)
-    rpos = np.repeat(q_pos, G)
-    rlo = np.repeat(q_lo, G)
+    rpos = np.repeat(q_pos, G) if G > 1 else q_pos
     # chosen by the rows one token gives a kv head (G), not by T * G: a token's result must not
     # depend on how many others share its batch (the server's slots decode side by side)
-    if USE_BF16 and _bf16_ok(G, dk, dv) and (q_lo == NO_WINDOW).all() and sink2 is None:   # bf16: neither
-        from . import flash_bf16
-        nch = -(-R // flash_bf16.LANES)
-        nsplit = _n_splits(-(-nch // flash_bf16.CHUNKS_PER_ITEM), n_kv)
-        out = flash_bf16.flash_kernel_bf16(qg, rpos, k, v, n_kv, dk, dv, cell_pos, nsplit, F16_TO_F32,
-                                           _head_bytes(k, hkv), _head_bytes(k if v is None else v, hkv))
+    if USE_BF16 and q_lo is None and sink2 is None and _bf16_ok(G, dk, dv):   # bf16: neither
+        nch = -(-R // _FB.LANES)
+        nsplit = _n_splits(-(-nch // _FB.CHUNKS_PER_ITEM), n_kv)
+        out = _FB.flash_kernel_bf16(qg, rpos, k, v, n_kv, dk, dv, cell_pos, nsplit, F16_TO_F32,
+                                    _head_bytes(k, hkv), _head_bytes(k if v is None else v, hkv))
         return out.reshape(hkv, T, G, dv).transpose(1, 0, 2, 3).reshape(T, H, dv)
+    rlo = np.repeat(np.full_like(q_pos, NO_WINDOW) if q_lo is None else q_lo, G)
     nsplit = _n_splits(-(-R // ROW_BLOCK), n_kv)
     acc = np.empty((hkv, nsplit, R, dv), dtype=np.float32)
     m = np.empty((hkv, nsplit, R), dtype=np.float32)

@@ -479,10 +479,21 @@ def _attend_range_bf16(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_i
 
 
 @njit(parallel=True, **_opts)
-def _fa_kernel_bf16(kbuf, kqt, kstride, khead, vbuf, vqt, vstride, vhead, v_is_k, n_kv, dk, dv, cell_pos,
-                    qp, qf, rpos, nsplit, lut, refine, acc, m, l):
-    """One work item per (group of CHUNKS_PER_ITEM row chunks, range of cells)."""
-    nch = qp.shape[1]
+def _fa_kernel_bf16(qg, rpos, kbuf, kqt, kstride, khead, vbuf, vqt, vstride, vhead, v_is_k, n_kv, dv, cell_pos,
+                    nsplit, lut, refine, out):
+    """The whole call in one compiled function: pack the query rows, one work item per (group of
+    CHUNKS_PER_ITEM row chunks, range of cells), merge the ranges into out (Hkv, R, dv).  Packing,
+    attending and merging as three calls cost ~25 us of dispatch and allocation a call, half of
+    a 64-cell generation step."""
+    hkv, R, dk = qg.shape
+    nch = (R + LANES - 1) // LANES
+    qpad = np.empty((hkv, nch * LANES, dk), dtype=np.float32)
+    qp = np.empty((hkv, nch, dk * LANES), dtype=np.uint16)
+    rp = np.empty(nch * LANES, dtype=np.int64)
+    _pack_q(qg, rpos, qpad, qp, rp)
+    acc = np.empty((hkv, nsplit, nch, dv * LANES), dtype=np.float32)
+    m = np.empty((hkv, nsplit, nch * LANES), dtype=np.float32)
+    l = np.zeros((hkv, nsplit, nch * LANES), dtype=np.float32)
     ngr = (nch + CHUNKS_PER_ITEM - 1) // CHUNKS_PER_ITEM
     for it in prange(ngr * nsplit):
         gr, s = it // nsplit, it % nsplit
@@ -490,11 +501,12 @@ def _fa_kernel_bf16(kbuf, kqt, kstride, khead, vbuf, vqt, vstride, vhead, v_is_k
         c0, c1 = _split_cells(n_kv, nsplit, s, CB)
         if c0 < c1:
             _attend_range_bf16(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, c0, c1, dk, dv,
-                               cell_pos, qp, qf, rpos, ch0, ch1, s, lut, refine, acc, m, l)
+                               cell_pos, qp, qpad, rp, ch0, ch1, s, lut, refine, acc, m, l)
         else:
-            for g in range(qp.shape[0]):
+            for g in range(hkv):
                 for ch in range(ch0, ch1):
                     m[g, s, ch * LANES:(ch + 1) * LANES] = -np.inf
+    _combine(acc, m, l, R, LANES, out)
 
 
 @njit(**_opts)
@@ -539,18 +551,8 @@ def flash_kernel_bf16(qg: np.ndarray, rpos: np.ndarray, k, v, n_kv: int, dk: int
     """qg (Hkv, R, dk) f32 query rows already in the log2 domain, rpos (R,) their positions ->
     (Hkv, R, dv) f32.  k / v: RowStores (v None: V is the first dv values of each K head)."""
     hkv, R, _ = qg.shape
-    nch = -(-R // LANES)
-    qpad = np.empty((hkv, nch * LANES, dk), dtype=np.float32)
-    qp = np.empty((hkv, nch, dk * LANES), dtype=np.uint16)
-    rp = np.empty(nch * LANES, dtype=np.int64)
-    _pack_q(qg, rpos, qpad, qp, rp)
-    acc = np.empty((hkv, nsplit, nch, dv * LANES), dtype=np.float32)
-    m = np.empty((hkv, nsplit, nch * LANES), dtype=np.float32)
-    l = np.zeros((hkv, nsplit, nch * LANES), dtype=np.float32)
     vs = k if v is None else v
-    _fa_kernel_bf16(k.data.reshape(-1), k.qtype, k.data.shape[1], khead, vs.data.reshape(-1), vs.qtype,
-                    vs.data.shape[1], vhead, v is None, n_kv, dk, dv, cell_pos, qp, qpad, rp, nsplit, lut,
-                    np.float32(REFINE_LOG2), acc, m, l)
     out = np.empty((hkv, R, dv), dtype=np.float32)
-    _combine(acc, m, l, R, LANES, out)
+    _fa_kernel_bf16(qg, rpos, k.data.reshape(-1), k.qtype, k.data.shape[1], khead, vs.data.reshape(-1), vs.qtype,
+                    vs.data.shape[1], vhead, v is None, n_kv, dv, cell_pos, nsplit, lut, np.float32(REFINE_LOG2), out)
     return out

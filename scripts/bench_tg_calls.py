@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Where a generated token's matrix-vector time goes: every quant.kernels.matvec_int call of
-`--tokens` single-token decodes, grouped by shape, with its effective weight bandwidth.
+`--tokens` single-token decodes of random tokens, grouped by shape, with its effective weight bandwidth.
 
     python scripts/bench_tg_calls.py [--model /work/bench/ds-1b-q8_0.gguf] [--rtr] [--tokens 20]
 
@@ -37,9 +37,12 @@ def main() -> None:
     cfg = EngineConfig(a.model, n_ctx=1024, n_threads=a.threads, mla=3)
     ctx = Context(load_model(a.model, quiet_log, mla=3, repack=a.rtr), cfg, quiet_log)
     ctx.decode(np.arange(1, 65, dtype=np.int32))
-    tok = np.array([5], np.int32)
+    # random tokens, as sweep-bench draws them (one token repeated keeps its experts partly cached)
+    rng = np.random.default_rng(0)
+    n_vocab = ctx.model.hp.n_vocab
+    tok = lambda: rng.integers(1, n_vocab, size=1, dtype=np.int32)   # noqa: E731
     for _ in range(5):
-        ctx.decode(tok)
+        ctx.decode(tok())
     orig = K.matvec_int
     rec = collections.defaultdict(list)
 
@@ -55,7 +58,7 @@ def main() -> None:
     K.matvec_int = timed
     t0 = time.perf_counter()
     for _ in range(a.tokens):
-        ctx.decode(tok)
+        ctx.decode(tok())
     per_tok = (time.perf_counter() - t0) / a.tokens
     K.matvec_int = orig
     total = 0.0
@@ -76,7 +79,7 @@ def main() -> None:
     def timed_tokens() -> float:
         t0 = time.perf_counter()
         for _ in range(a.tokens):
-            ctx.decode(tok)
+            ctx.decode(tok())
         return (time.perf_counter() - t0) / a.tokens
 
     plain = timed_tokens()
