@@ -38,7 +38,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from quant.gemm import gemm
-from quant.kernels import F16_TO_F32, QK, decode_cache_rows, dequant_rows, tag
+from quant.kernels import F16_TO_F32, QK, decode_cache_rows
 
 from .device import on_device, to_host
 from .flash_common import _combine, _exp2, _split_cells
@@ -494,12 +494,7 @@ def _flash_kernel(q, k, v, n_kv, hkv, dk, dv, cell_pos, q_pos, q_lo, scale, sink
 
 def _read_tile(store: RowStore, c0: int, c1: int, out: np.ndarray) -> np.ndarray:
     """Rows [c0, c1) of the store (all heads) as f32 (c1 - c0, width)."""
-    if store.qtype == F32_ID:
-        return store.data[c0:c1].view(np.float32)
-    o = out[:c1 - c0]
-    dequant_rows(store.data.reshape(-1), tag(store.qtype), store.data.shape[1], np.arange(c0, c1, dtype=np.int64),
-                 store.width, QK, F16_TO_F32, o)
-    return o
+    return store.read(c1 - c0, out[:c1 - c0], first=c0)
 
 
 def _flash_blas(q, k, v, n_kv, hkv, dk, dv, cell_pos, q_pos, q_lo, scale, block, sink2=None):

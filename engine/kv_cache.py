@@ -24,34 +24,44 @@ from quant import reference
 from .device import to_host
 from quant.types import BF16, F16, F32, Q4_0, Q6_0, Q8_0, type_info
 
-# -ctk / -ctv names (llama.cpp spelling) -> GGML type ids
-CACHE_TYPES = {"f32": F32, "f16": F16, "bf16": BF16, "q8_0": Q8_0, "q4_0": Q4_0, "q6_0": Q6_0}
+# -ctk / -ctv names (llama.cpp spelling, lower case) -> GGML type ids.  ik also takes iq4_nl, whose
+# row quantizer (ggml's quantize_row_iq4_nl) ikcli does not have.
+CACHE_TYPES = {"f32": F32, "f16": F16, "bf16": BF16, "q8_0": Q8_0, "q4_0": Q4_0, "q6_0": Q6_0,
+               **{n: type_info(n).id for n in ("q4_1", "q5_0", "q5_1", "q8_kv")}}
 FLOAT_TYPES = frozenset({F32, F16, BF16})
 
 
 def cache_type_name(qtype: int) -> str:
-    return type_info(qtype).name.lower()
+    """ggml's type name, as ik's log prints it (lower case, but for q8_KV)."""
+    n = type_info(qtype).name.lower()
+    return "q8_KV" if n == "q8_kv" else n
 
 
 class RowStore:
-    """n_ctx rows of `width` values in GGML type `qtype`: data is (n_ctx, row_bytes) uint8."""
+    """n_ctx rows of `width` values in GGML type `qtype`: data is (n_ctx, row_bytes) uint8.
+
+    A row is width // unit units of `unit` values (a K or V head; default the whole row), each
+    quantized as a row of its own: for a type with per-row metadata (Q8_KV: one f32 scale and
+    the quants' sum) every head carries its own, as in ik's cache, whose K tensor has a row per
+    head and cell.  For block types the units change nothing."""
 
     device = "CPU"          # engine.cuda_backend.DeviceRowStore: the same rows in GPU memory
 
-    def __init__(self, n_ctx: int, width: int, qtype: int) -> None:
+    def __init__(self, n_ctx: int, width: int, qtype: int, unit: int | None = None) -> None:
         ti = type_info(qtype)
-        if width % ti.block_size:
-            raise ValueError(f"a {ti.name.lower()} cache needs rows that are a multiple of {ti.block_size} "
-                             f"values; these rows have {width}")
-        self.n_ctx, self.width, self.qtype = n_ctx, width, qtype
-        self.data = np.zeros((n_ctx, ti.row_bytes(width)), dtype=np.uint8)
+        unit = width if unit is None else unit
+        if width % ti.block_size or unit % ti.block_size or width % unit:
+            raise ValueError(f"a {cache_type_name(qtype)} cache needs heads that are a multiple of {ti.block_size} "
+                             f"values; these have {unit}")
+        self.n_ctx, self.width, self.qtype, self.unit = n_ctx, width, qtype, unit
+        self.data = np.zeros((n_ctx, width // unit * ti.row_bytes(unit)), dtype=np.uint8)
 
     @classmethod
     def from_f32(cls, x: np.ndarray) -> "RowStore":
         """A read-only F32 store over the rows of x (n, width), without copying a contiguous x."""
         x = np.ascontiguousarray(x, dtype=np.float32).reshape(x.shape[0], -1)
         s = cls.__new__(cls)
-        s.n_ctx, s.width, s.qtype = x.shape[0], x.shape[1], F32
+        s.n_ctx, s.width, s.qtype, s.unit = x.shape[0], x.shape[1], F32, x.shape[1]
         s.data = x.view(np.uint8)
         return s
 
@@ -68,22 +78,25 @@ class RowStore:
         elif self.qtype == F16:           # converted in place: no f16 temporary per token
             self.data[i0:i0 + t].view(np.float16)[...] = x
         else:
-            self.data[i0:i0 + t] = reference.quantize_row(x, self.qtype).reshape(t, -1)
+            units = x.reshape(t * (self.width // self.unit), self.unit)
+            self.data[i0:i0 + t] = reference.quantize_row(units, self.qtype).reshape(t, -1)
 
-    def read(self, n: int, out: np.ndarray | None = None) -> np.ndarray:
-        """Rows [0, n) as f32 (n, width)."""
+    def read(self, n: int, out: np.ndarray | None = None, first: int = 0) -> np.ndarray:
+        """Rows [first, first + n) as f32 (n, width) (written into out when given)."""
         from quant.kernels import F16_TO_F32, QK, dequant_rows
         from quant.kernels import tag
+        rows = self.data[first:first + n]
         if self.qtype == F32:
-            return self.data[:n].view(np.float32)
+            return rows.view(np.float32)
         if out is None:
             out = np.empty((n, self.width), dtype=np.float32)
         if self.qtype == F16:
-            np.copyto(out, self.data[:n].view(np.float16))
+            np.copyto(out, rows.view(np.float16))
         elif n:
-            buf = self.data.reshape(-1)
-            dequant_rows(buf, tag(self.qtype), self.data.shape[1], np.arange(n, dtype=np.int64), self.width, QK,
-                         F16_TO_F32, out)
+            per = self.width // self.unit             # the units of a row lie one after the other
+            dequant_rows(self.data.reshape(-1), tag(self.qtype), self.data.shape[1] // per,
+                         np.arange(first * per, (first + n) * per, dtype=np.int64), self.unit, QK, F16_TO_F32,
+                         out.reshape(n * per, self.unit))
         return out
 
     def move(self, src: np.ndarray, dst0: int) -> None:
@@ -152,7 +165,7 @@ class KVCache:
     @classmethod
     def standard(cls, n_ctx: int, shapes: list[tuple[int, int, int]], type_k: int = F16, type_v: int = F16) -> "KVCache":
         """shapes: per layer (n_head_kv, dk, dv)."""
-        return cls(n_ctx, [LayerCache(RowStore(n_ctx, h * dk, type_k), RowStore(n_ctx, h * dv, type_v))
+        return cls(n_ctx, [LayerCache(RowStore(n_ctx, h * dk, type_k, dk), RowStore(n_ctx, h * dv, type_v, dv))
                            for h, dk, dv in shapes])
 
     @classmethod

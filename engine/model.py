@@ -134,8 +134,14 @@ class Model:
         if pl is None or not pl.any_gpu:
             return
         from .cuda_backend import DeviceRowStore
+        from .cuda_ops import CACHE_TYPES
+        from .kv_cache import cache_type_name
         for il, lc in enumerate(cache.layers):
             if pl.kv_on_gpu(il):
+                for st in (lc.k, lc.v):
+                    if st is not None and st.qtype not in CACHE_TYPES:
+                        raise ValueError(f"cache type {cache_type_name(st.qtype)} is not supported in GPU memory; use "
+                                         f"{', '.join(cache_type_name(t) for t in sorted(CACHE_TYPES))} or -nkvo")
                 lc.k = DeviceRowStore.like(lc.k)
                 if lc.v is not None:
                     lc.v = DeviceRowStore.like(lc.v)

@@ -21,8 +21,11 @@ NglOpt = typer.Option(0, "-ngl", "--gpu-layers", "--n-gpu-layers", help="number 
 MlaOpt = typer.Option(3, "-mla", "--mla-use", help="DeepSeek attention: 0 decompressed heads, 1 latent + kv^T, 2 latent cache only, 3 latent cache, FlashMLA generation")
 FaOpt = typer.Option("on", "-fa", "--flash-attn", help="flash attention: on|off|auto (also 1|0; -fa alone = on; -no-fa = off)")
 AmbOpt = typer.Option(256, "-amb", "--attention-max-batch", help="max. MiB for the K*Q (or decompressed K/V) scratch of one attention op; 0 = no limit")
-CtkOpt = typer.Option("f16", "-ctk", "--cache-type-k", help="KV cache type for K: f32, f16, bf16, q8_0, q4_0, q6_0")
-CtvOpt = typer.Option("f16", "-ctv", "--cache-type-v", help="KV cache type for V: f32, f16, bf16, q8_0, q4_0, q6_0 (quantized V needs -fa)")
+CtkOpt = typer.Option("f16", "-ctk", "--cache-type-k",
+                      help="KV cache type for K: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q6_0, q8_KV")
+CtvOpt = typer.Option("f16", "-ctv", "--cache-type-v",
+                      help="KV cache type for V: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q6_0, q8_KV "
+                           "(quantized V needs -fa)")
 FmoeOpt = typer.Option("1", "-fmoe", "--fused-moe", help="fused MoE gate/up/SiLU (default on; -fmoe alone = on; -no-fmoe = off)")
 OtOpt = typer.Option(None, "-ot", "--override-tensor", help="REGEX=BUFFER[,...]: place tensors whose name matches (first rule wins); buffers: CPU, CUDA0 (where a GPU can be used)")
 RtrOpt = typer.Option(False, "-rtr", "--run-time-repack",
@@ -54,8 +57,8 @@ NEGATIONS = {"-no-fa": ("-fa", "off"), "--no-flash-attn": ("-fa", "off"),
              "--no-context-shift": ("--context-shift", "off")}
 _BOOL_WORDS = {"on": True, "1": True, "true": True, "yes": True, "auto": True,
                "off": False, "0": False, "false": False, "no": False}
-SUPPORTED_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q6_0")
-IK_ONLY_CACHE_TYPES = ("q4_1", "iq4_nl", "q5_0", "q5_1", "q8_kv")
+SUPPORTED_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q6_0", "q8_kv")
+IK_ONLY_CACHE_TYPES = ("iq4_nl",)
 
 
 RUN_TOOLS = ("perplexity", "sweep-bench", "imatrix", "server")   # the tools on ik's common parser
@@ -238,9 +241,10 @@ def parse_cache_type(flag: str, value: str) -> str:
     v = value.strip().lower()
     if v in SUPPORTED_CACHE_TYPES:
         return v
+    names = ", ".join("q8_KV" if t == "q8_kv" else t for t in SUPPORTED_CACHE_TYPES)
     if v in IK_ONLY_CACHE_TYPES:
-        raise CliError(f"cache type '{value}' for {flag} is not available in ikcli; use one of {', '.join(SUPPORTED_CACHE_TYPES)}")
-    raise CliError(f"Invalid cache type: {value} (for {flag}; valid: {', '.join(SUPPORTED_CACHE_TYPES)})")
+        raise CliError(f"cache type '{value}' for {flag} is not available in ikcli; use one of {names}")
+    raise CliError(f"Invalid cache type: {value} (for {flag}; valid: {names})")
 
 
 def parse_ser(value: Optional[str]) -> tuple[int, float]:

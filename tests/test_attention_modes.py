@@ -79,17 +79,18 @@ def test_modes_on_other_layouts(make_model, layout, qtype):
         assert np.corrcoef(got.ravel(), ref.ravel())[0, 1] > 0.999, (layout, mla)
 
 
-@pytest.mark.parametrize("ctk", ["bf16", "q8_0", "q6_0", "q4_0"])
+@pytest.mark.parametrize("ctk", ["bf16", "q8_0", "q6_0", "q4_0", "q5_1", "q8_kv"])
 def test_quantized_latent_cache_tracks_f16(make_model, ctk):
     p = make_model(preset="tiny-mla576", qtype="f16")      # 576-wide rows: whole blocks of 32
     tp, tg = tokens(60), tokens(4, seed=2)
     ref = prompt_then_generate(p, tp, tg, mla=3, flash_attn=True)
     got = prompt_then_generate(p, tp, tg, mla=3, flash_attn=True, type_k=ctk)
-    tol = {"bf16": 0.9999, "q8_0": 0.9999, "q6_0": 0.999, "q4_0": 0.99}[ctk]
+    tol = {"bf16": 0.9999, "q8_0": 0.9999, "q8_kv": 0.9999, "q6_0": 0.999, "q5_1": 0.995, "q4_0": 0.99}[ctk]
     assert np.corrcoef(got.ravel(), ref.ravel())[0, 1] > tol
 
 
-@pytest.mark.parametrize("ctk,ctv", [("q8_0", "q8_0"), ("q4_0", "f16"), ("bf16", "q6_0")])
+@pytest.mark.parametrize("ctk,ctv", [("q8_0", "q8_0"), ("q4_0", "f16"), ("bf16", "q6_0"), ("q8_kv", "q8_kv"),
+                                     ("q4_1", "q5_0")])
 def test_quantized_standard_cache_tracks_f16(make_model, ctk, ctv):
     p = make_model(preset="tiny-mla576", qtype="f16")      # heads of 96 / 32 values
     t = tokens(50)

@@ -116,7 +116,7 @@ def test_short_text_is_a_clear_error(make_model, tmp_path, capsys):
     (["perplexity", "-mla", "7"], "-mla must be"),
     (["perplexity", "-fa", "none"], "invalid value 'none' for -fa"),
     (["perplexity", "-ctk", "q9_0"], "Invalid cache type: q9_0"),
-    (["perplexity", "-ctk", "q8_KV"], "not available in ikcli"),
+    (["perplexity", "-ctk", "iq4_nl"], "not available in ikcli"),
     (["perplexity", "-ser", "6"], "invalid value '6' for -ser"),
     (["perplexity", "-fa", "off", "-ctv", "q8_0"], "Quantized V cache cannot be used without flash attention"),
     (["perplexity", "-ot", "exps=CUDA1"], "available buffer types: CPU"),

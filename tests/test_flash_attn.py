@@ -37,11 +37,11 @@ def reference(q, K, V, cell_pos, q_pos, scale):
 
 def make_case(layout, qtype, n_kv, T, rng, cell_pos=None, q_pos=None):
     H, hkv, dk, dv, latent = LAYOUTS[layout]
-    k = RowStore(n_kv + 5, hkv * dk, qtype)          # rows past n_kv must be ignored
+    k = RowStore(n_kv + 5, hkv * dk, qtype, dk)      # rows past n_kv must be ignored; a unit per head (q8_KV)
     k.write(0, rng.standard_normal((n_kv + 5, hkv * dk), dtype=np.float32))
     v = None
     if not latent:
-        v = RowStore(n_kv + 5, hkv * dv, qtype)
+        v = RowStore(n_kv + 5, hkv * dv, qtype, dv)
         v.write(0, rng.standard_normal((n_kv + 5, hkv * dv), dtype=np.float32))
     K = k.read(n_kv).reshape(n_kv, hkv, dk)
     V = K[:, :, :dv] if latent else v.read(n_kv).reshape(n_kv, hkv, dv)

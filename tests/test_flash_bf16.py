@@ -111,7 +111,7 @@ def test_latent_matches_f32_kernel_and_rounded_reference(monkeypatch, no_refine,
     close(out, reference(bf16_q(q, 0.3), K, K[:, :, :64], cp, qp, 0.3), TOL_ROUNDED)
 
 
-@pytest.mark.parametrize("ctype", ["f32", "f16", "bf16", "q8_0", "q4_0", "q6_0"])
+@pytest.mark.parametrize("ctype", ["f32", "f16", "bf16", "q8_0", "q4_0", "q6_0", "q4_1", "q5_0", "q5_1", "q8_kv"])
 def test_cache_types(monkeypatch, bf16_calls, ctype):
     """Float caches are converted in place, quantized ones through the shared decoder."""
     rng = np.random.default_rng(7)
