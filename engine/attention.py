@@ -9,7 +9,7 @@ import numpy as np
 from quant.gemm import gemm
 
 from .kv_cache import LayerCache
-from .ops import softmax
+from .ops import empty_like_side, softmax
 
 # K*Q scratch cap used when -amb is 0 (no user limit): results do not depend on it
 DEFAULT_SCRATCH_BYTES = 1024 * 1024 * 1024
@@ -73,11 +73,33 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, cell_pos: np.n
     return out
 
 
+# a cell position no query reaches: the cells of a chunk before the query's (chunked attention)
+HIDDEN_POS = np.iinfo(np.int32).max
+
+
 def standard_attention(q: np.ndarray, lc: LayerCache, n_kv: int, n_head_kv: int, dk: int, dv: int,
                        cell_pos: np.ndarray, q_pos: np.ndarray, kq_scale: float, flash: bool,
-                       amb_bytes: int, window: int = 0, sinks: np.ndarray | None = None) -> np.ndarray:
+                       amb_bytes: int, window: int = 0, sinks: np.ndarray | None = None,
+                       chunk: int = 0) -> np.ndarray:
     """Attention of q (T, H, dk) over the first n_kv cells of a standard (K rows, V rows) layer cache
-    (window > 0: a sliding window of that many positions)."""
+    (window > 0: a sliding window of that many positions; chunk > 0: llama4's chunked attention,
+    a query at p sees only cells with p // chunk * chunk <= position <= p)."""
+    if chunk > 0:
+        # per run of queries in one chunk, the cells of earlier chunks get a position no query
+        # reaches: the causal test then hides them, in every path (flash, K*Q, GPU) unchanged
+        start = np.asarray(q_pos, dtype=np.int64) // chunk * chunk
+        cuts = [0, *(np.flatnonzero(np.diff(start)) + 1).tolist(), len(start)]
+        cp = np.asarray(cell_pos[:n_kv])
+        parts = [standard_attention(q[a:b], lc, n_kv, n_head_kv, dk, dv,
+                                    np.where(cp >= start[a], cp, HIDDEN_POS).astype(cp.dtype), q_pos[a:b],
+                                    kq_scale, flash, amb_bytes, window, sinks)
+                 for a, b in zip(cuts[:-1], cuts[1:])]
+        if len(parts) == 1:
+            return parts[0]
+        out = empty_like_side((len(start), q.shape[1], dv), parts[0])
+        for (a, b), part in zip(zip(cuts[:-1], cuts[1:]), parts):
+            out[a:b] = part
+        return out
     if flash:
         from .flash_attn import flash_attn
         return flash_attn(q, lc.k, lc.v, n_kv, n_head_kv, dk, dv, cell_pos[:n_kv], q_pos, kq_scale, window=window,

@@ -17,7 +17,7 @@ from quant.tensor import QTensor
 
 from .hparams import GATING_SIGMOID, GATING_SOFTMAX_WEIGHT
 from .device import on_device
-from .ops import host, on_host, sigmoid, silu, softmax, weighted_row_sums
+from .ops import host, on_host, sigmoid, silu, softmax, take_rows, weighted_row_sums
 
 SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = np.float32(1.702), np.float32(7.0)
 
@@ -51,20 +51,26 @@ class MoEWeights:
     up_bias: np.ndarray | None = None
     down_bias: np.ndarray | None = None     # (n_expert, n_embd)
     act: str = "silu"                       # or "swiglu_oai"
+    # llama4: experts chosen by the raw router logits (not their sigmoid, which saturates into
+    # ties), and each chosen expert's input scaled by its weight instead of its output
+    select_by_logits: bool = False
+    weight_before_ffn: bool = False
 
 
 def route(logits: np.ndarray, n_used: int, gating: int, bias: np.ndarray | None, norm_w: bool,
-          scale: float, ser_min: int = -1, ser_thresh: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+          scale: float, ser_min: int = -1, ser_thresh: float = 0.0,
+          by_logits: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Expert ids (T, n_used) and their weights (T, n_used) from router logits (T, n_expert).
 
     Smart Expert Reduction (ik_llama.cpp's -ser K,t; on when K > 0 and t > 0): of the experts
     sorted by selection score (probs + bias), those at sorted position >= K whose score is
     below t * (top score) are dropped: id -1, weight 0.  Normalization then divides by the
     sum of the kept weights.  Each token is routed on its own, whatever the batch.
+    by_logits: the selection score is the raw logit (llama4), the weights still the probabilities.
     """
     probs = sigmoid(logits) if gating == GATING_SIGMOID else logits if gating == GATING_SOFTMAX_WEIGHT \
         else softmax(logits, axis=-1)
-    sel = probs + bias if bias is not None else probs
+    sel = logits if by_logits else probs + bias if bias is not None else probs
     ids = np.argsort(-sel, axis=-1, kind="stable")[:, :n_used]
     w = np.take_along_axis(probs, ids, axis=-1)
     if ser_min > 0 and ser_thresh > 0:
@@ -91,11 +97,16 @@ def moe_ffn(x: np.ndarray, m: MoEWeights, n_used: int, gating: int, norm_w: bool
     logits = host(matmul(m.router, x))      # routing runs on the host (a GPU router's logits come down)
     if m.router_bias is not None:
         logits += m.router_bias
-    ids, w = route(logits, n_used, gating, m.probs_bias, norm_w, scale, *ser)
+    ids, w = route(logits, n_used, gating, m.probs_bias, norm_w, scale, *ser, by_logits=m.select_by_logits)
     keep = ids >= 0
     pair_ids = ids[keep]                  # pairs in token order, then slot order
     pair_rows = np.nonzero(keep)[0]
     n_pairs = pair_ids.size
+    if m.weight_before_ffn:               # llama4: each pair's input row scaled, the experts' sum unweighted
+        x = take_rows(x, pair_rows)
+        x *= w[keep][:, None]
+        pair_rows = np.arange(n_pairs)
+        w = keep.astype(np.float32)
     if m.act == "swiglu_oai":                # biases and a clamped activation: gate and up apart
         g = matmul_id(m.gate, x, pair_ids, pair_rows)
         u = matmul_id(m.up, x, pair_ids, pair_rows)

@@ -7,7 +7,8 @@ from typing import Any
 
 from .gguf_file import ModelFileError, ModelFile
 
-SUPPORTED_ARCHS = ("llama", "deepseek2", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "glm4moe", "gemma3", "gpt-oss")
+SUPPORTED_ARCHS = ("llama", "deepseek2", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "glm4moe", "gemma3", "gpt-oss",
+                   "llama4")
 NEOX_ROPE_ARCHS = ("qwen2", "qwen2moe", "qwen3", "qwen3moe", "glm4moe", "gemma3", "gpt-oss")     # rotate (i, i + n_rot/2) pairs, as llama_rope_type says
 
 # expert_gating_func values in GGUF
@@ -56,6 +57,7 @@ class HParams:
     rope_freq_scale_file: float = 1.0
     n_nextn: int = 0                     # NextN / MTP layers at the end (glm4moe): loaded by nobody
     n_swa: int = 0                       # sliding window of the local layers (gemma3)
+    n_moe_layer_step: int = 0            # llama4: layer il is a MoE layer iff (il + 1) % step == 0
 
     @property
     def n_embd_head_qk_nope(self) -> int:
@@ -76,7 +78,7 @@ _INT_KEYS = ("embedding_length", "block_count", "context_length", "feed_forward_
              "expert_count", "expert_used_count", "expert_feed_forward_length", "expert_shared_count",
              "expert_shared_feed_forward_length", "leading_dense_block_count", "attention.q_lora_rank",
              "attention.kv_lora_rank", "nextn_predict_layers", "attention.sliding_window", "expert_gating_func",
-             "rope.scaling.original_context_length")
+             "rope.scaling.original_context_length", "interleave_moe_layer_step")
 _POSITIVE = ("embedding_length", "block_count", "attention.head_count")
 _PER_LAYER = ("attention.head_count", "attention.head_count_kv", "feed_forward_length")   # may be arrays
 _REAL_KEYS = ("attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.scaling.factor", "rope.scale_linear",
@@ -202,6 +204,12 @@ def read_hparams(mf: ModelFile) -> HParams:
     hp.n_swa = int(g("attention.sliding_window", 0) or 0)
     if arch in ("gemma3", "gpt-oss") and hp.n_swa <= 0:
         raise ModelFileError(f"{path}: {arch} model without a positive attention.sliding_window")
+    if arch == "llama4":       # ik requires both keys (and a positive step)
+        hp.n_moe_layer_step = int(need("interleave_moe_layer_step"))
+        hp.n_ff_exp = int(need("expert_feed_forward_length"))
+        if hp.n_moe_layer_step <= 0 or hp.n_expert <= 0 or hp.n_expert_used <= 0:
+            raise ModelFileError(f"{path}: llama4 model needs a positive interleave_moe_layer_step, expert_count "
+                                 f"and expert_used_count")
     if arch == "glm4moe":      # DeepSeek-V3's router and expert keys; sigmoid unless the file says
         hp.n_expert_shared = int(g("expert_shared_count", 0) or 0)
         hp.n_layer_dense_lead = int(g("leading_dense_block_count", 0) or 0)

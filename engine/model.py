@@ -299,6 +299,9 @@ def load_model(path: str, log: Log = stderr_log, mla: int = 3, overrides: list |
     if hp.arch in ("llama", "qwen2", "qwen2moe"):
         from .arch.llama import LlamaArch
         arch = LlamaArch(hp, w, log)
+    elif hp.arch == "llama4":
+        from .arch.llama4 import Llama4Arch
+        arch = Llama4Arch(hp, w, log)
     elif hp.arch == "gpt-oss":
         from .arch.gpt_oss import GptOssArch
         arch = GptOssArch(hp, w, log)

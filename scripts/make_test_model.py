@@ -72,6 +72,8 @@ PRESETS = {
     # qwen3moe at 256-multiple widths (so the 256-block types quantize every matrix): 8 experts, top 2
     "qwen256": Shape(n_embd=256, n_head=4, n_head_kv=2, qwen_head_dim=64, n_ff=512, n_expert=8, n_expert_used=2,
                      n_ff_exp=256, n_layer=2),
+    # llama4 at 256-multiple widths (heads of 64): the K-quant and IQK types apply to every matrix
+    "llama4-256": Shape(n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_ff=512, n_expert=8, n_ff_exp=256),
     # DeepSeek's real latent sizes (576/512, rope 64): ik_llama.cpp accepts the new-mainline MLA
     # layout only with these
     "tiny-mla576": Shape(kv_lora_rank=512, qk_rope=64, qk_nope=32, v_head=32),
@@ -149,13 +151,13 @@ class _Writer:
                 gw.add_tensor(name, raw, raw_shape=w.shape, raw_dtype=tid)
 
 
-def _tokenizer_kv(gw: gguf.GGUFWriter, n_vocab: int = 0) -> int:
+def _tokenizer_kv(gw: gguf.GGUFWriter, n_vocab: int = 0, pre: str = "gpt-2") -> int:
     tokens, types, merges = byte_vocab()
     for i in range(len(tokens), n_vocab):      # a real-sized output matrix (DeepSeek: 102400 rows)
         tokens.append(f"<|pad{i}|>")
         types.append(3)
     gw.add_tokenizer_model("gpt2")
-    gw.add_tokenizer_pre("gpt-2")
+    gw.add_tokenizer_pre(pre)
     gw.add_token_list(tokens)
     gw.add_token_types(types)
     gw.add_token_merges(merges)
@@ -394,6 +396,41 @@ def build_glm4moe(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int) -> No
             w.vec(p + "nextn.shared_head_norm.weight", E)
 
 
+def build_llama4(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int) -> None:
+    """llama4 as convert_hf_to_gguf writes Llama-4: at least 4 layers (layer 3 has no RoPE), every
+    second one a MoE layer (interleave_moe_layer_step 2, as Maverick) of top-1 experts
+    expert_feed_forward_length wide plus a shared expert as wide, dense layers
+    feed_forward_length wide, the head size as key/value_length, llama3-style rope_freqs."""
+    a = "llama4"
+    s = replace(s, n_layer=max(s.n_layer, 4), n_expert_used=1)
+    _common_kv(gw, a, s, n_vocab, 1e-5)
+    hd, E = s.head_dim, s.n_embd
+    gw.add_uint32(f"{a}.attention.head_count_kv", s.n_head_kv)
+    gw.add_uint32(f"{a}.attention.key_length", hd)
+    gw.add_uint32(f"{a}.attention.value_length", hd)
+    gw.add_uint32(f"{a}.rope.dimension_count", hd)
+    gw.add_uint32(f"{a}.expert_count", s.n_expert)
+    gw.add_uint32(f"{a}.expert_used_count", s.n_expert_used)
+    gw.add_uint32(f"{a}.interleave_moe_layer_step", 2)
+    gw.add_uint32(f"{a}.expert_feed_forward_length", s.n_ff_exp)
+    # llama3 frequency factors (factor 8, low/high 1/4, original context 64): 1 for the fast pairs,
+    # 8 for the slow ones, smooth between
+    wavelen = 2 * np.pi * s.rope_base ** (np.arange(0, hd, 2) / hd)
+    smooth = np.clip((64 / wavelen - 1) / (4 - 1), 0, 1)
+    w.put("rope_freqs.weight", (1 / ((1 - smooth) / 8 + smooth)).astype(np.float32))
+    _embedding_and_head(w, s, n_vocab)
+    for i in range(s.n_layer):
+        p = f"blk.{i}."
+        w.vec(p + "attn_norm.weight", E)
+        _attention(w, p, s, hd, E)
+        w.vec(p + "ffn_norm.weight", E)
+        if (i + 1) % 2 == 0:
+            _experts(w, p, s.n_expert, E, s.n_ff_exp)
+            _ffn(w, p, E, s.n_ff_exp, "_shexp")
+        else:
+            _ffn(w, p, E, s.n_ff)
+
+
 def build_deepseek2(w: _Writer, gw: gguf.GGUFWriter, s: Shape, n_vocab: int, layout: str) -> None:
     a = "deepseek2"
     E, H = s.n_embd, s.n_head
@@ -483,7 +520,7 @@ def write_model(path: str, arch: str = "deepseek2", layout: str = "ik", qtype: s
         for i, x in enumerate(writers):
             x.add_uint16("split.no", i)
             x.add_uint16("split.count", split)
-    n_vocab = _tokenizer_kv(gw, s.n_vocab)
+    n_vocab = _tokenizer_kv(gw, s.n_vocab, "llama4" if arch == "llama4" else "gpt-2")
     w = _Writer(qtype, rng, expert_qtype)
     if arch == "llama":
         build_llama(w, gw, s, n_vocab)
@@ -491,6 +528,8 @@ def write_model(path: str, arch: str = "deepseek2", layout: str = "ik", qtype: s
         build_glm4moe(w, gw, s, n_vocab)
     elif arch == "gemma3":
         build_gemma3(w, gw, s, n_vocab)
+    elif arch == "llama4":
+        build_llama4(w, gw, s, n_vocab)
     elif arch == "gpt-oss":
         build_gpt_oss(w, gw, s, n_vocab)
     elif arch in ("qwen2", "qwen2moe"):
@@ -516,7 +555,8 @@ def write_model(path: str, arch: str = "deepseek2", layout: str = "ik", qtype: s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out")
-    ap.add_argument("--arch", default="deepseek2", choices=["llama", "deepseek2", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "glm4moe", "gemma3", "gpt-oss"])
+    ap.add_argument("--arch", default="deepseek2", choices=["llama", "deepseek2", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "glm4moe", "gemma3", "gpt-oss",
+                                                    "llama4"])
     ap.add_argument("--layout", default="ik", choices=["ik", "mainline-old", "mainline-mla"])
     ap.add_argument("--type", default="f16", help="weight type: f32 f16 bf16 q8_0 q4_0")
     ap.add_argument("--expert-type", default=None, help="type of the routed experts (*_exps.weight), e.g. mxfp4")

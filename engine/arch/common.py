@@ -46,6 +46,9 @@ class RunOptions:
     amb_bytes: int = 0           # K*Q / decompressed K,V scratch cap (0: no user cap)
     fused_moe: bool = True
     ser: tuple[int, float] = (-1, 0.0)
+    # the output rows' normed final hidden states (llama.cpp's result_norm: what embeddings pool)
+    # instead of their logits (llama_set_embeddings)
+    embeddings: bool = False
 
 
 class Head:
@@ -57,8 +60,11 @@ class Head:
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         return get_rows(self.tok_embd, tokens.astype(np.int64))
 
-    def logits(self, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    def logits(self, x: np.ndarray, rows: np.ndarray, opts: RunOptions | None = None) -> np.ndarray:
+        """The logits of x's `rows`, or with opts.embeddings their normed hidden states (n_embd wide)."""
         h = rms_norm(take_rows(x, rows), self.output_norm, self.eps)
+        if opts is not None and opts.embeddings:
+            return host(h)
         if not all_finite(h):            # else quantizing the activations for the output would hide it
             raise FloatingPointError("the hidden state reached the output layer with NaN or infinite values")
         return host(matmul(self.output, h))
@@ -66,10 +72,11 @@ class Head:
 
 def cached_attention(ub: UBatch, cache, il: int, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                      kq_scale: float, opts: RunOptions, window: int = 0,
-                     sinks: np.ndarray | None = None) -> np.ndarray:
+                     sinks: np.ndarray | None = None, chunk: int = 0) -> np.ndarray:
     """Layer il of a standard (K rows, V rows) cache: this micro-batch's k (T, Hkv, dk) and
     v (T, Hkv, dv) written into the cache of each sequence segment, then q (T, H, dk) attends over
-    it (window: a sliding window; sinks: gpt-oss's per-head sink logits).  Returns (T, H, dv)."""
+    it (window: a sliding window; sinks: gpt-oss's per-head sink logits; chunk: llama4's chunked
+    attention).  Returns (T, H, dv)."""
     T, H, dk = q.shape
     hkv, dv = v.shape[1], v.shape[2]
     a = empty_like_side((T, H, dv), q)
@@ -78,7 +85,8 @@ def cached_attention(ub: UBatch, cache, il: int, q: np.ndarray, k: np.ndarray, v
         lc.k.write(sg.cell0, k[sl].reshape(sg.t1 - sg.t0, -1))
         lc.v.write(sg.cell0, v[sl].reshape(sg.t1 - sg.t0, -1))
         a[sl] = standard_attention(contiguous(q[sl]), lc, sg.cache.n, hkv, dk, dv, sg.cache.pos,
-                                   ub.pos[sl], kq_scale, opts.flash_attn, opts.amb_bytes, window=window, sinks=sinks)
+                                   ub.pos[sl], kq_scale, opts.flash_attn, opts.amb_bytes, window=window, sinks=sinks,
+                                   chunk=chunk)
     return a
 
 

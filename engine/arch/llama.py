@@ -83,11 +83,31 @@ class LlamaArch:
         """The sliding window of layer il (0: attends to the whole context)."""
         return 0
 
+    def layer_chunk(self, il: int) -> int:
+        """The attention chunk of layer il (llama4; 0: none)."""
+        return 0
+
+    def layer_rope(self, il: int) -> bool:
+        """Whether layer il rotates q and k (llama4 leaves every 4th layer without RoPE)."""
+        return True
+
+    def position_qk(self, il: int, L: dict, q: np.ndarray, k: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                    pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """q (T, H, dk) and k (T, Hkv, dk) of layer il as attention takes them: per-head norms where
+        the file has them, then RoPE on the first n_rot values of each head (partial: glm4moe)."""
+        hp = self.hp
+        q, k = self.qk_norm(L, q, k)
+        apply_rope(q[..., :hp.n_rot], cos, sin, hp.rope_neox)     # in place
+        apply_rope(k[..., :hp.n_rot], cos, sin, hp.rope_neox)
+        return q, k
+
     def shift_keys(self, cache: KVCache, c0: int, c1: int, delta: int) -> None:
         """Re-rotate the cached keys of cells [c0, c1) by delta positions (context shift)."""
         hp = self.hp
         cos, sin = shift_rope_tables(hp, c1 - c0, delta, self.freq_factors)
-        for lc in cache.layers:
+        for il, lc in enumerate(cache.layers):
+            if not self.layer_rope(il):        # keys cached without a rotation stay as they are
+                continue
             rotate_key_rows(lc.k, c0, c1, hp.n_head_kv, hp.n_embd_head_k, 0, hp.n_rot, cos, sin, hp.rope_neox)
 
     def make_cache(self, n_ctx: int, opts: RunOptions, type_k: int, type_v: int) -> KVCache:
@@ -105,10 +125,9 @@ class LlamaArch:
             q = _biased(matmul(L["wq"], h), L["bq"]).reshape(T, hp.n_head, hp.n_embd_head_k)
             k = _biased(matmul(L["wk"], h), L["bk"]).reshape(T, hp.n_head_kv, hp.n_embd_head_k)
             v = _biased(matmul(L["wv"], h), L["bv"]).reshape(T, hp.n_head_kv, hp.n_embd_head_v)
-            q, k = self.qk_norm(L, q, k)
-            apply_rope(q[..., :hp.n_rot], cos, sin, hp.rope_neox)     # partial RoPE (glm4moe): the first n_rot
-            apply_rope(k[..., :hp.n_rot], cos, sin, hp.rope_neox)     # values of each head, in place
-            a = cached_attention(ub, cache, il, q, k, v, self.kq_scale, opts, self.layer_window(il), L["sinks"])
+            q, k = self.position_qk(il, L, q, k, cos, sin, ub.pos)
+            a = cached_attention(ub, cache, il, q, k, v, self.kq_scale, opts, self.layer_window(il), L["sinks"],
+                                 self.layer_chunk(il))
             x = x + _biased(matmul(L["wo"], a.reshape(T, -1)), L["bo"])
             h = rms_norm(x, L["ffn_norm"], hp.rms_eps)
             if "moe" in L:
@@ -121,7 +140,7 @@ class LlamaArch:
                     x = x + (y if g is None else y * sigmoid(matmul(g, h)))
             else:
                 x = x + ffn_silu(h, L["gate"], L["up"], L["down"])
-        return self.head.logits(x, ub.out_rows)
+        return self.head.logits(x, ub.out_rows, opts)
 
 
 def _biased(y: np.ndarray, b: np.ndarray | None) -> np.ndarray:
