@@ -1,6 +1,8 @@
 """A context: one model, one KV cache, batches split into micro-batches."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from .arch.common import RunOptions, UBatch
@@ -100,10 +102,13 @@ class Context:
         """Remove the cached tokens with positions in [p0, p1) (p1 < 0: to the end)."""
         return self.cache.seq_rm(p0, p1)
 
-    def decode(self, tokens: np.ndarray, logits_from: int = 0, pos0: int | None = None) -> np.ndarray:
+    def decode(self, tokens: np.ndarray, logits_from: int = 0, pos0: int | None = None,
+               embeddings: bool = False) -> np.ndarray:
         """Append `tokens` at positions pos0, pos0+1, ... (default: after the last cached one).
 
-        Returns the logits (float32, (n - logits_from, n_vocab)) of tokens[logits_from:].
+        Returns the logits (float32, (n - logits_from, n_vocab)) of tokens[logits_from:]; with
+        `embeddings`, their normed final hidden states instead (n - logits_from, n_embd), what
+        llama.cpp's embeddings are pooled from.
         """
         tokens = np.asarray(tokens, dtype=np.int32).reshape(-1)
         n = len(tokens)
@@ -115,24 +120,28 @@ class Context:
         if pos0 is None:
             pos0 = self.cache.next_pos()
         set_threads(self.cfg.threads(batch=n > 1))
+        opts = dataclasses.replace(self.opts, embeddings=True) if embeddings else self.opts
+        width = self.model.hp.n_embd if embeddings else self.model.n_vocab
         if 0 < n <= self.n_ubatch:             # one ubatch: its logits are the result (no copy)
-            return self._ubatch(tokens, np.arange(min(logits_from, n), n), pos0)
-        out = np.empty((max(n - logits_from, 0), self.model.n_vocab), dtype=np.float32)
+            return self._ubatch(tokens, np.arange(min(logits_from, n), n), pos0, opts, width)
+        out = np.empty((max(n - logits_from, 0), width), dtype=np.float32)
         for s in range(0, n, self.n_ubatch):
             e = min(n, s + self.n_ubatch)
             rows = np.arange(max(s, logits_from), e) - s
-            lg = self._ubatch(tokens[s:e], rows, pos0 + s)
+            lg = self._ubatch(tokens[s:e], rows, pos0 + s, opts, width)
             if len(rows):
                 out[rows[0] + s - logits_from: e - logits_from] = lg
         return out
 
-    def _ubatch(self, tokens: np.ndarray, rows: np.ndarray, pos0: int) -> np.ndarray:
-        """One micro-batch at positions pos0.. into the cache; the logits of its `rows`."""
+    def _ubatch(self, tokens: np.ndarray, rows: np.ndarray, pos0: int, opts: RunOptions | None = None,
+                width: int = 0) -> np.ndarray:
+        """One micro-batch at positions pos0.. into the cache; the logits of its `rows` (or what
+        `opts` asks for: rows `width` wide)."""
         pos = np.arange(pos0, pos0 + len(tokens), dtype=np.int32)
         cell0 = self.cache.reserve(pos)
         try:
-            lg = self.model.arch.forward(UBatch(tokens, pos, rows, cell0), self.cache, self.opts)
+            lg = self.model.arch.forward(UBatch(tokens, pos, rows, cell0), self.cache, opts or self.opts)
         except BaseException:
             self.cache.n = cell0          # the batch's cells hold nothing valid
             raise
-        return np.asarray(lg, dtype=np.float32).reshape(len(rows), self.model.n_vocab)
+        return np.asarray(lg, dtype=np.float32).reshape(len(rows), width or self.model.n_vocab)

@@ -49,8 +49,9 @@ try:  # optional: only constrained output needs it
 except ImportError:  # pragma: no cover - exercised where the package is missing
     _llg = None
 
-__all__ = ["GrammarError", "GrammarUnavailable", "available", "gbnf_to_lark", "schema_grammar", "is_lark",
-           "compile_grammar", "check_grammar", "TokenVocab", "GrammarMatcher", "ANY_OBJECT_SCHEMA"]
+__all__ = ["GrammarError", "GrammarUnavailable", "available", "gbnf_to_lark", "schema_grammar", "schema_lark",
+           "is_lark", "compile_grammar", "check_grammar", "TokenVocab", "GrammarMatcher", "ANY_OBJECT_SCHEMA",
+           "TRIGGER_TOKEN", "TRIGGER_WORD", "TRIGGER_PATTERN", "TRIGGER_PATTERN_FULL"]
 
 MAX_REPETITION = 2000          # llama.cpp's MAX_REPETITION_THRESHOLD for {m,n}
 # llama.cpp's json-schema-to-grammar SPACE_RULE: | " " | "\n"{1,2} [ \t]{0,20}
@@ -406,11 +407,9 @@ def _closed_objects(schema: Any, in_all_of: bool = False) -> Any:
     return out
 
 
-def schema_grammar(schema: Any) -> str:
-    """The grammar text for a JSON schema, as llama-server with llguidance writes it
-    ("%llguidance {}\\nstart: %json <schema>"), after llama.cpp's conventions (module docstring).
-    A schema's own "x-guidance" options (llguidance's JSON options) take precedence: e.g.
-    {"whitespace_flexible": false} for compact JSON with no whitespace at all."""
+def schema_lark(schema: Any) -> str:
+    """A JSON schema as one llguidance Lark rule body ("%json {...}"), with the conventions of
+    schema_grammar; usable inside a larger grammar (tool calls)."""
     if not isinstance(schema, dict):
         raise GrammarError(f"the JSON schema must be an object, got {type(schema).__name__}")
     if not schema:
@@ -424,7 +423,15 @@ def schema_grammar(schema: Any) -> str:
         body = json.dumps(schema, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise GrammarError(f"the JSON schema cannot be written as JSON: {e}") from None
-    return "%llguidance {}\nstart: %json " + body + "\n"
+    return "%json " + body
+
+
+def schema_grammar(schema: Any) -> str:
+    """The grammar text for a JSON schema, as llama-server with llguidance writes it
+    ("%llguidance {}\\nstart: %json <schema>"), after llama.cpp's conventions (module docstring).
+    A schema's own "x-guidance" options (llguidance's JSON options) take precedence: e.g.
+    {"whitespace_flexible": false} for compact JSON with no whitespace at all."""
+    return "%llguidance {}\nstart: " + schema_lark(schema) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -498,6 +505,10 @@ class TokenVocab:
         self.n_vocab = int(n_vocab) if n_vocab is not None else n_tok
         attr = getattr(tokenizer, "token_attr", None)
         tokens: list[bytes] = []
+        # each token's text as a lazy grammar's trigger buffer sees it (special tokens' own text,
+        # as llama.cpp's token_to_piece), and the ids llguidance holds as special
+        self.pieces: list[bytes] = []
+        special: set[int] = set()
         for i in range(min(n_tok, self.n_vocab)):
             out = tokenizer.token_to_bytes(i, False)      # what the server writes for the token
             full = tokenizer.token_to_bytes(i, True)
@@ -505,9 +516,14 @@ class TokenVocab:
             looks_special = a & _ATTR_USER_DEFINED and full[:1] == b"<" and full[-1:] == b">"
             if (not out and full) or a & (_ATTR_CONTROL | _ATTR_UNKNOWN) or looks_special:
                 tokens.append(b"\xff" + full if full else b"")   # llguidance's mark of a special token
+                self.pieces.append(full)
+                special.add(i)
             else:
                 tokens.append(out)
+                self.pieces.append(out)
         tokens += [b""] * (self.n_vocab - len(tokens))    # logits wider than the vocabulary
+        self.pieces += [b""] * (self.n_vocab - len(self.pieces))
+        self.special_ids: frozenset[int] = frozenset(special)
         eog = sorted(int(t) for t in getattr(tokenizer, "eog_ids", ()) if 0 <= int(t) < self.n_vocab)
         eos = getattr(tokenizer, "eos_id", None)
         if not eog and eos is not None and 0 <= int(eos) < self.n_vocab:
@@ -550,6 +566,18 @@ class TokenVocab:
             return None
         return int(ids[0]) if len(ids) == 1 and 0 <= int(ids[0]) < self.n_vocab else None
 
+    def special_id(self, text: str) -> int | None:
+        """The id of `text` when it is exactly one token that llguidance holds as special (grammar
+        text never matches it: a grammar must name it as `<[id]>`), else None."""
+        tid = self.token_id(text)
+        return tid if tid is not None and tid in self.special_ids else None
+
+    def encode_text(self, text: str) -> list[int]:
+        """Plain text (no special-token parsing) as token ids of this vocabulary."""
+        tok = self._tokenizer()
+        enc = getattr(tok, "encode", None)
+        return [int(t) for t in enc(text, add_special=False, parse_special=False)] if enc is not None else []
+
     def gbnf(self, text: str) -> str:
         """gbnf_to_lark with this vocabulary's token references (cached per text)."""
         hit = self._gbnf.get(text)
@@ -569,14 +597,70 @@ def _weakrefable(obj: Any) -> bool:
         return False
 
 
+# llama.cpp's grammar trigger kinds (common_grammar_trigger_type), by their JSON numbers
+TRIGGER_TOKEN, TRIGGER_WORD, TRIGGER_PATTERN, TRIGGER_PATTERN_FULL = 0, 1, 2, 3
+
+
+def normalize_triggers(triggers: Any) -> tuple[dict, ...]:
+    """Lazy-grammar triggers in llama-server's JSON form, checked: [{"type": 0..3, "value": str}
+    (+ "token": id for type 0)].  GrammarError (one line) for anything else or a bad pattern."""
+    if triggers is None:
+        return ()
+    if not isinstance(triggers, (list, tuple)):
+        raise GrammarError("'grammar_triggers' must be an array of {\"type\", \"value\"} objects")
+    out = []
+    for i, t in enumerate(triggers):
+        if not isinstance(t, dict):
+            raise GrammarError(f"grammar_triggers[{i}] must be an object with 'type' and 'value'")
+        kind, value = t.get("type"), t.get("value")
+        if isinstance(kind, bool) or not isinstance(kind, int) or not isinstance(value, str):
+            raise GrammarError(f"grammar_triggers[{i}]: 'type' must be an integer and 'value' a string")
+        if kind not in (TRIGGER_TOKEN, TRIGGER_WORD, TRIGGER_PATTERN, TRIGGER_PATTERN_FULL):
+            raise GrammarError("Unknown grammar trigger type")
+        item: dict = {"type": kind, "value": value}
+        if kind == TRIGGER_TOKEN:
+            tok = t.get("token")
+            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+                raise GrammarError(f"grammar_triggers[{i}]: a token trigger (type 0) needs its 'token' id")
+            item["token"] = tok
+        elif kind != TRIGGER_WORD:
+            _trigger_regex(_anchored(value) if kind == TRIGGER_PATTERN_FULL else value)
+        out.append(item)
+    return tuple(out)
+
+
+def _anchored(pattern: str) -> str:
+    # llama.cpp's PATTERN_FULL: the pattern must match the whole text generated so far
+    if not pattern:
+        return "^$"
+    return ("" if pattern.startswith("^") else "^") + pattern + ("" if pattern.endswith("$") else "$")
+
+
+@functools.lru_cache(maxsize=256)
+def _trigger_regex(pattern: str) -> "re.Pattern[bytes]":
+    # over bytes, as llama.cpp's std::regex runs over the UTF-8 text
+    try:
+        return re.compile(pattern.encode("utf-8"))
+    except re.error as e:
+        raise GrammarError(f"invalid grammar trigger pattern '{pattern}': {e}") from None
+
+
 class GrammarMatcher:
     """The parse state of one generation: which tokens may come next, and the tokens taken so far.
 
     allowed_mask() is a bool array over the vocabulary (end-of-generation tokens are in it once the
     grammar is satisfied, and are all it holds once nothing else can follow); accept(token) advances
-    the state.  is_stopped(): only an end-of-generation token can come (the grammar is complete)."""
+    the state.  is_stopped(): only an end-of-generation token can follow (the grammar is complete).
 
-    def __init__(self, grammar: str, vocab: TokenVocab) -> None:
+    lazy (llama.cpp's grammar_lazy): the grammar constrains nothing until a trigger fires (triggers:
+    normalize_triggers' form).  Until then every token is allowed and its text goes to a buffer; a
+    token trigger fires on that token (which the grammar then takes), a word when the buffer holds
+    it, a pattern when it matches the buffer (from its first non-empty group, else from the match).
+    The grammar then takes the buffer's text from there on: the tokens that lie wholly after that
+    point as they are, the one it cuts re-encoded from the cut (llguidance takes tokens, not text).
+    rollback(n) undoes the last n accepted tokens (banned strings), trigger state included."""
+
+    def __init__(self, grammar: str, vocab: TokenVocab, lazy: bool = False, triggers: Sequence[dict] = ()) -> None:
         llg = _need_llg()
         self.vocab = vocab
         self.n_vocab = vocab.n_vocab
@@ -586,6 +670,19 @@ class GrammarMatcher:
             raise GrammarError(_clean_error(self._m.get_error()))
         self._mask: np.ndarray | None = None
         self.n_accepted = 0
+        self.lazy = bool(lazy)
+        trig = normalize_triggers(list(triggers))
+        self._trigger_tokens = {t["token"] for t in trig if t["type"] == TRIGGER_TOKEN}
+        # words and patterns in their order (llama.cpp tries them in order; the first that fires wins)
+        self._searches: list[tuple[bytes | None, "re.Pattern[bytes] | None"]] = [
+            (t["value"].encode("utf-8"), None) if t["type"] == TRIGGER_WORD else
+            (None, _trigger_regex(_anchored(t["value"]) if t["type"] == TRIGGER_PATTERN_FULL else t["value"]))
+            for t in trig if t["type"] != TRIGGER_TOKEN]
+        self.awaiting = self.lazy                    # no trigger has fired yet
+        self._buf = bytearray()                      # text since the start, while awaiting
+        self._spans: list[tuple[int, int, int, int]] = []   # (step, token, start, end) in _buf
+        self._steps: list[int] = []                  # matcher tokens consumed at each accept()
+        self._fired_at = -1                          # the step whose token fired the trigger
 
     @property
     def error(self) -> str:
@@ -593,38 +690,115 @@ class GrammarMatcher:
         return self._m.get_error() if self._m.is_error() else ""
 
     def allowed_mask(self) -> np.ndarray:
-        """bool (n_vocab,): the tokens the grammar allows next (cached until accept())."""
+        """bool (n_vocab,): the tokens the grammar allows next (cached until accept()); all of them
+        while a lazy grammar waits for its trigger."""
         if self._mask is None:
-            bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
-            self._mask = np.unpackbits(bits, count=self.n_vocab, bitorder="little").view(np.bool_)
+            if self.awaiting:
+                self._mask = np.ones(self.n_vocab, dtype=np.bool_)
+            else:
+                bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
+                self._mask = np.unpackbits(bits, count=self.n_vocab, bitorder="little").view(np.bool_)
         return self._mask
 
     def apply(self, logits: np.ndarray) -> np.ndarray:
-        """A copy of logits with every token the grammar forbids at -inf."""
+        """A copy of logits with every token the grammar forbids at -inf (logits as they are while a
+        lazy grammar waits)."""
+        if self.awaiting:
+            return logits
         return np.where(self.allowed_mask(), logits, np.float32(-np.inf)).astype(np.float32, copy=False)
+
+    def _consume(self, ids: Sequence[int]) -> bool:
+        n = 0
+        ok = True
+        for t in ids:
+            if not self._m.consume_token(int(t)):
+                ok = False
+                break
+            n += 1
+        self.n_accepted += n
+        self._steps.append(n)
+        return ok
 
     def accept(self, token: int) -> bool:
         """Advance past token; False (and the matcher is failed for good) if the grammar forbids it."""
         self._mask = None
-        ok = bool(self._m.consume_token(int(token)))
-        self.n_accepted += ok
-        return ok
+        token = int(token)
+        if not self.awaiting:
+            return self._consume([token])
+        step = len(self._steps)
+        if token in self._trigger_tokens:
+            self.awaiting, self._fired_at = False, step
+            return self._consume([token])
+        start = len(self._buf)
+        self._buf += self.vocab.pieces[token] if 0 <= token < len(self.vocab.pieces) else b""
+        self._spans.append((step, token, start, len(self._buf)))
+        at = self._find_trigger(start)
+        if at < 0:
+            self._steps.append(0)
+            return True
+        self.awaiting, self._fired_at = False, step
+        ids: list[int] = []
+        for _step, tok, a, b in self._spans:
+            if b <= at:
+                continue
+            if a >= at:
+                ids.append(tok)
+            else:                                    # the token the trigger starts inside of
+                ids += self.vocab.encode_text(bytes(self._buf[at:b]).decode("utf-8", errors="replace"))
+        return self._consume(ids)
+
+    def _find_trigger(self, start: int) -> int:
+        """Where the grammar's text starts in the buffer (-1: no trigger fires yet)."""
+        buf = bytes(self._buf)
+        for word, rx in self._searches:
+            if word is not None:
+                # earlier searches found nothing: a new match ends inside the newest piece
+                i = buf.find(word, max(0, start - len(word) + 1)) if word else -1
+                if i >= 0:
+                    return i
+                continue
+            m = rx.search(buf)
+            if m is not None:
+                return next((m.start(g) for g in range(1, (rx.groups or 0) + 1) if m.end(g) > m.start(g) >= 0),
+                            m.start())
+        return -1
+
+    def rollback(self, n: int) -> None:
+        """Undo the last n accept() calls (a lazy grammar waits again when its trigger is undone)."""
+        n = min(int(n), len(self._steps))
+        if n <= 0:
+            return
+        undo = sum(self._steps[-n:])
+        del self._steps[-n:]
+        if undo:
+            self._m.rollback(undo)
+            self.n_accepted -= undo
+        self._mask = None
+        if self.lazy:
+            keep = len(self._steps)
+            if self._fired_at >= keep:
+                self.awaiting, self._fired_at = True, -1
+            while self._spans and self._spans[-1][0] >= keep:
+                self._spans.pop()
+            del self._buf[self._spans[-1][3] if self._spans else 0:]
 
     def is_stopped(self) -> bool:
         """Nothing but an end-of-generation token can follow (also true once failed)."""
-        return bool(self._m.is_stopped())
+        return not self.awaiting and bool(self._m.is_stopped())
 
     def is_accepting(self) -> bool:
-        """The text so far is a complete sentence of the grammar."""
-        return bool(self._m.is_accepting())
+        """The text so far is a complete sentence of the grammar (always, while a lazy grammar
+        waits for its trigger)."""
+        return self.awaiting or bool(self._m.is_accepting())
 
     def fallback_token(self) -> int | None:
         """The token to end with when no allowed token is left to sample (an end-of-generation one)."""
         return self.vocab.eog_ids[0] if self.vocab.eog_ids else None
 
     @classmethod
-    def for_tokenizer(cls, grammar: str, tokenizer: Any, n_vocab: int | None = None) -> "GrammarMatcher":
-        return cls(grammar, TokenVocab.of(tokenizer, n_vocab))
+    def for_tokenizer(cls, grammar: str, tokenizer: Any, n_vocab: int | None = None, lazy: bool = False,
+                      triggers: Sequence[dict] = ()) -> "GrammarMatcher":
+        return cls(grammar, TokenVocab.of(tokenizer, n_vocab), lazy, triggers)
 
 
 def token_texts(tokenizer: Any, ids: Sequence[int]) -> str:

@@ -29,6 +29,9 @@ min_keep) and mirostat.  Filters after the temperature see the tempered probabil
 
 Exactly as ik (same sets, same penalties, up to float rounding: ik works in float32, this module
 computes probabilities in float64):
+  * the repetition / frequency / presence penalties: bit for bit (same float32 operations, checked
+    against libllama's llama_sample_repetition_penalties), on the tokens ik's sampler keeps for
+    them, which is only the latest token of the history (see penalty_tokens);
   * every filter's rule, its min_keep handling and its "off" switch (table above);
   * top_k / min_p / top_p / typical / tfs / xtc operate on the candidates left by the previous step;
   * mirostat v1 (m = 100, s_hat fit, k from n_vocab; a k below 1 or not finite keeps every token,
@@ -80,8 +83,9 @@ from typing import Any, Callable, ClassVar, Sequence
 import numpy as np
 from numba import njit
 
-__all__ = ["SamplingParams", "Sampler", "TokenProbs", "DryVocab", "apply_penalties", "token_probabilities",
-           "parse_samplers", "SAMPLER_NAMES", "SAMPLER_LETTERS", "DEFAULT_SAMPLERS", "DEFAULT_DRY_BREAKERS"]
+__all__ = ["SamplingParams", "Sampler", "TokenProbs", "DryVocab", "apply_penalties", "penalty_tokens",
+           "newline_token", "token_probabilities", "parse_samplers", "SAMPLER_NAMES", "SAMPLER_LETTERS",
+           "DEFAULT_SAMPLERS", "DEFAULT_DRY_BREAKERS"]
 
 _SEED_MAX = 2**64 - 1  # np.random.default_rng accepts any non-negative int; keep it bounded
 
@@ -171,8 +175,8 @@ class SamplingParams:
     top_k: int = 40               # <= 0: off
     top_p: float = 0.95           # >= 1: off
     min_p: float = 0.05           # <= 0: off
-    repeat_penalty: float = 1.0   # 1.0: off; applied to the last repeat_last_n tokens
-    repeat_last_n: int = 64       # 0: no penalties; -1: the whole history
+    repeat_penalty: float = 1.0   # 1.0: off; applied to the last repeat_last_n tokens (Sampler: see penalty_tokens)
+    repeat_last_n: int = 64       # 0: no penalties; -1: the whole history (Sampler: only the latest token, as ik)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int = -1                # -1: random seed
@@ -198,6 +202,8 @@ class SamplingParams:
     dry_sequence_breakers: tuple = DEFAULT_DRY_BREAKERS
     samplers: tuple = DEFAULT_SAMPLERS   # the chain's order (names; a string of letters is accepted)
     grammar: str = ""             # GBNF or llguidance Lark text ("": free); see engine/grammar.py
+    grammar_lazy: bool = False    # llama.cpp's lazy grammar: free until one of grammar_triggers fires
+    grammar_triggers: tuple = ()  # llama-server's [{"type": 0..3, "value": str, "token": id}] (engine.grammar)
 
     # The model's vocabulary for DRY's sequence breakers (a tokenizer, DryVocab or list of pieces).
     # Deliberately not a field: never read from a request, never compared, not in asdict().
@@ -274,6 +280,14 @@ class SamplingParams:
         self.samplers = parse_samplers(self.samplers)
         if not isinstance(self.grammar, str):
             raise ValueError(f"Sampling parameter 'grammar' must be a string, got {type(self.grammar).__name__}.")
+        if not isinstance(self.grammar_lazy, (bool, np.bool_)):
+            raise ValueError(f"Sampling parameter 'grammar_lazy' must be a boolean, got {self.grammar_lazy!r}.")
+        self.grammar_lazy = bool(self.grammar_lazy)
+        if self.grammar_triggers:
+            from .grammar import normalize_triggers    # no llguidance needed to check them
+            self.grammar_triggers = normalize_triggers(self.grammar_triggers)
+        else:
+            self.grammar_triggers = ()
 
     def __deepcopy__(self, memo: dict) -> "SamplingParams":
         # the vocabulary is shared, never copied (the server deep-copies params per prompt)
@@ -342,6 +356,39 @@ def apply_penalties(logits: np.ndarray, history: Sequence[int], params: Sampling
     if nl_keep:
         x[nl_token] = nl_logit
     return x
+
+
+def penalty_tokens(history: Sequence[int]) -> Sequence[int]:
+    """The part of history (prompt + generated so far) that ik's sampler hands to its repetition /
+    frequency / presence penalties: the latest token alone (the prompt's last token for the first
+    generated token, then the token generated just before).
+
+    ik keeps these tokens in common_sampler::prev, a std::vector (common/sampling.cpp).  It starts
+    empty (it is sized to n_prev only when a grammar is given), common_sampler_reset clears it, and
+    common_sampler_accept removes the oldest entry, when there is one, before appending: its length
+    never grows past 1 after a reset.  The server resets it once the prompt is read, then accepts
+    every prompt token (examples/server/server-context.cpp), so that holds for every request.
+    repeat_last_n therefore only switches the penalties off (0); any other value, -1 included,
+    penalizes that one token, with count 1.  DRY keeps its own window and still sees the whole
+    history.  Checked against ik's compiled common_sampler_reset / common_sampler_accept."""
+    return history[-1:]
+
+
+def newline_token(tokenizer: Any) -> int | None:
+    """The token ik's penalties leave alone unless penalize_nl (llama_token_nl, its vocabulary's
+    linefeed id), or None.  SentencePiece vocabularies: the byte token <0x0A>, else a token that is
+    "\\n" itself (so not what encoding "\\n" gives, which starts with the space prefix); others: the
+    first token of "\\n" encoded without specials.  Checked against libllama's llama_token_nl on
+    llama.cpp's vocab-only GGUFs (llama-spm, phi-3, baichuan, 14 BPE ones) and the demo model."""
+    try:
+        if getattr(tokenizer, "type", None) == "spm":
+            t2i = tokenizer.token_to_id
+            tok = t2i.get("<0x0A>", t2i.get("\n"))
+            return None if tok is None else int(tok)
+        ids = list(tokenizer.encode("\n", add_special=False))
+    except Exception:       # a tokenizer that cannot encode it: nothing to protect
+        return None
+    return int(ids[0]) if ids else None
 
 
 def _sanitize(x: np.ndarray) -> np.ndarray:
@@ -612,7 +659,8 @@ class Sampler:
     The server passes the tokenizer: the breakers are mapped once per tokenizer, not per request.
 
     params.grammar (GBNF / llguidance Lark) constrains the output: .grammar is then this generation's
-    engine.grammar.GrammarMatcher, built on vocab (a tokenizer).  Its mask is applied first, to the
+    engine.grammar.GrammarMatcher, built on vocab (a tokenizer); with params.grammar_lazy it masks
+    nothing until one of params.grammar_triggers fires.  Its mask is applied first, to the
     biased and penalized logits, before greedy / mirostat / the chain.  llama.cpp first samples
     without it and, only when that token breaks the grammar, resamples with the grammar applied
     first; this always applies it first: the same token under greedy, and under sampling the
@@ -657,7 +705,8 @@ class Sampler:
             src = vocab if vocab is not None else params.vocab
             if src is None or not hasattr(src, "token_to_bytes"):
                 raise ValueError("a grammar needs the model's tokenizer (Sampler(vocab=tokenizer))")
-            self.grammar = GrammarMatcher(params.grammar, TokenVocab.of(src, self.n_vocab))
+            self.grammar = GrammarMatcher(params.grammar, TokenVocab.of(src, self.n_vocab),
+                                          params.grammar_lazy, params.grammar_triggers)
         self._dry_breakers = _NO_BREAKERS
         if params.mirostat == 0 and any(op == self._op_dry for op in self._ops):
             dv = DryVocab.of(vocab if vocab is not None else params.vocab)
@@ -714,7 +763,7 @@ class Sampler:
         if self.bias_ids.size:
             arr = np.array(arr, dtype=np.float32)
             arr[self.bias_ids] += self.bias_vals
-        return _sanitize(apply_penalties(arr, history, self.params, self.nl_token))
+        return _sanitize(apply_penalties(arr, penalty_tokens(history), self.params, self.nl_token))
 
     @staticmethod
     def _candidates(x: np.ndarray) -> _Cands | None:
@@ -956,7 +1005,8 @@ class Sampler:
     # -- drawing -------------------------------------------------------------------------------
 
     def sample(self, logits: np.ndarray, history: Sequence[int]) -> int:
-        """Next token for logits of shape (n_vocab,); history = prompt + generated tokens so far."""
+        """Next token for logits of shape (n_vocab,); history = prompt + generated tokens so far
+        (DRY reads its window of it; the penalties only its last token, as ik: penalty_tokens)."""
         p = self.params
         x = self._penalized(logits, history)
         g = self.grammar

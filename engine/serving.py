@@ -26,6 +26,16 @@ restore puts back the very bytes and the next request reuses the prefix exactly.
 A job whose params carry a grammar (SamplingParams.grammar) gets its own grammar matcher in its
 slot's Sampler (constrained and free jobs share a batch); when the grammar is complete the job ends
 as if an end-of-generation token had been sampled (stop, stop_type "eos").
+
+A job may name its slot (Job.want_slot, llama-server's id_slot): it waits in the queue while that
+slot is busy and the jobs behind it go on (ik defers it).  A job with banned strings (Job.ban,
+engine.banned) holds its newest tokens back; a banned string among them rewinds the slot (answer,
+KV cache, grammar) to the token it starts in, which is then drawn again with a bias against it.
+
+Embedding jobs (submit_embedding) read their prompt through a slot like any other (no prefix reuse:
+the pooling needs every token's state) in batches of embedding jobs only, whose forward pass returns
+the normed final hidden states (RunOptions.embeddings) of the rows the pooling needs; when both
+kinds are busy the batches alternate.  The final event carries the pooled, normalized vector.
 """
 from __future__ import annotations
 
@@ -34,7 +44,7 @@ import concurrent.futures
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -42,9 +52,10 @@ import numpy as np
 from .arch.common import Segment, UBatch
 from .config import EngineConfig
 from .context import set_threads
+from .embeddings import normalize, pool, pooled_rows
 from .kv_cache import TransposedStore
 from .model import Log, Model
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, newline_token
 
 PROMPT_REUSE_MIN = 16
 SLOT_FILE_FORMAT = "ikcli-slot-1"
@@ -74,6 +85,7 @@ class Event:
     timings: Timings | None = None
     probs: list = field(default_factory=list)   # TokenProbs of the tokens since the previous event (n_probs > 0)
     truncated: bool = False       # the context was shifted (tokens dropped) during this generation
+    embedding: np.ndarray | None = None   # an embedding job's result (final event): engine.embeddings.pool's rows
 
 
 @dataclass
@@ -93,6 +105,10 @@ class Job:
     n_keep: int = 0                  # context shift: tokens kept at the start (-1: the whole prompt)
     n_discard: int = 0               # ... tokens dropped per shift (0: half of what follows n_keep)
     truncated: bool = False          # the prompt was cut to fit the slot (context shift)
+    want_slot: int = -1              # llama-server's id_slot: run in that slot (waits while it is busy)
+    ban: object = None               # engine.banned.BanSpec: banned strings (tokens held back, rewinds)
+    embedding: bool = False          # an embedding job (submit_embedding): no sampling, a pooled vector
+    embd_normalize: int = 2          # ... normalized as common_embd_normalize (-1 none, 0, 1, 2, p)
 
     def cancel(self) -> None:
         """Thread-safe: the engine frees the slot at its next step and sends a final event."""
@@ -122,23 +138,41 @@ class _Slot:
     truncated: bool = False                         # the context was shifted during this job
     shift_keep: int = 0                             # ... cells before its first gap (reusable as they are)
     stop_word: str = ""
+    # banned strings (engine.banned): per generated token the (text length, undecoded bytes) after it,
+    # its bytes, its TokenProbs while held; tokens held back; bans by answer position; rewinds in a
+    # row; tokens rewound in all (they count towards n_predict, as ik's n_decoded)
+    ban_marks: list = field(default_factory=list)
+    ban_pieces: list = field(default_factory=list)
+    ban_probs: list = field(default_factory=list)
+    n_held: int = 0
+    ban_at: dict = field(default_factory=dict)
+    ban_rewinds: int = 0
+    n_rewound: int = 0
+    hidden: list = field(default_factory=list)      # an embedding job's kept hidden-state rows so far
 
 
 class ServingEngine:
     def __init__(self, model: Model, cfg: EngineConfig, n_parallel: int, log: Log, ctx=None,
-                 ctx_shift: bool = True) -> None:
+                 ctx_shift: bool = True, pooling: str = "none") -> None:
         """ctx: the Context of n_parallel caches to serve from (default: a new one); ctx_shift
         (llama-server's --context-shift, on by default in ik): a generation that fills its slot's
-        context drops tokens after n_keep and goes on, instead of stopping."""
+        context drops tokens after n_keep and goes on, instead of stopping; pooling: how embedding
+        jobs pool their tokens' hidden states (engine.embeddings: none, mean, cls, last)."""
         from .context import Context
+        from .embeddings import SUPPORTED_POOLING
         if n_parallel < 1:
             raise ValueError("--parallel must be >= 1")
+        if pooling not in SUPPORTED_POOLING:
+            raise ValueError(f"pooling type '{pooling}' is not supported (supported: {', '.join(SUPPORTED_POOLING)})")
+        self.pooling = pooling
+        self._embd_turn = False     # embedding and completion slots take turns at the batches
         self.model, self.cfg, self.log = model, cfg, log
         self.n_parallel = n_parallel
         if ctx is None:
             ctx = Context(model, cfg, log, n_seq=n_parallel)     # the slots' caches, run options, logs
         self.n_ctx_slot = ctx.n_ctx // n_parallel
         self.opts = ctx.opts
+        self.embd_opts = replace(ctx.opts, embeddings=True)    # batches of embedding jobs: hidden states out
         self.n_batch = ctx.n_batch
         self.n_ubatch = ctx.n_ubatch
         self.slots = [_Slot(i, c) for i, c in enumerate(ctx.caches)]
@@ -171,10 +205,15 @@ class ServingEngine:
 
     def submit(self, prompt: list[int], params: SamplingParams, n_predict: int, stop: list[str],
                on_event: Callable[[Event], None], cache_prompt: bool = True,
-               preserved_tokens: list[int] | None = None, n_keep: int = 0, n_discard: int = 0) -> Job:
+               preserved_tokens: list[int] | None = None, n_keep: int = 0, n_discard: int = 0,
+               id_slot: int = -1, ban: object = None) -> Job:
+        """id_slot: llama-server's id_slot (-1: the free slot with the longest cached prefix; else that
+        slot, waiting while it is busy); ban: an engine.banned.BanSpec."""
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("the prompt is empty")
+        if not -1 <= int(id_slot) < self.n_parallel:
+            raise ValueError("Invalid slot ID")
         bad = [t for t in prompt if t < 0 or t >= self.model.n_vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} is out of range [0, {self.model.n_vocab})")
@@ -187,7 +226,33 @@ class ServingEngine:
                              f"split over {self.n_parallel} slots)")
         job = Job(prompt, params, int(n_predict), [s for s in stop if s], on_event, cache_prompt=bool(cache_prompt),
                   preserved_tokens=frozenset(int(t) for t in preserved_tokens or ()),
-                  n_keep=int(n_keep), n_discard=int(n_discard), truncated=truncated)
+                  n_keep=int(n_keep), n_discard=int(n_discard), truncated=truncated, want_slot=int(id_slot),
+                  ban=ban)
+        with self.cv:
+            job.id_task, self.n_tasks = self.n_tasks, self.n_tasks + 1
+            self.queue.append(job)
+            self.cv.notify_all()
+        return job
+
+    def submit_embedding(self, prompt: list[int], on_event: Callable[[Event], None], embd_normalize: int = 2) -> Job:
+        """An embedding job: the prompt is read through a slot like a completion's (batched with the
+        other slots' prompts, never with generating tokens: llama.cpp switches a whole batch to
+        embeddings), then one final Event carries Event.embedding, the prompt's hidden states pooled
+        as self.pooling says (one row per token for none, not normalized; else one row normalized
+        with embd_normalize).  ValueError for an empty prompt, a bad token id or a prompt longer
+        than a slot (no truncation: it would change the vector)."""
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt if t < 0 or t >= self.model.n_vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of range [0, {self.model.n_vocab})")
+        if len(prompt) > self.n_ctx_slot:
+            raise ValueError(f"the prompt has {len(prompt)} tokens, more than the slot's context of "
+                             f"{self.n_ctx_slot} tokens allows (-c {self.n_ctx_slot * self.n_parallel} "
+                             f"split over {self.n_parallel} slots)")
+        job = Job(prompt, SamplingParams(), 0, [], on_event, cache_prompt=False, embedding=True,
+                  embd_normalize=int(embd_normalize))
         with self.cv:
             job.id_task, self.n_tasks = self.n_tasks, self.n_tasks + 1
             self.queue.append(job)
@@ -369,11 +434,21 @@ class ServingEngine:
             with self.cv:
                 starting = []
                 free = [s for s in self.slots if s.job is None]
+                deferred: list[Job] = []
                 while free and self.queue:
                     job = self.queue.popleft()
-                    s = max(free, key=lambda s: (self._reusable(s, job.prompt), -s.id))
+                    if job.want_slot >= 0:       # id_slot: that slot or wait (ik defers the task)
+                        s = next((x for x in free if x.id == job.want_slot), None)
+                        if s is None:
+                            deferred.append(job)
+                            continue
+                    else:
+                        # an embedding job reuses no prefix: it takes the slot with the least cache to lose
+                        s = max(free, key=lambda s: ((-len(s.cached) if job.embedding else self._reusable(s, job.prompt)),
+                                                     -s.id))
                     free.remove(s)
                     starting.append((s, job))
+                self.queue.extendleft(reversed(deferred))     # they keep their place in the queue
             try:
                 for s, job in starting:
                     self._assign(s, job)
@@ -383,6 +458,24 @@ class ServingEngine:
                 for s in self.slots:
                     if s.job:
                         self._finish(s, "cancelled")
+
+    def _embedding_turn(self, busy: list[_Slot]) -> bool:
+        """Whether this step's batch is an embedding one: a batch is all embedding jobs or none (the
+        forward pass returns hidden states or logits); with both kinds busy they alternate, so
+        neither starves the other (ik runs generating slots first and defers embedding prompts)."""
+        kinds = {s.job.embedding for s in busy}
+        if len(kinds) == 1:
+            return kinds.pop()
+        self._embd_turn = not self._embd_turn
+        return self._embd_turn
+
+    def _pooled(self, s: _Slot) -> np.ndarray:
+        """An embedding job's result from the hidden-state rows its slot kept: pooled, and unless
+        the pooling is none (per-token rows, as ik leaves them) normalized."""
+        h = np.concatenate(s.hidden) if s.hidden else np.zeros((0, self.model.hp.n_embd), np.float32)
+        s.hidden = []
+        v = pool(h, self.pooling)
+        return v if self.pooling == "none" else normalize(v[0], s.job.embd_normalize)[None, :]
 
     def _refuse(self, job: Job) -> None:
         try:
@@ -402,21 +495,17 @@ class ServingEngine:
         return n if n >= PROMPT_REUSE_MIN else 0
 
     def _nl_token(self) -> int | None:
-        """The vocabulary's newline token (llama.cpp's linefeed id): "\n" as one token, else None."""
+        """The vocabulary's newline token as ik's llama_token_nl (sampling.newline_token), or None."""
         if not hasattr(self, "_nl"):
-            try:
-                ids = list(self.model.tokenizer.encode("\n", add_special=False))
-            except Exception:       # a tokenizer that cannot encode it: nothing to protect
-                ids = []
-            self._nl = int(ids[0]) if len(ids) == 1 else None
+            self._nl = newline_token(self.model.tokenizer)
         return self._nl
 
     def _assign(self, s: _Slot, job: Job) -> None:
         try:
             # the tokenizer is the grammar's vocabulary (each job's matcher is its own parse state)
-            sampler = Sampler(job.params, self.model.n_vocab, self._nl_token(),
-                              getattr(self.model.tokenizer, "eog_ids", ()),
-                              vocab=self.model.tokenizer if getattr(job.params, "grammar", "") else None)
+            sampler = None if job.embedding else Sampler(
+                job.params, self.model.n_vocab, self._nl_token(), getattr(self.model.tokenizer, "eog_ids", ()),
+                vocab=self.model.tokenizer if getattr(job.params, "grammar", "") else None)
         except ValueError as e:     # e.g. a grammar that does not compile: only this job fails
             self.log(f"srv  error: task {job.id_task}: {e}")
             self._refuse(job)
@@ -435,6 +524,9 @@ class ServingEngine:
         del s.cached[keep:]
         s.n_fed, s.n_reused, s.generated, s.pending = keep, keep, [], None
         s.history, s.text, s.tail, s.n_sent, s.probs = list(job.prompt), "", bytearray(), 0, []
+        s.hidden = []
+        s.ban_marks, s.ban_pieces, s.ban_probs, s.n_held, s.ban_at = [], [], [], 0, {}
+        s.ban_rewinds = s.n_rewound = 0
         s.t_start = time.perf_counter()
         s.t_prompt_done = 0.0
 
@@ -445,6 +537,8 @@ class ServingEngine:
         busy = [s for s in self.slots if s.job is not None]
         if not busy:
             return
+        embd = self._embedding_turn(busy)
+        busy = [s for s in busy if s.job.embedding == embd]
         # generating slots first (one token each), then prompt chunks while the batch has room
         tokens, pos, segs, wants = [], [], [], []
         budget = self.n_ubatch
@@ -466,24 +560,35 @@ class ServingEngine:
             budget -= len(take)
             if budget <= 0:
                 break
-        out_rows = np.array([w[1] for w in wants if w[1] >= 0], dtype=np.int64)
+        if embd:    # the rows each slot's pooling needs (engine.embeddings.pooled_rows)
+            kept = [sg.t0 + pooled_rows(self.pooling, len(s.job.prompt), s.n_fed, n)
+                    for (s, _, n), sg in zip(wants, segs)]
+            out_rows = np.concatenate(kept) if kept else np.zeros(0, dtype=np.int64)
+        else:
+            out_rows = np.array([w[1] for w in wants if w[1] >= 0], dtype=np.int64)
         ub = UBatch(np.asarray(tokens, dtype=np.int32), np.asarray(pos, dtype=np.int32), out_rows, 0, segs)
         set_threads(self.cfg.threads(batch=len(tokens) > 1))
         try:
-            logits = self.model.arch.forward(ub, None, self.opts)
+            logits = self.model.arch.forward(ub, None, self.embd_opts if embd else self.opts)
         except BaseException:
             for sg in segs:
                 sg.cache.n = sg.cell0
             raise
         now = time.perf_counter()
         li = 0
-        for s, row, n in wants:
+        for i, (s, row, n) in enumerate(wants):
             if s.pending is not None:
                 s.cached.append(s.pending)
                 s.pending = None
             else:
                 s.cached += s.job.prompt[s.n_fed:s.n_fed + n]
                 s.n_fed += n
+            if embd:
+                s.hidden.append(logits[li:li + len(kept[i])])
+                li += len(kept[i])
+                if s.n_fed == len(s.job.prompt):
+                    self._finish(s, "stop")
+                continue
             if row < 0:
                 continue
             lg = logits[li]
@@ -497,6 +602,10 @@ class ServingEngine:
         if job.n_predict == 0:                  # llama.cpp: read the prompt, generate nothing
             self._finish(s, "length")
             return
+        bans = s.ban_at.get(len(s.generated)) if job.ban is not None else None
+        if bans:        # banned strings: tokens banned at this position of the answer (ik adds the bias)
+            logits = np.array(logits, dtype=np.float32)
+            logits[list(bans)] += np.float32(job.ban.bias)
         tok = s.sampler.sample(logits, s.history)
         tk = self.model.tokenizer
         if tk.is_eog(tok):
@@ -505,13 +614,18 @@ class ServingEngine:
         s.generated.append(tok)
         s.history.append(tok)
         if s.sampler.last_probs is not None:
-            s.probs.append(s.sampler.last_probs)
+            (s.ban_probs if job.ban is not None else s.probs).append(s.sampler.last_probs)
         # decode only the new bytes (a whole-text decode per token would be quadratic)
-        s.tail += tk.token_to_bytes(tok, special=tok in s.job.preserved_tokens)
+        piece = tk.token_to_bytes(tok, special=tok in s.job.preserved_tokens)
+        s.tail += piece
         cut = self._utf8_cut(s.tail)
         s.text += bytes(s.tail[:cut]).decode("utf-8", errors="replace")
         del s.tail[:cut]
         text = s.text
+        if job.ban is not None:
+            if self._ban_check(s, piece):
+                return          # rewound: the slot reads the token before the ban again
+            text = text[:s.ban_marks[-s.n_held - 1][0]] if s.n_held < len(s.ban_marks) else ""
         # a stop string ends the job; text that might start one is held back
         for w in job.stop:
             i = text.find(w, max(0, s.n_sent - len(w)))
@@ -522,7 +636,7 @@ class ServingEngine:
         hold = max((k for w in job.stop for k in range(1, len(w)) if text.endswith(w[:k])), default=0)
         upto = len(text) - hold
         self._emit(s, text[s.n_sent:upto], tok, False)
-        if len(s.generated) >= job.n_predict >= 0:
+        if len(s.generated) + s.n_rewound >= job.n_predict >= 0:
             self._finish(s, "length")
             return
         if job.n_predict < 0 and len(job.prompt) + len(s.generated) >= self.model.hp.n_ctx_train > 0:
@@ -539,6 +653,63 @@ class ServingEngine:
             self._finish(s, "stop")
             return
         s.pending = tok
+
+    def _ban_check(self, s: _Slot, piece: bytes) -> bool:
+        """Banned strings (engine.banned), after the token just appended: look for a ban in the held
+        tokens' text; rewind to it (True), else let the oldest held token out once the buffer is full."""
+        ban = s.job.ban
+        s.ban_marks.append((len(s.text), bytes(s.tail)))
+        s.ban_pieces.append(bytes(piece))
+        s.n_held += 1
+        held = s.ban_pieces[-s.n_held:]
+        at = ban.find(b"".join(held))
+        if at >= 0 and ban.may_rewind(s.ban_rewinds):
+            end = 0
+            for i, p in enumerate(held):          # the held token the match starts in
+                end += len(p)
+                if at < end:
+                    break
+            if self._rewind(s, len(s.generated) - s.n_held + i):
+                return True
+        if s.n_held >= ban.n_buffer:              # ik sends the buffer's oldest token and resets the count
+            out = s.n_held - (ban.n_buffer - 1)
+            s.n_held -= out
+            s.probs += s.ban_probs[:out]
+            del s.ban_probs[:out]
+            s.ban_rewinds = 0
+            n_out = len(s.generated) - s.n_held
+            for k in [k for k in s.ban_at if k < n_out]:
+                del s.ban_at[k]
+        return False
+
+    def _rewind(self, s: _Slot, j: int) -> bool:
+        """Drop the answer's tokens from index j on (ik's rewind_context): ban the first banned_n of
+        them at position j, cut the cache back to before token j - 1 (or the prompt's last token),
+        which is read again to sample position j anew.  False when a context shift took those cells."""
+        ban, n = s.job.ban, len(s.generated)
+        feed = s.generated[j - 1] if j > 0 else s.job.prompt[-1]
+        keep = len(s.cached) - (n - j)            # the cache holds all but the newest token
+        if keep < 0 or keep >= len(s.cached) or s.cached[keep] != feed or s.cache.n != len(s.cached):
+            return False
+        if ban.banned_n != 0:
+            drop = s.generated[j:] if ban.banned_n < 0 else s.generated[j:j + ban.banned_n]
+            s.ban_at.setdefault(j, set()).update(drop)
+        k = n - j
+        s.cache.seq_rm(int(s.cache.pos[keep]))
+        del s.cached[keep:]
+        del s.generated[j:]
+        del s.history[len(s.history) - k:]
+        del s.ban_pieces[j:], s.ban_marks[j:]
+        del s.ban_probs[len(s.ban_probs) - min(k, len(s.ban_probs)):]
+        text_len, tail = s.ban_marks[j - 1] if j > 0 else (0, b"")
+        s.text, s.tail = s.text[:text_len], bytearray(tail)
+        s.n_held -= k
+        if s.sampler.grammar is not None:
+            s.sampler.grammar.rollback(k)
+        s.n_rewound += k
+        s.ban_rewinds += 1
+        s.pending = feed
+        return True
 
     def _shift(self, s: _Slot) -> bool:
         """llama-server's context shift: keep the first n_keep cached tokens (the whole prompt for
@@ -597,6 +768,17 @@ class ServingEngine:
             acc["t_prompt_ms"] += t_p
             acc["n_predicted"] += n_g
             acc["t_predicted_ms"] += t_g
+        if job.ban is not None and reason in ("stop", "length") and not word and s.n_held:
+            # the tokens banned strings held back go out through the stop strings, as ik sends its buffer
+            full = s.text + bytes(s.tail).decode("utf-8", errors="replace")
+            for w in job.stop:
+                i = full.find(w, max(0, s.n_sent - len(w)))
+                if i >= 0:
+                    self._emit(s, full[s.n_sent:i], None, False)
+                    reason, word = "stop", w
+                    break
+        s.probs += s.ban_probs
+        s.ban_probs = []
         if reason != "stop" or not word:
             text = s.text + bytes(s.tail).decode("utf-8", errors="replace")
             rest = text[s.n_sent:] if reason != "cancelled" else ""
@@ -606,8 +788,9 @@ class ServingEngine:
         s.stop_kind = {"stop": "word" if word else "eos", "length": "limit"}.get(reason, "")
         s.stop_word = word
         probs, s.probs = s.probs, []
+        embedding = self._pooled(s) if job.embedding and reason != "cancelled" else None
         self._send(s, Event(rest, None, True, reason, word, len(job.prompt), n_g, tm, probs=probs,
-                            truncated=s.truncated or job.truncated))
+                            truncated=s.truncated or job.truncated, embedding=embedding))
         self.log(f"slot print_timings: id {s.id:2d} | \n"
                  f"prompt eval time = {t_p:10.2f} ms / {n_p:5d} tokens ({t_p / max(n_p, 1):8.2f} ms per token, "
                  f"{1e3 * n_p / t_p if t_p > 0 else 0.0:8.2f} tokens per second)\n"

@@ -365,9 +365,11 @@ REFUSED: dict[str, str] = {
                                                                                 "--mmproj-url")},
     **{f: "multimodal models are not implemented" for f in ("--mmproj", "--mtmd-kq-type", "--image",
                                                             "--image-min-tokens", "--image-max-tokens")},
-    **{f: "embedding models are not implemented" for f in ("--pooling", "--attention", "--embedding",
-                                                           "--embd-normalize", "--embd-output-format",
-                                                           "--embd-separator")},
+    # the server declares --embedding / --pooling itself (POST /embeddings); the other tools have no
+    # embedding output.  --attention non-causal would change what the model computes.  (--embd-normalize,
+    # --embd-output-format, --embd-separator: only ik's llama-embedding reads them, so they are ignored.)
+    **{f: "embeddings are served by `ikcli server --embeddings` only" for f in ("--pooling", "--embedding")},
+    "--attention": "embedding models are not implemented",
 }
 
 # what each ik tool reads from the common set beyond the model options above (canonical

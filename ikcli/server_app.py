@@ -9,12 +9,17 @@ Endpoints: POST /completion (llama.cpp's own), POST /v1/completions, POST /v1/ch
 (OpenAI), POST /v1/messages (Anthropic), GET /v1/models, GET /health, GET /props, GET /v1/props,
 GET /version, GET /slots, GET /metrics, POST /tokenize, POST /detokenize, POST /apply-template, and
 with --slot-save-path POST /slots/{id}?action=save|restore|erase (as llama-server, that route exists
-only then).
+only then).  GET / is the chat page (ikcli/webui: plain HTML/CSS/JS; --path DIR serves DIR instead,
+--webui none turns it off); its files need no API key, as llama-server's "/".
 OpenAI answers carry llama-server's system_fingerprint ("b<build>-<commit>"; here ikcli's version
 and "ikcli") and usage.prompt_tokens_details.cached_tokens (prompt tokens reused from the slot).
 Chat requests may offer tools (OpenAI `tools`, Anthropic `tools`): the template gets them, and the
 answer is parsed in the template's tool-call syntax (engine.tool_calls) into message.tool_calls /
-tool_use blocks, streamed as tool_calls deltas / input_json_delta.
+tool_use blocks, streamed as tool_calls deltas / input_json_delta; tool_choice is enforced by a
+grammar over the format's syntax (engine.tool_grammar; lazy for "auto", apply_tool_grammar).
+POST /embedding, /embeddings (llama-server's form) and /v1/embeddings (OpenAI's) answer with --embeddings
+(create_app's `embeddings`): each prompt is an embedding job of the engine (ServingEngine.submit_embedding),
+pooled as the engine's `pooling` says; without the flag they are llama-server's 501.
 Constrained output (constraint_of, constrain): `grammar` (GBNF or llguidance Lark), `json_schema` and
 OpenAI's `response_format` on /completion, /v1/completions and /v1/chat/completions become one
 grammar text for the sampler (engine.grammar), checked here so a bad one is a 400.
@@ -23,6 +28,7 @@ Errors are JSON in OpenAI's shape: {"error": {"code": 400, "message": "...", "ty
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import dataclasses
 import inspect
@@ -42,6 +48,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 
 # ---------------------------------------------------------------------------------------- logging
 
@@ -235,9 +242,9 @@ def check_text(body: Any, raw_text: str = "") -> None:
 _UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     # ik's adaptive-p sampler (off while the target is negative) is not implemented
     "adaptive_target": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0,
-    # slots are picked by the longest cached prefix; a request cannot name one yet
-    "id_slot": lambda v: v == -1,
-    "banned_strings": lambda v: v == [],
+    # ik's penalty_prompt (a string or token array: penalize those tokens + the generated ones instead
+    # of the sampler's one-token history) is not implemented; ik ignores any other type
+    "penalty_prompt": lambda v: not isinstance(v, (str, list)),
 }
 
 
@@ -443,15 +450,23 @@ class Generation:
 
     def submit(self, engine, prompts: list[list[int]], params, n_predict: int, stop: list[str],
                cache_prompt: bool = True, n_cmpl: int = 1, preserved: Optional[list[int]] = None,
-               shift: tuple[int, int] = (0, 0)) -> None:
+               shift: tuple[int, int] = (0, 0), id_slot: int = -1, ban: Any = None) -> None:
         """One job per prompt and choice: n_cmpl jobs of each prompt, job p * n_cmpl + j the choice j of
         prompt p (llama-server's order of results and their `index`).  As llama-server's child tasks,
         choice j > 0 samples with seed + j when the request fixes a seed, so the choices differ yet
         the answer is reproducible; a random seed (-1) stays random, one draw per choice.
         preserved: token ids to come out as text although they are control tokens (tool-call markers,
         llama.cpp's preserved_tokens); handed to an engine whose submit() takes `preserved_tokens`.
-        shift: the request's (n_keep, n_discard) for a context shift."""
+        shift: the request's (n_keep, n_discard) for a context shift.
+        id_slot: llama-server's id_slot for choice 0 of each prompt (mainline's child tasks take other
+        slots); ban: an engine.banned.BanSpec (banned strings) for every job."""
         kw = {} if cache_prompt else {"cache_prompt": False}   # llama.cpp's field: reuse the slot's prefix
+        for name, value, off in (("id_slot", id_slot, -1), ("ban", ban, None)):
+            if value != off and not _takes_keyword(engine.submit, name):    # an engine without them (tests' fakes)
+                raise bad_request(f"{'id_slot' if name == 'id_slot' else 'banned_strings'}: not supported by "
+                                  f"this engine")
+        if ban is not None:
+            kw["ban"] = ban
         if preserved and _takes_keyword(engine.submit, "preserved_tokens"):
             kw["preserved_tokens"] = list(preserved)
         if shift != (0, 0) and _takes_keyword(engine.submit, "n_keep"):
@@ -465,18 +480,25 @@ class Generation:
             seed = getattr(job_params, "seed", -1)
             if j and _is_int(seed) and seed != -1:
                 job_params.seed = (seed + j) % _SEED_SPAN
+            if id_slot != -1:
+                kw["id_slot"] = id_slot if j == 0 else -1
             try:
                 job = engine.submit(prompt, job_params, n_predict, list(stop), self._callback(i), **kw)
-            except ValueError as e:
+            except (ValueError, RuntimeError) as e:
                 self.cancel()
-                n_ctx = int(getattr(engine, "n_ctx_slot", 0) or 0)
-                if n_ctx and len(prompt) >= n_ctx:
-                    raise ApiError(400, f"the request exceeds the available context size: {e}",
-                                   "exceed_context_size_error", n_prompt_tokens=len(prompt), n_ctx=n_ctx) from None
-                raise bad_request(str(e)) from None
-            except RuntimeError as e:   # the engine is stopped
+                raise _refusal(engine, prompt, e, len(prompt) >= int(getattr(engine, "n_ctx_slot", 0) or 0)) from None
+            self.jobs.append(job)
+            self.prompts.append(prompt)
+
+    def submit_embeddings(self, engine, prompts: list[list[int]], embd_normalize: int) -> None:
+        """One embedding job per prompt (engine.submit_embedding), job i the prompt i; a prompt may
+        fill its slot (no token is generated after it)."""
+        for i, prompt in enumerate(prompts):
+            try:
+                job = engine.submit_embedding(prompt, self._callback(i), embd_normalize)
+            except (ValueError, RuntimeError) as e:
                 self.cancel()
-                raise ApiError(503, f"the server cannot take requests now: {e}", "unavailable_error") from None
+                raise _refusal(engine, prompt, e, len(prompt) > int(getattr(engine, "n_ctx_slot", 0) or 0)) from None
             self.jobs.append(job)
             self.prompts.append(prompt)
 
@@ -500,6 +522,19 @@ class Generation:
             if ev.done:
                 self.finished.add(index)
             yield index, ev
+
+
+def _refusal(engine, prompt: list[int], e: Exception, too_long: bool) -> ApiError:
+    """The answer to a job the engine would not take: a prompt that does not fit a slot (too_long)
+    is llama-server's exceed_context_size_error, another ValueError a 400, a stopped engine
+    (RuntimeError) a 503."""
+    if isinstance(e, RuntimeError):
+        return ApiError(503, f"the server cannot take requests now: {e}", "unavailable_error")
+    n_ctx = int(getattr(engine, "n_ctx_slot", 0) or 0)
+    if n_ctx and too_long:
+        return ApiError(400, f"the request exceeds the available context size: {e}",
+                        "exceed_context_size_error", n_prompt_tokens=len(prompt), n_ctx=n_ctx)
+    return bad_request(str(e))
 
 
 async def _cancel_on_disconnect(request: Request, gen: Generation) -> None:
@@ -642,6 +677,45 @@ def _system_fingerprint() -> str:
 SYSTEM_FINGERPRINT = _system_fingerprint()
 
 
+# ------------------------------------------------------------------------------------------- web UI
+
+# the chat page served at "/" (plain HTML/CSS/JS shipped in the package; --path DIR serves DIR instead)
+WEBUI_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "webui")
+
+
+def static_path(root: str, url_path: str) -> Optional[str]:
+    """The file under `root` that a GET of `url_path` (already percent-decoded) names, or None:
+    "/" and paths ending in "/" name the folder's index.html; nothing outside `root` (.., links)."""
+    rel = url_path.lstrip("/")
+    if rel == "" or rel.endswith("/"):
+        rel += "index.html"
+    try:
+        base = os.path.realpath(root)
+        full = os.path.realpath(os.path.join(base, rel))
+        if os.path.commonpath([base, full]) != base or not os.path.isfile(full):
+            return None
+    except (ValueError, OSError):     # a NUL byte, a name too long ...
+        return None
+    return full
+
+
+class _StaticFiles:
+    """Pure ASGI middleware: a GET (or HEAD) that no API route answers is served from the web UI's
+    folder when it names a file there (as llama-server's mount point at "/"); anything else goes on
+    to the app (unknown routes stay a 404, a wrong method on an API route a 405)."""
+
+    def __init__(self, app, static_file: Callable[[dict], Optional[str]]) -> None:
+        self.app, self.static_file = app, static_file
+
+    async def __call__(self, scope, receive, send) -> None:
+        full = self.static_file(scope) if scope["type"] == "http" else None
+        if full is None:
+            await self.app(scope, receive, send)
+            return
+        from starlette.responses import FileResponse
+        await FileResponse(full, headers={"cache-control": "no-cache"})(scope, receive, send)
+
+
 # ------------------------------------------------------------------------------------------- app
 
 class _AccessLogAndAuth:
@@ -650,10 +724,13 @@ class _AccessLogAndAuth:
 
     PUBLIC = {"/health", "/v1/health", "/models", "/v1/models"}
 
-    def __init__(self, app, api_key, log_requests: bool, verbose: bool = False) -> None:
+    def __init__(self, app, api_key, log_requests: bool, verbose: bool = False,
+                 static_file: Optional[Callable[[dict], Optional[str]]] = None) -> None:
         # api_key: one key or a list of keys (any of them is accepted), None: no check
         keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
         self.app, self.api_key, self.log_requests, self.verbose = app, keys, log_requests, verbose
+        # the web UI's files need no key (ik: "/" is public; a browser sends no key for <script src>)
+        self.static_file = static_file
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -690,7 +767,8 @@ class _AccessLogAndAuth:
             await send(message)
 
         try:
-            if self.api_key and scope.get("method") != "OPTIONS" and path not in self.PUBLIC:
+            if self.api_key and scope.get("method") != "OPTIONS" and path not in self.PUBLIC \
+                    and not (self.static_file is not None and self.static_file(scope)):
                 headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
                 auth = headers.get("authorization", "")
                 given = auth[7:].strip() if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
@@ -730,7 +808,9 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
                api_key: Optional[str | list[str]] = None, default_n_predict: int = -1,
                default_sampling: Optional[dict] = None, log_requests: bool = True, verbose: bool = False,
                metrics: bool = False, reasoning_format: str = "deepseek", slots_endpoint: bool = True,
-               slot_save_path: Optional[str] = None) -> FastAPI:
+               slot_save_path: Optional[str] = None, webui_path: Optional[str] = WEBUI_DIR,
+               embeddings: bool = False, banned_strings: Optional[list[str]] = None,
+               banned_n: int = 1) -> FastAPI:
     """The FastAPI app serving `engine` (a started ServingEngine or anything with its interface).
 
     model: the loaded model (tokenizer, GGUF metadata); default `engine.model`.
@@ -744,8 +824,15 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
     metrics: serve /metrics (--metrics).
     slots_endpoint: serve GET /slots (false: --no-slots, answered 501).
     slot_save_path: --slot-save-path, the folder of slot save files; POST /slots/{id} exists only with it.
+    webui_path: the folder served at "/" (GET / is its index.html; no API key needed): default the
+    chat page in ikcli/webui, --path DIR another, None (--webui none) no page.
     reasoning_format: --reasoning-format, the chat answers' default split of <think> text into
     message.reasoning_content ("none", "auto", "deepseek", "deepseek-legacy"; ik's default deepseek).
+    embeddings: --embeddings, serve POST /embedding(s) and /v1/embeddings (else they answer 501), pooled
+    as the engine's `pooling` says.
+    banned_strings / banned_n: --banned-string-file's strings (banned in requests that give no
+    banned_strings of their own) and --banned-n (engine.banned).  A "grammar" in default_sampling
+    (--grammar, --grammar-file, -j) constrains requests that give no constraint of their own.
     """
     if reasoning_format not in REASONING_FORMATS:
         raise ValueError(f"Unknown reasoning format: {reasoning_format}")
@@ -788,7 +875,19 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
 
     app = FastAPI(title="ikcli server", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = engine
-    app.add_middleware(_AccessLogAndAuth, api_key=api_key, log_requests=log_requests, verbose=verbose)
+
+    def static_file(scope) -> Optional[str]:
+        """The web UI file a request names: GET/HEAD only, and only where no API route matches."""
+        if webui_path is None or scope.get("method") not in ("GET", "HEAD"):
+            return None
+        full = static_path(webui_path, scope.get("path", ""))
+        if full is None or any(r.matches(scope)[0] != Match.NONE for r in app.router.routes):
+            return None
+        return full
+
+    app.add_middleware(_StaticFiles, static_file=static_file)    # inside the key check and the log
+    app.add_middleware(_AccessLogAndAuth, api_key=api_key, log_requests=log_requests, verbose=verbose,
+                       static_file=static_file)
     # browsers' web UIs on other origins may call the API, as llama.cpp's server allows (outermost:
     # CORS preflights are answered before the API key check)
 
@@ -890,6 +989,7 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
             data["logit_bias"] = logit_bias_pairs(data["logit_bias"])
         check_unsupported(data)
         constrain(data)
+        lazy_triggers(data)
         if data.get("dry_sequence_breakers", None) == []:
             raise bad_request("Error: dry_sequence_breakers must be a non-empty array of strings")
         base = data.get("dry_base")
@@ -905,6 +1005,94 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
             raise bad_request(str(e)) from None
         except TypeError as e:
             raise bad_request(f"invalid sampling parameters: {e}") from None
+
+    def request_preserved(body: dict) -> list[int]:
+        """llama-server's `preserved_tokens`: strings whose token (each one token, special ones
+        parsed; others are skipped, as llama-server does) comes out as text."""
+        v = _field(body, "preserved_tokens", None)
+        if v is None:
+            return []
+        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+            raise bad_request("'preserved_tokens' must be an array of strings")
+        out = []
+        for text in v:
+            ids = engine.tokenize(text, False)
+            if len(ids) == 1:
+                out.append(int(ids[0]))
+        return out
+
+    def lazy_triggers(data: dict) -> None:
+        """llama-server's `grammar_lazy` and `grammar_triggers` ([{"type": 1 word | 2 pattern | 3
+        full pattern | 0 token, "value": ..., "token": id}]), checked: a word that is one token
+        becomes a token trigger and must be one of `preserved_tokens`, as llama-server requires."""
+        from engine import grammar as eg
+        trig = data.get("grammar_triggers")
+        if trig is not None:
+            try:
+                trig = eg.normalize_triggers(trig)
+            except eg.GrammarError as e:
+                raise bad_request(str(e)) from None
+            preserved = set(request_preserved(data))
+            out = []
+            for t in trig:
+                if t["type"] == eg.TRIGGER_WORD:
+                    ids = engine.tokenize(t["value"], False)
+                    if len(ids) == 1:
+                        if int(ids[0]) not in preserved:
+                            raise bad_request("Grammar trigger word should be marked as preserved token: " + t["value"])
+                        t = {"type": eg.TRIGGER_TOKEN, "value": t["value"], "token": int(ids[0])}
+                elif t["type"] == eg.TRIGGER_TOKEN and n_vocab is not None and t["token"] >= n_vocab:
+                    raise bad_request(f"grammar trigger token {t['token']} is out of range [0, {n_vocab})")
+                out.append(t)
+            data["grammar_triggers"] = out
+        if data.get("grammar_lazy") is True and not data.get("grammar_triggers"):
+            raise bad_request("Error: no triggers set for lazy grammar!")
+
+    def request_ban(body: dict) -> Any:
+        """The request's banned strings (engine.banned.BanSpec; None: none), the server's
+        --banned-string-file strings where it gives no banned_strings."""
+        from engine.banned import spec_of_request
+        try:
+            return spec_of_request(body, banned_strings or (), banned_n)
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+
+    def request_id_slot(body: dict) -> int:
+        """llama-server's id_slot: -1 (any slot) or a slot's id.  An id no slot has is a 400 here
+        (ik and mainline defer such a task for ever: the request never returns)."""
+        v = get_int(body, "id_slot", -1)
+        if not -1 <= v < n_parallel:
+            raise bad_request("Invalid slot ID")
+        return v
+
+    def apply_tool_grammar(params, treq: Optional[ToolRequest], prompt_text: str) -> None:
+        """tool_choice as llama-server enforces it: the grammar of the template's tool-call format
+        (engine.tool_grammar) in the request's sampler params; lazy for "auto" (free text until the
+        format's trigger).  Needs the model's vocabulary and llguidance; without llguidance
+        "required" / a named function are a 400 and "auto" stays free."""
+        if treq is None or tok is None or not hasattr(params, "grammar"):
+            return
+        from engine import grammar as eg
+        from engine.tool_grammar import tool_grammar
+        if not eg.available():
+            if treq.mode != "auto":
+                raise bad_request(f"tool_choice '{treq.mode if treq.mode == 'required' else treq.function}' "
+                                  f"needs a grammar: {eg.GrammarUnavailable.__doc__}")
+            return
+        width = getattr(model, "n_vocab", None) or n_vocab
+        vocab = eg.TokenVocab.of(tok, width)
+        tail = prompt_text.rstrip()
+        think = ("forced" if tail.endswith(THINK_OPEN) else "" if tail.endswith(THINK_CLOSE)
+                 else "optional" if template and THINK_OPEN in template else "")
+        tg = tool_grammar(treq.format, treq.tools, treq.mode, treq.function, treq.parallel,
+                          special_id=vocab.special_id, think=think)
+        if tg is None:
+            return
+        try:
+            eg.check_grammar(tg.grammar, tok, width)
+        except eg.GrammarError as e:
+            raise bad_request(f'"tools": the tool-call grammar cannot be built: {e}') from None
+        params.grammar, params.grammar_lazy, params.grammar_triggers = tg.grammar, tg.lazy, tuple(tg.triggers)
 
     def n_predict_of(body: dict) -> int:
         """The token limit of a request: n_predict, else max_tokens, else max_completion_tokens (llama.cpp's
@@ -980,8 +1168,8 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         """The request's tools, tool_choice and parallel_tool_calls (None: no tools, or tool_choice
         "none": the template gets no tools and the answer is not parsed for calls).  As llama-server,
         tools need a Jinja template: with a built-in --chat-template NAME format they are refused.
-        "required" and a named function are accepted, not enforced (no grammar constrains the
-        output); parallel_tool_calls false keeps the first call of the answer."""
+        "required", a named function and "auto" are enforced by a grammar over the format's syntax
+        (apply_tool_grammar); parallel_tool_calls false allows one call (and keeps the first)."""
         try:
             tools = tool_calls_mod.normalize_tools(_field(body, "tools", None))
             mode, function = tool_calls_mod.parse_tool_choice(_field(body, "tool_choice", None), tools)
@@ -1313,6 +1501,62 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
             raise bad_request(f"cannot detokenize: {e}") from None
         return {"content": content}
 
+    # ------------------------------------------------------------------------------ embeddings
+    pooling = getattr(engine, "pooling", "none")
+
+    async def embeddings_answer(request: Request, oai: bool) -> JSONResponse:
+        """llama-server's handle_embeddings_impl: /embedding(s) answer a list of {embedding, index}
+        (one row per token with pooling none, else one normalized row), /v1/embeddings OpenAI's
+        list object; a request with `content` instead of `input` gets llama-server's own form."""
+        if not embeddings:
+            raise ApiError(501, "This server does not support embeddings. Start it with `--embeddings`",
+                           "not_supported_error")
+        if oai and pooling == "none":
+            raise bad_request("Pooling type 'none' is not OAI compatible. Please use a different pooling type")
+        body = await read_json(request)
+        if _field(body, "input") is not _MISSING:
+            name = "input"
+        elif _field(body, "content") is not _MISSING:
+            name, oai = "content", False
+        else:
+            raise bad_request('"input" or "content" must be provided')
+        fmt = _field(body, "encoding_format", "float")
+        if fmt not in ("float", "base64"):
+            raise bad_request("The format to return the embeddings in. Can be either float or base64")
+        try:        # the prompt forms of /completion: a string, token ids, mixed, or a list of those
+            prompts = [await tokenize_prompt(p) for p in split_prompts(body[name])]
+        except ApiError as e:
+            raise bad_request(e.message.replace("'prompt'", f"'{name}'")) from None
+        if any(not p for p in prompts):
+            raise bad_request("Input content cannot be empty")
+        norm = get_int(body, "embd_normalize", 2)
+        gen = Generation()
+        gen.submit_embeddings(engine, prompts, norm)
+        results = await collect(request, gen)
+        vectors = [results[i]["final"].embedding for i in range(len(prompts))]     # float32 arrays
+        if not oai:
+            return JSONResponse([{"embedding": v.tolist(), "index": i} for i, v in enumerate(vectors)])
+        data = []
+        for i, v in enumerate(vectors):
+            if fmt == "base64":     # the float32 values' little-endian bytes, as llama-server sends them
+                data.append({"embedding": base64.b64encode(v[0].astype("<f4").tobytes()).decode("ascii"),
+                             "encoding_format": "base64", "index": i, "object": "embedding"})
+            else:
+                data.append({"embedding": v[0].tolist(), "index": i, "object": "embedding"})
+        n_tokens = sum(len(p) for p in prompts)
+        model_name = body.get("model") if isinstance(body.get("model"), str) else "gpt-3.5-turbo-0613"
+        return JSONResponse({"data": data, "model": model_name, "object": "list",
+                             "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})
+
+    @app.post("/embedding")
+    @app.post("/embeddings")
+    async def embeddings_endpoint(request: Request):
+        return await embeddings_answer(request, oai=False)
+
+    @app.post("/v1/embeddings")
+    async def oai_embeddings_endpoint(request: Request):
+        return await embeddings_answer(request, oai=True)
+
     # ---------------------------------------------------------------- llama.cpp's /completion
     @app.post("/completion")
     @app.post("/completions")
@@ -1321,9 +1565,11 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         stream, stop, n_predict = request_basics(body)
         n_cmpl = n_cmpl_of(body)
         params = sampling_params(body, "n_probs")
+        id_slot, ban = request_id_slot(body), request_ban(body)
         raw_prompts, prompts = await prompts_of(body)
         gen = Generation()
-        gen.submit(engine, prompts, params, n_predict, stop, get_cache_prompt(body), n_cmpl, shift=get_shift(body))
+        gen.submit(engine, prompts, params, n_predict, stop, get_cache_prompt(body), n_cmpl, shift=get_shift(body),
+                   preserved=request_preserved(body), id_slot=id_slot, ban=ban)
         settings = generation_settings(params, n_predict, stop, stream)
         with_probs = params.n_probs > 0
 
@@ -1369,12 +1615,19 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         body = await read_json(request)
         stream, stop, n_predict = request_basics(body)
         n_cmpl = n_cmpl_of(body)
-        if get_bool(body, "echo", False):
-            raise bad_request("'echo' is not supported by this server")
+        echo = get_bool(body, "echo", False)
         params = sampling_params(body, "logprobs")
-        _raw, prompts = await prompts_of(body)
+        if echo and params.n_probs > 0:
+            raise bad_request("'echo' with 'logprobs' needs the prompt tokens' log-probabilities, which this "
+                              "server does not compute")
+        id_slot, ban = request_id_slot(body), request_ban(body)
+        raw, prompts = await prompts_of(body)
+        # echo (OpenAI's): each choice's text starts with its prompt, as given (token ids as their text)
+        echoed = [(p if isinstance(p, str) else await asyncio.to_thread(engine.detokenize, q)) if echo else ""
+                  for p, q in zip(raw, prompts)]
         gen = Generation()
-        gen.submit(engine, prompts, params, n_predict, stop, get_cache_prompt(body), n_cmpl, shift=get_shift(body))
+        gen.submit(engine, prompts, params, n_predict, stop, get_cache_prompt(body), n_cmpl, shift=get_shift(body),
+                   preserved=request_preserved(body), id_slot=id_slot, ban=ban)
         cmpl_id, created = _rand_id("cmpl-"), int(time.time())
 
         def head() -> dict:
@@ -1393,7 +1646,7 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
                     n_prompt_total += n_prompt
                     n_cached_total += n_cached(gen, i, ev)
                 last_timings = timings_json(ev.timings, n_ctx_slot, n_prompt + n_gen)
-                choices.append({"text": "".join(results[i]["text"]), "index": i,
+                choices.append({"text": echoed[i // n_cmpl] + "".join(results[i]["text"]), "index": i,
                                 "logprobs": oai_logprobs(params, results[i]["probs"]),
                                 "finish_reason": oai_finish_reason(ev)})
             return {**head(), "choices": choices,
@@ -1401,6 +1654,9 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
                     "timings": last_timings}
 
         async def chunks() -> AsyncIterator[str]:
+            for i in range(len(gen.jobs) if echo else 0):
+                yield sse({**head(), "choices": [{"text": echoed[i // n_cmpl], "index": i, "logprobs": None,
+                                                  "finish_reason": None}]})
             async for i, ev in gen.events():
                 if ev.text:
                     yield sse({**head(), "choices": [{"text": ev.text, "index": i,
@@ -1489,10 +1745,13 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         # the template opened the reasoning itself (Qwen3 / DeepSeek-R1 prompts ending in <think>):
         # the answer starts inside it and only </think> comes
         forced_open = text.rstrip().endswith(THINK_OPEN)
+        await asyncio.to_thread(apply_tool_grammar, params, treq, text)
+        id_slot, ban = request_id_slot(body), request_ban(body)
         prompt = await chat_prompt(body, text)
         gen = Generation()
         gen.submit(engine, [prompt], params, n_predict, stop, get_cache_prompt(body), n_cmpl, shift=get_shift(body),
-                   preserved=preserved_ids(treq))
+                   preserved=preserved_ids(treq) if treq is not None else request_preserved(body),
+                   id_slot=id_slot, ban=ban)
         cmpl_id, created = _rand_id("chatcmpl-"), int(time.time())
 
         def head() -> dict:
@@ -1721,7 +1980,9 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
         stream, stop, n_predict = request_basics(chat)
         params = sampling_params(chat, "chat")
         treq = tool_request(chat)
-        prompt = await chat_prompt(chat)
+        text = await render_prompt(chat)
+        await asyncio.to_thread(apply_tool_grammar, params, treq, text)
+        prompt = await chat_prompt(chat, text)
         gen = Generation()
         gen.submit(engine, [prompt], params, n_predict, stop, True, preserved=preserved_ids(treq))
         msg_id = _rand_id("msg_")

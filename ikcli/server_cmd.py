@@ -78,6 +78,11 @@ def server(
     dry_sequence_breaker: List[str] = typer.Option([], "--dry-sequence-breaker", help="add DRY sequence breakers, one per character of the value (the first use clears the defaults '\\n', ':', '\"', '*'; 'none' clears them all); repeatable"),
     samplers: Optional[str] = typer.Option(None, "--samplers", help="samplers in order, separated by ';' (default: dry;top_k;tfs_z;typical_p;top_p;min_p;xtc;top_n_sigma;temperature;adaptive_p)"),
     sampling_seq: Optional[str] = typer.Option(None, "--sampling-seq", help="samplers in order, one letter each (default: dkfypmxntw)"),
+    grammar: Optional[str] = typer.Option(None, "--grammar", help="default GBNF grammar (or llguidance Lark) of requests that give no grammar / json_schema / response_format"),
+    grammar_file: Optional[str] = typer.Option(None, "--grammar-file", help="file to read the default grammar from"),
+    json_schema: Optional[str] = typer.Option(None, "-j", "--json-schema", help="default JSON schema (constrains requests that give no constraint of their own)"),
+    banned_string_file: Optional[str] = typer.Option(None, "--banned-string-file", help="file of banned strings, one a line (banned in requests that give no banned_strings)"),
+    banned_n: int = typer.Option(1, "--banned-n", help="number of tokens banned in the phrase during rewind; -1: all of them (default: 1)"),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="log every request's body and response (as --verbosity 1)"),
     verbosity: int = typer.Option(0, "--verbosity", help="> 0: log every request's body and response (VERB lines)"),
     api_key: List[str] = typer.Option([], "--api-key", help="require this key (Authorization: Bearer KEY) on all endpoints but /health and /v1/models; repeatable"),
@@ -85,12 +90,16 @@ def server(
     metrics: bool = typer.Option(False, "--metrics", help="enable the Prometheus-compatible /metrics endpoint"),
     no_slots: bool = typer.Option(False, "--no-slots", help="disable the GET /slots monitoring endpoint (it answers 501)"),
     slot_save_path: Optional[str] = typer.Option(None, "--slot-save-path", help="folder for slot save files: enables POST /slots/{id}?action=save|restore|erase"),
+    public_path: Optional[str] = typer.Option(None, "--path", help="folder of static files served at / instead of the built-in chat page"),
+    webui: str = typer.Option("auto", "--webui", help="none: no web page at /; any other name (auto, llamacpp): the chat page (default: auto)"),
     jinja: bool = typer.Option(False, "--jinja", help="use the Jinja chat template (ikcli always does: the GGUF's, or --chat-template-file)"),
     chat_template: Optional[str] = typer.Option(None, "--chat-template", help="ik's built-in chat format by name (chatml, llama3, gemma, mistral-v7, deepseek3, ...; a wrong name lists them all) instead of the GGUF's template; with --jinja, a value that is no built-in name is a Jinja template"),
     chat_template_file: Optional[str] = typer.Option(None, "--chat-template-file", help="Jinja chat template to use instead of the GGUF's tokenizer.chat_template"),
     context_shift: str = typer.Option("on", "--context-shift", help="auto|on|off|0|1: when a generation fills its slot's context, drop tokens after n_keep (half the rest, or the request's n_discard) and go on; off: stop at the context size (default: on, as ik; --no-context-shift: off)"),
     reasoning_format: str = typer.Option("deepseek", "--reasoning-format", help="chat answers: where <think>...</think> text goes: 'none' leaves it in message.content; 'deepseek' or 'auto' puts it in message.reasoning_content (streamed deltas too); 'deepseek-legacy' also keeps the tags in content, and streams them inline (default: deepseek)"),
     cont_batching: bool = typer.Option(True, "-cb/-nocb", "--cont-batching/--no-cont-batching", help="continuous batching: the slots' tokens decode together (always on in ikcli; -nocb is refused)"),
+    embedding: bool = typer.Option(False, "--embedding", "--embeddings", help="serve POST /embedding, /embeddings and /v1/embeddings (the prompt's final normed hidden states, pooled)"),
+    pooling: Optional[str] = typer.Option(None, "--pooling", metavar="{none,mean,cls,last}", help="pooling type for embeddings (default: the model's <arch>.pooling_type, else none)"),
     batch_size: int = common.BatchOpt,
     ubatch_size: int = common.UBatchOpt,
     threads: int = common.ThreadsOpt,
@@ -109,6 +118,7 @@ def server(
         raise CliError(f"-n/--n-predict must be >= -1 (got {n_predict})")
     if reasoning_format not in ("none", "auto", "deepseek", "deepseek-legacy"):
         raise CliError(f"Unknown reasoning format: {reasoning_format}")
+    _check_pooling(pooling)
     sampling = _default_sampling(seed=seed, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                                  repeat_last_n=repeat_last_n, repeat_penalty=repeat_penalty,
                                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
@@ -120,6 +130,10 @@ def server(
                                  dry_penalty_last_n=dry_penalty_last_n,
                                  dry_sequence_breakers=_dry_breakers(dry_sequence_breaker),
                                  samplers=_sampler_order(samplers, sampling_seq))
+    grammar_flag, default_grammar = _default_grammar(grammar, grammar_file, json_schema)
+    if default_grammar:
+        sampling["grammar"] = default_grammar
+    banned = _banned_strings(banned_string_file)
     keys = [k for k in api_key]
     if api_key_file is not None:
         try:
@@ -127,6 +141,8 @@ def server(
                 keys += [ln.rstrip("\r\n") for ln in fh if ln.rstrip("\r\n")]
         except OSError as e:
             raise CliError(f"failed to open file '{api_key_file}': {e.strerror}") from None
+    if public_path and webui != "none" and not os.path.isdir(public_path):    # ik aborts the same way
+        raise CliError(f"static assets path not found: {public_path}")
     template, render = _builtin_or_jinja(chat_template, jinja, chat_template_file)
     if chat_template_file is not None:
         try:
@@ -137,7 +153,7 @@ def server(
     try:
         import uvicorn
 
-        from .server_app import create_app, server_log
+        from .server_app import WEBUI_DIR, create_app, server_log
     except ImportError as e:
         raise CliError(f"ikcli server needs fastapi and uvicorn ({e}); pip install fastapi uvicorn") from None
 
@@ -150,18 +166,23 @@ def server(
         from engine.serving import ServingEngine
 
         m = common.load_model(path, cfg)
+        if default_grammar:
+            _check_grammar(grammar_flag, default_grammar, m)
         if ctx_size == 0:
             cfg.n_ctx = m.hp.n_ctx_train
         elif ctx_size > m.hp.n_ctx_train:
             common.log(f"warning: model was trained on only {m.hp.n_ctx_train} context tokens ({ctx_size} specified)")
         engine = ServingEngine(m, cfg, parallel, common.log, common.new_context(m, cfg, flags, n_seq=parallel),
-                               ctx_shift=common.parse_bool("--context-shift", context_shift))
+                               ctx_shift=common.parse_bool("--context-shift", context_shift),
+                               pooling=_pooling_of(m, pooling) if embedding else "none")
         engine.start()
         app = create_app(engine, m, model_path=path, alias=alias or os.path.basename(path), chat_template=template,
                          render_chat=render, api_key=keys or None, default_n_predict=n_predict, default_sampling=sampling,
                          verbose=verbose or verbosity > 0, metrics=metrics,
-                         reasoning_format=reasoning_format, slots_endpoint=not no_slots,
-                         slot_save_path=slot_save_path or None)
+                         reasoning_format=reasoning_format, slots_endpoint=not no_slots, embeddings=embedding,
+                         banned_strings=banned, banned_n=banned_n,
+                         slot_save_path=slot_save_path or None,
+                         webui_path=None if webui == "none" else (public_path or WEBUI_DIR))
         server_log("INFO", "main", "model loaded")
         bound_host, bound_port = sock.getsockname()[:2]
         info = {"hostname": host, "port": str(bound_port), "n_threads_http": "1"}
@@ -219,6 +240,55 @@ def _dry_breakers(values: List[str]) -> list[str]:
     return out
 
 
+def _default_grammar(grammar: Optional[str], grammar_file: Optional[str],
+                     json_schema: Optional[str]) -> tuple[str, str]:
+    """(flag, grammar text) of --grammar / --grammar-file / -j (("", "") when none): the server's
+    default constraint, as ik's params_base.sampling.grammar.  A file that cannot be read or a schema
+    that is no JSON object fails here, naming the flag."""
+    given = [(f, v) for f, v in (("--grammar", grammar), ("--grammar-file", grammar_file),
+                                 ("--json-schema", json_schema)) if v is not None]
+    if len(given) > 1:      # ik keeps the last one given; typer cannot tell the order
+        raise CliError(f"give only one of {', '.join(f for f, _ in given)}: each sets the default grammar")
+    if not given:
+        return "", ""
+    flag, value = given[0]
+    if flag == "--grammar-file":
+        try:
+            with open(value, encoding="utf-8") as fh:
+                return flag, fh.read()
+        except (OSError, UnicodeDecodeError):
+            raise CliError(f"--grammar-file: failed to open file '{value}'") from None
+    if flag == "--json-schema":
+        import json
+
+        from engine import grammar as eg
+        try:
+            return flag, eg.schema_grammar(json.loads(value))
+        except ValueError as e:         # bad JSON, or no schema object (GrammarError)
+            raise CliError(f"--json-schema: {e}") from None
+    return flag, value
+
+
+def _check_grammar(flag: str, text: str, m) -> None:
+    """The default grammar must compile for the model's vocabulary (fails at start, naming the flag)."""
+    from engine import grammar as eg
+    try:
+        eg.check_grammar(text, m.tokenizer, getattr(m, "n_vocab", None))
+    except eg.GrammarError as e:
+        raise CliError(f"{flag}: {str(e).splitlines()[0] if str(e) else e}") from None
+
+
+def _banned_strings(path: Optional[str]) -> list[str]:
+    """--banned-string-file: its strings (ik's reading: one a line, double quotes removed)."""
+    if path is None:
+        return []
+    from engine.banned import read_banned_file
+    try:
+        return read_banned_file(path)
+    except (OSError, UnicodeDecodeError):
+        raise CliError(f"--banned-string-file: failed to open file '{path}'") from None
+
+
 def _sampler_order(samplers: Optional[str], sampling_seq: Optional[str]):
     """--samplers (names separated by ';') or --sampling-seq (letters); the default order otherwise."""
     from engine.sampling import DEFAULT_SAMPLERS, parse_samplers
@@ -266,6 +336,29 @@ def _builtin_or_jinja(value: Optional[str], jinja: bool, template_file: Optional
     except ValueError as e:
         raise CliError(f"the supplied chat template is not supported: {e}") from None
     return value, None
+
+
+def _check_pooling(value: Optional[str]) -> None:
+    """--pooling: ik's four names; rank (a reranker's head) is refused in one line."""
+    if value is None or value in ("none", "mean", "cls", "last"):
+        return
+    if value == "rank":
+        raise CliError("--pooling rank is not supported by ikcli: reranking models are not implemented")
+    raise CliError(f"invalid parameter for argument: --pooling (none, mean, cls or last; got '{value}')")
+
+
+def _pooling_of(m, value: Optional[str]) -> str:
+    """--pooling, else the model's own pooling type (none without one, as llama.cpp), logged."""
+    from engine.embeddings import model_pooling
+    if value is None:
+        try:
+            value = model_pooling(m.file.meta, m.hp.arch)
+        except ValueError as e:
+            raise CliError(f"{m.file.path}: {e}") from None
+        if value == "rank":
+            raise CliError("the model's pooling type is rank: reranking models are not implemented by ikcli")
+    common.log(f"embeddings: pooling type = {value}")
+    return value
 
 
 def _is_main_thread() -> bool:

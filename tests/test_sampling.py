@@ -1060,3 +1060,236 @@ def test_params_vocab_is_shared_not_copied_or_reported():
     assert "vocab" not in dataclasses.asdict(p) and SamplingParams().vocab is None
     assert "vocab" not in {f.name for f in dataclasses.fields(SamplingParams)}
     assert SamplingParams.from_request({"vocab": "x"}).vocab is None         # never read from a request
+
+
+# --- penalties as ik_llama.cpp applies them ---------------------------------------------------
+# ik's per-candidate arithmetic (src/llama-sampling.cpp, llama_sample_repetition_penalties_impl), in
+# float32: logit <= 0 ? logit * repeat : logit / repeat, then logit -= count * freq + present; the
+# tokens are the last min(len, repeat_last_n) of the list it is given (common/sampling.cpp), and the
+# newline token gets its logit back unless penalize_nl.
+
+def ik_penalties(logits, tokens, rp, fq, pr, last_n, nl=None, penalize_nl=False) -> np.ndarray:
+    """A literal, scalar float32 transcription of ik's formulas (for comparing bit for bit)."""
+    x = [np.float32(v) for v in logits]
+    n_used = len(tokens) if last_n < 0 else min(len(tokens), last_n)
+    if n_used == 0 or (rp == 1.0 and fq == 0.0 and pr == 0.0):
+        return np.array(x, dtype=np.float32)
+    window = list(tokens)[len(tokens) - n_used:]
+    counts: dict[int, int] = {}
+    for t in window:
+        counts[t] = counts.get(t, 0) + 1
+    keep = x[nl] if nl is not None else None
+    rp32, fq32, pr32 = np.float32(rp), np.float32(fq), np.float32(pr)
+    for t, c in counts.items():
+        v = x[t] * rp32 if x[t] <= 0 else x[t] / rp32
+        x[t] = np.float32(v - (np.float32(c) * fq32 + np.float32(c > 0) * pr32))
+    if nl is not None and not penalize_nl:
+        x[nl] = keep
+    return np.array(x, dtype=np.float32)
+
+
+def bits(a) -> np.ndarray:
+    return np.asarray(a, dtype=np.float32).view(np.uint32)
+
+
+def test_penalty_arithmetic_by_hand_negative_zero_and_counts():
+    logits = f32([3.0, -2.0, 0.0, 1.5, -0.5, 4.0])
+    hist = [0, 0, 1, 3, 3, 3, 2]          # counts: t0 2, t1 1, t2 1, t3 3
+    p = SamplingParams(repeat_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25, repeat_last_n=-1)
+    out = apply_penalties(logits, hist, p)
+    # t0: 3/2 - (2*0.5 + 0.25); t1: -2*2 - 0.75; t2: 0 is multiplied (0) - 0.75; t3: 1.5/2 - (1.5 + 0.25)
+    np.testing.assert_array_equal(out, f32([0.25, -4.75, -0.75, -1.0, -0.5, 4.0]))
+    # repeat_penalty alone: a negative logit goes down (multiplied), a positive one down (divided)
+    only_rp = apply_penalties(logits, hist, SamplingParams(repeat_penalty=1.25, repeat_last_n=-1))
+    np.testing.assert_array_equal(only_rp, f32([2.4, -2.5, 0.0, 1.2, -0.5, 4.0]))
+    # a repeat_penalty below 1 raises them instead, as in ik (no clamping)
+    low = apply_penalties(logits, hist, SamplingParams(repeat_penalty=0.5, repeat_last_n=-1))
+    np.testing.assert_array_equal(low, f32([6.0, -1.0, 0.0, 3.0, -0.5, 4.0]))
+    # presence alone: once per distinct token whatever its count; frequency: per occurrence
+    pres = apply_penalties(logits, hist, SamplingParams(presence_penalty=1.0, repeat_last_n=-1))
+    np.testing.assert_array_equal(pres, f32([2.0, -3.0, -1.0, 0.5, -0.5, 4.0]))
+    freq = apply_penalties(logits, hist, SamplingParams(frequency_penalty=1.0, repeat_last_n=-1))
+    np.testing.assert_array_equal(freq, f32([1.0, -3.0, -1.0, -1.5, -0.5, 4.0]))
+    # negative presence / frequency penalties favour the repeated tokens
+    neg = apply_penalties(logits, hist, SamplingParams(frequency_penalty=-0.5, presence_penalty=-0.25,
+                                                       repeat_last_n=-1))
+    np.testing.assert_array_equal(neg, f32([4.25, -1.25, 0.75, 3.25, -0.5, 4.0]))
+
+
+@pytest.mark.parametrize("last_n, want", [
+    (0, [3.0, -2.0, 0.0, 1.5, -0.5, 4.0]),          # off
+    (1, [3.0, -2.0, -0.75, 1.5, -0.5, 4.0]),        # [2]
+    (2, [3.0, -2.0, -0.75, 0.0, -0.5, 4.0]),        # [3, 2]: t3 once
+    (4, [3.0, -2.0, -0.75, -1.0, -0.5, 4.0]),       # [3, 3, 3, 2]: t3 three times, t1 just outside
+    (5, [3.0, -4.75, -0.75, -1.0, -0.5, 4.0]),      # t1 just inside, t0 outside
+    (6, [0.75, -4.75, -0.75, -1.0, -0.5, 4.0]),     # one t0 in
+    (7, [0.25, -4.75, -0.75, -1.0, -0.5, 4.0]),     # the whole history
+    (8, [0.25, -4.75, -0.75, -1.0, -0.5, 4.0]),     # longer than the history: all of it
+    (-1, [0.25, -4.75, -0.75, -1.0, -0.5, 4.0]),    # -1: all of it
+])
+def test_penalty_window_edges(last_n, want):
+    logits = f32([3.0, -2.0, 0.0, 1.5, -0.5, 4.0])
+    hist = [0, 0, 1, 3, 3, 3, 2]
+    p = SamplingParams(repeat_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25, repeat_last_n=last_n)
+    got = apply_penalties(logits, hist, p)
+    np.testing.assert_array_equal(got, f32(want))
+    np.testing.assert_array_equal(bits(got), bits(ik_penalties(logits, hist, 2.0, 0.5, 0.25, last_n)))
+
+
+def test_penalize_nl_restores_the_newline_logit_after_the_penalties():
+    logits = f32([3.0, -2.0, 0.0, 1.5])
+    hist = [1, 1, 3]                 # token 1 is the newline
+    kw = dict(repeat_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    kept_nl = apply_penalties(logits, hist, SamplingParams(**kw), nl_token=1)
+    np.testing.assert_array_equal(kept_nl, f32([3.0, -2.0, 0.0, 0.0]))
+    hit_nl = apply_penalties(logits, hist, SamplingParams(penalize_nl=True, **kw), nl_token=1)
+    np.testing.assert_array_equal(hit_nl, f32([3.0, -5.25, 0.0, 0.0]))
+    # a newline outside the window is untouched either way; so is one with repeat_last_n 0
+    np.testing.assert_array_equal(apply_penalties(logits, [3], SamplingParams(penalize_nl=True, **kw), 1),
+                                  f32([3.0, -2.0, 0.0, 0.0]))
+    np.testing.assert_array_equal(apply_penalties(logits, hist, SamplingParams(penalize_nl=True, repeat_last_n=0,
+                                                                               **kw), 1), logits)
+
+
+def test_penalties_bit_for_bit_with_iks_float32_formulas():
+    rng = np.random.default_rng(7)
+    special = f32([0.0, -0.0, 1e-30, -1e-30, 3e38, -3e38, 1e-45])
+    for trial in range(300):
+        n = 64
+        logits = (rng.standard_normal(n) * rng.choice([0.1, 1.0, 30.0])).astype(np.float32)
+        logits[rng.choice(n, len(special), replace=False)] = special
+        hist = [int(t) for t in rng.integers(0, rng.choice([4, 16, n]), int(rng.integers(0, 90)))]
+        rp = float(rng.choice([1.0, 1.1, 1.18, 0.7, float(rng.uniform(0.2, 3.0))]))
+        fq = float(rng.choice([0.0, 0.5, float(rng.uniform(-2, 2))]))
+        pr = float(rng.choice([0.0, -1.0, float(rng.uniform(-2, 2))]))
+        last_n = int(rng.choice([-1, 0, 1, 3, 64, 89, 200]))
+        nl = int(rng.integers(0, n)) if trial % 2 else None
+        pnl = bool(trial % 3 == 0)
+        p = SamplingParams(repeat_penalty=rp, frequency_penalty=fq, presence_penalty=pr, repeat_last_n=last_n,
+                           penalize_nl=pnl)
+        with np.errstate(over="ignore"):
+            got = apply_penalties(logits, hist, p, nl)
+            want = ik_penalties(logits, hist, rp, fq, pr, last_n, nl, pnl)
+        np.testing.assert_array_equal(bits(got), bits(want), err_msg=f"trial {trial}")
+
+
+def test_penalty_tokens_are_the_latest_token_only():
+    """ik's common_sampler keeps its penalty tokens in a vector that its reset empties and its accept
+    keeps at the same length (oldest out, newest in), so after the server's reset + prompt loop it holds
+    one token: the prompt's last, then each generated token in turn."""
+    from engine.sampling import penalty_tokens
+    assert list(penalty_tokens([])) == []
+    assert list(penalty_tokens([5])) == [5]
+    assert list(penalty_tokens([1, 2, 3, 3])) == [3]
+    assert penalty_tokens(np.array([4, 5, 6])).tolist() == [6]
+
+
+@pytest.mark.parametrize("last_n", [-1, 1, 64, 4096])
+def test_sampler_penalizes_only_the_latest_token(last_n):
+    logits = f32([3.0, -2.0, 0.0, 1.5, -0.5, 4.0])
+    hist = [0, 0, 1, 3, 3, 3, 2, 5, 5, 3]     # older repeats of 0, 3, 5 count for nothing
+    kw = dict(repeat_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25, repeat_last_n=last_n)
+    s = Sampler(SamplingParams(**kw), 6)
+    want = ik_penalties(logits, hist[-1:], 2.0, 0.5, 0.25, last_n)
+    np.testing.assert_array_equal(want, f32([3.0, -2.0, 0.0, 1.5 / 2 - 0.75, -0.5, 4.0]))
+    np.testing.assert_array_equal(bits(s._penalized(logits, hist)), bits(want))
+    # greedy: 5 is the argmax; it is penalized only while it is the latest token
+    g = Sampler(SamplingParams(temperature=0.0, **kw), 6)
+    assert g.sample(logits, [5, 5, 5, 0]) == 5
+    assert g.sample(logits, [0, 5]) == 0             # 4/2 - 0.75 = 1.25 < 3
+    off = Sampler(SamplingParams(temperature=0.0, **{**kw, "repeat_last_n": 0}), 6)
+    assert off.sample(logits, [0, 5]) == 5
+
+
+def test_newline_token_as_iks_llama_token_nl():
+    from engine.sampling import newline_token
+
+    class Spm:
+        type = "spm"
+        def __init__(self, t2i): self.token_to_id = t2i
+        def encode(self, text, add_special=True): return [29871, 13]     # "▁" + "<0x0A>": never used
+
+    class Bpe:
+        type = "bpe"
+        def __init__(self, ids): self.ids = ids
+        def encode(self, text, add_special=True): return list(self.ids)
+
+    assert newline_token(Spm({"<0x0A>": 13, "\n": 5})) == 13        # the byte token first
+    assert newline_token(Spm({"\n": 403})) == 403                    # else the token "\n" itself
+    assert newline_token(Spm({"a": 1})) is None
+    assert newline_token(Bpe([198])) == 198
+    assert newline_token(Bpe([198, 7])) == 198                       # the first of several, as ik
+    assert newline_token(Bpe([])) is None
+    assert newline_token(object()) is None                            # no way to encode: nothing kept
+
+    from ikcli.defaults import demo_model
+    from engine.tokenizer import Tokenizer
+    import os
+    if os.path.exists(demo_model()):
+        assert newline_token(Tokenizer.from_gguf(demo_model())) == 10    # libllama's llama_token_nl: 10
+
+
+# ik_llama.cpp's greedy tokens on the demo model, recorded from its compiled common_sampler driven as its
+# server drives a slot (common_sampler_reset, common_sampler_accept of every prompt token, then sample /
+# accept / decode), temperature 0, 16 tokens.  Before the penalty window matched, ikcli's text differed
+# from these at token 2, 1 and 2 respectively.
+IK_PENALTY_STREAMS = [
+    ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.",
+     [1023, 640, 417, 890, 58, 10, 769, 555, 331, 581, 306, 315, 806, 271, 361, 700, 44, 677, 320, 621, 46, 10, 10,
+      65, 273, 58, 10, 83, 112, 583, 44, 621, 46],
+     dict(repeat_penalty=1.5, repeat_last_n=64),
+     [10, 10, 640, 536, 280, 303, 270, 58, 10, 73, 358, 321, 817, 308, 363, 44]),
+    ("JULIET:\nO Romeo, Romeo, wherefore art thou",
+     [1023, 944, 58, 10, 79, 747, 111, 44, 747, 111, 44, 721, 555, 738, 343],
+     dict(repeat_penalty=2.0, repeat_last_n=64, penalize_nl=True),
+     [63, 10, 65, 108, 660, 44, 343, 738, 258, 268, 283, 107, 44, 298, 343, 738]),
+    ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.",
+     [1023, 640, 417, 890, 58, 10, 769, 555, 331, 581, 306, 315, 806, 271, 361, 700, 44, 677, 320, 621, 46, 10, 10,
+      65, 273, 58, 10, 83, 112, 583, 44, 621, 46],
+     dict(repeat_penalty=2.0, repeat_last_n=-1, penalize_nl=True),
+     [10, 352, 121, 429, 266, 966, 111, 784, 44, 298, 266, 966, 111, 784, 319, 288]),
+]
+
+
+def test_serving_penalty_history_and_iks_text(monkeypatch):
+    """Serving level: the penalties of a slot see the prompt's last token for the first generated
+    token and then only the previous generated token (the prompt's other tokens never), and the
+    greedy text with penalties is ik_llama.cpp's."""
+    import os
+    import threading
+    import engine.sampling as sampling
+    from engine.config import EngineConfig
+    from engine.model import load_model, quiet_log
+    from engine.serving import ServingEngine
+    from ikcli.defaults import demo_model
+    if not os.path.exists(demo_model()):
+        pytest.skip("no demo model")
+    model = load_model(demo_model(), quiet_log)
+    seen: list[list[int]] = []
+    real = sampling.apply_penalties
+
+    def spy(logits, history, params, nl_token=None):
+        seen.append([int(t) for t in history])
+        return real(logits, history, params, nl_token)
+
+    monkeypatch.setattr(sampling, "apply_penalties", spy)
+    e = ServingEngine(model, EngineConfig(demo_model(), n_ctx=256, n_threads=2), 1, quiet_log)
+    e.start()
+    try:
+        for text, prompt, kw, want in IK_PENALTY_STREAMS:
+            assert model.tokenizer.encode(text, add_special=True) == prompt
+            seen.clear()
+            out: list[int] = []
+            done = threading.Event()
+
+            def on_event(ev):
+                if ev.done:
+                    done.set()
+
+            e.submit(prompt, SamplingParams(temperature=0.0, **kw), len(want), [], on_event)
+            assert done.wait(120)
+            out = list(e.slots[0].generated)
+            assert out == want, (kw, out)
+            assert seen == [[prompt[-1]]] + [[t] for t in out[:-1]]
+    finally:
+        e.shutdown()

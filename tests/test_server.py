@@ -339,7 +339,8 @@ def test_system_fingerprint_cached_tokens_and_truncated():
 
 def test_template_variables_and_refused_slot_fields():
     """add_generation_prompt and chat_template_kwargs reach the template (as llama-server passes
-    them); id_slot and banned_strings, which this server cannot honour yet, are a 400 unless off."""
+    them); id_slot and banned_strings, which this fake engine cannot honour (its submit() does not
+    take them), are a 400 unless off (tests/test_tool_choice.py runs them on the real engine)."""
     tpl = ("{% if enable_thinking %}T:{% endif %}{% for m in messages %}{{ m['content'] }};{% endfor %}"
            "{% if add_generation_prompt %}>{% endif %}")
     srv = ServerThread(_fake_app(FakeEngine(), chat_template=tpl, log_requests=False))
@@ -1680,3 +1681,14 @@ def test_real_slot_action_waits_for_a_busy_slot(slotsrv):
     t.join(60)
     assert out["id_slot"] == busy["id"] and out["tokens_predicted"] == 100
     assert r == {"id_slot": busy["id"], "n_erased": out["tokens_evaluated"] + 100 - 1}
+
+
+def test_penalty_prompt_refused_unless_off(fake):
+    """ik's penalty_prompt (a string or a token array replacing the penalties' history) is not
+    implemented: a 400 naming it rather than ik-different text; null or another type is off in ik."""
+    url = fake.base + "/completion"
+    for on in ("some text", [1, 2, 3], []):
+        assert "penalty_prompt" in assert_error(httpx.post(url, json={"prompt": "x", "penalty_prompt": on}),
+                                                400)["message"]
+    for off in (None, 5):
+        assert httpx.post(url, json={"prompt": "x", "penalty_prompt": off, "n_predict": 2}).status_code == 200

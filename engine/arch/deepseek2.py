@@ -279,4 +279,4 @@ class DeepSeek2Arch:
             else:
                 y = ffn_silu(h, L["gate"], L["up"], L["down"])
             x = x + y
-        return self.head.logits(x, ub.out_rows)
+        return self.head.logits(x, ub.out_rows, opts)

@@ -75,4 +75,4 @@ class Gemma3Arch:
             y = gelu(matmul(L["gate"], h))
             y *= matmul(L["up"], h)
             x = x + rms_norm(matmul(L["down"], y), L["ffn_post_norm"], eps)
-        return self.head.logits(x, ub.out_rows)
+        return self.head.logits(x, ub.out_rows, opts)
