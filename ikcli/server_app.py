@@ -1930,7 +1930,8 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
             flush()
             if not blocks:
                 out.append({"role": "user", "content": ""})
-        chat: dict[str, Any] = {"messages": out, "stream": _field(body, "stream", False)}
+        # llama-server's default when max_tokens (required by Anthropic's API) is missing
+        chat: dict[str, Any] = {"messages": out, "stream": _field(body, "stream", False), "max_tokens": 4096}
         for src, dst in (("max_tokens", "max_tokens"), ("stop_sequences", "stop"), ("temperature", "temperature"),
                          ("top_p", "top_p"), ("top_k", "top_k")):
             if _field(body, src) is not _MISSING:

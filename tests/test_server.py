@@ -541,6 +541,10 @@ def test_request_fields_reach_the_engine(fake):
         assert fake.engine.cache_prompts[-1] is False, path
         httpx.post(fake.base + path, json={**body, "n_predict": 1}).raise_for_status()
         assert fake.engine.cache_prompts[-1] is True, path
+    # /v1/messages: max_tokens, else llama-server's 4096
+    for extra, want in (({"max_tokens": 3}, 3), ({}, 4096)):
+        httpx.post(fake.base + "/v1/messages", json={"messages": chat, **extra}).raise_for_status()
+        assert fake.engine.submitted[-1][2] == want, extra
     body = {"prompt": "x", "n_predict": 1, "temperature": 0.25, "top_k": 7, "top_p": 0.5, "min_p": 0.125,
             "repeat_penalty": 1.5, "repeat_last_n": 9, "presence_penalty": 0.75, "frequency_penalty": 0.5, "seed": 77}
     httpx.post(fake.base + "/completion", json=body).raise_for_status()
