@@ -86,6 +86,7 @@ class Event:
     probs: list = field(default_factory=list)   # TokenProbs of the tokens since the previous event (n_probs > 0)
     truncated: bool = False       # the context was shifted (tokens dropped) during this generation
     embedding: np.ndarray | None = None   # an embedding job's result (final event): engine.embeddings.pool's rows
+    tokens: list = field(default_factory=list)   # the generated token ids since the previous event
 
 
 @dataclass
@@ -131,6 +132,7 @@ class _Slot:
     tail: bytearray = field(default_factory=bytearray)  # bytes of an unfinished UTF-8 character
     probs: list = field(default_factory=list)       # TokenProbs not yet sent (n_probs > 0)
     n_sent: int = 0                                 # characters of the text already sent
+    n_tok_sent: int = 0                             # generated tokens already sent (Event.tokens)
     t_start: float = 0.0
     t_prompt_done: float = 0.0
     last: Job | None = None                         # the latest job, kept for /slots
@@ -524,6 +526,7 @@ class ServingEngine:
         del s.cached[keep:]
         s.n_fed, s.n_reused, s.generated, s.pending = keep, keep, [], None
         s.history, s.text, s.tail, s.n_sent, s.probs = list(job.prompt), "", bytearray(), 0, []
+        s.n_tok_sent = 0
         s.hidden = []
         s.ban_marks, s.ban_pieces, s.ban_probs, s.n_held, s.ban_at = [], [], [], 0, {}
         s.ban_rewinds = s.n_rewound = 0
@@ -744,11 +747,20 @@ class ServingEngine:
                 return n if back >= need else n - back
         return n
 
+    def _sent_tokens(self, s: _Slot, upto: int) -> list[int]:
+        """The generated ids from the last sent one up to `upto` (tokens banned strings hold back,
+        which a rewind may still drop, are not sent)."""
+        s.n_tok_sent = min(s.n_tok_sent, upto)
+        out, s.n_tok_sent = s.generated[s.n_tok_sent:upto], upto
+        return out
+
     def _emit(self, s: _Slot, text: str, tok: int | None, done: bool) -> None:
         s.n_sent += len(text)
         if text or done:
             probs, s.probs = s.probs, []
-            self._send(s, Event(text, tok, done, None, "", len(s.job.prompt), len(s.generated), probs=probs))
+            toks = self._sent_tokens(s, len(s.generated) - (s.n_held if s.job.ban is not None else 0))
+            self._send(s, Event(text, tok, done, None, "", len(s.job.prompt), len(s.generated), probs=probs,
+                                tokens=toks))
 
     def _send(self, s: _Slot, ev: Event) -> None:
         try:
@@ -790,7 +802,8 @@ class ServingEngine:
         probs, s.probs = s.probs, []
         embedding = self._pooled(s) if job.embedding and reason != "cancelled" else None
         self._send(s, Event(rest, None, True, reason, word, len(job.prompt), n_g, tm, probs=probs,
-                            truncated=s.truncated or job.truncated, embedding=embedding))
+                            truncated=s.truncated or job.truncated, embedding=embedding,
+                            tokens=self._sent_tokens(s, len(s.generated))))
         self.log(f"slot print_timings: id {s.id:2d} | \n"
                  f"prompt eval time = {t_p:10.2f} ms / {n_p:5d} tokens ({t_p / max(n_p, 1):8.2f} ms per token, "
                  f"{1e3 * n_p / t_p if t_p > 0 else 0.0:8.2f} tokens per second)\n"

@@ -1242,10 +1242,12 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
     async def collect(request: Request, gen: Generation) -> dict[int, dict]:
         """Run the jobs to the end (non-streaming); a client that goes away cancels them."""
         watcher = asyncio.ensure_future(_cancel_on_disconnect(request, gen))
-        results: dict[int, dict] = {i: {"text": [], "final": None, "probs": []} for i in range(len(gen.jobs))}
+        results: dict[int, dict] = {i: {"text": [], "final": None, "probs": [], "tokens": []}
+                                    for i in range(len(gen.jobs))}
         try:
             async for i, ev in gen.events():
                 results[i]["probs"] += getattr(ev, "probs", None) or []
+                results[i]["tokens"] += getattr(ev, "tokens", None) or []
                 if ev.text:
                     results[i]["text"].append(ev.text)
                 if ev.done:
@@ -1572,12 +1574,18 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
                    preserved=request_preserved(body), id_slot=id_slot, ban=ban)
         settings = generation_settings(params, n_predict, stop, stream)
         with_probs = params.n_probs > 0
+        # mainline's fields (ik has them commented out): the generated ids with return_tokens, and
+        # whether the answer holds a newline
+        return_tokens = get_bool(body, "return_tokens", False)
+        new_line: dict[int, bool] = {}
 
-        def final(i: int, ev, content: str, probs=None) -> dict:
+        def final(i: int, ev, content: str, probs=None, tokens=None) -> dict:
             n_prompt, n_gen = counts(gen, i, ev)
             extra = {"completion_probabilities": token_probs_json(probs)} if with_probs and probs is not None else {}
             return {**extra,
-                "content": content, "id_slot": getattr(gen.jobs[i], "id_slot", -1), "stop": True, "model": alias,
+                "content": content, "tokens": list(tokens) if return_tokens and tokens else [],
+                "id_slot": getattr(gen.jobs[i], "id_slot", -1), "stop": True, "model": alias,
+                "has_new_line": new_line.get(i, False) or "\n" in content,
                 "tokens_predicted": n_gen, "tokens_evaluated": n_prompt, "generation_settings": settings,
                 "prompt": raw_prompts[i // n_cmpl], "truncated": bool(getattr(ev, "truncated", False)),
                 "stopped_eos": stop_type(ev) == "eos", "stopped_word": stop_type(ev) == "word",
@@ -1592,15 +1600,16 @@ def create_app(engine, model=None, *, model_path: str = "", alias: Optional[str]
             out = []
             for i in range(len(gen.jobs)):
                 ev = results[i]["final"]
-                out.append(final(i, ev, "".join(results[i]["text"]), results[i]["probs"]))
+                out.append(final(i, ev, "".join(results[i]["text"]), results[i]["probs"], results[i]["tokens"]))
             return out[0] if len(out) == 1 else out
 
         async def chunks() -> AsyncIterator[str]:
             async for i, ev in gen.events():
                 if ev.text:
                     extra = {"completion_probabilities": token_probs_json(getattr(ev, "probs", None))} if with_probs else {}
-                    yield sse({"content": ev.text, "stop": False, "id_slot": getattr(gen.jobs[i], "id_slot", -1),
-                               "multimodal": False, "index": i, **extra})
+                    new_line[i] = new_line.get(i, False) or "\n" in ev.text
+                    yield sse({"content": ev.text, "tokens": list(ev.tokens) if return_tokens else [], "stop": False,
+                               "id_slot": getattr(gen.jobs[i], "id_slot", -1), "multimodal": False, "index": i, **extra})
                 if gen.engine_failed(ev):
                     yield sse({"error": engine_failed_error().as_json()})
                     return

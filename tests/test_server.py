@@ -1345,6 +1345,26 @@ def test_completion_probabilities(server):
 
 
 @real
+def test_completion_tokens_and_has_new_line(server):
+    """mainline's /completion fields: `tokens` (the generated ids with return_tokens, else empty) and
+    `has_new_line`; streamed, each chunk carries its own ids and they add up to the same list."""
+    body = {"prompt": "ROMEO:", "n_predict": 24, "seed": 4, "return_tokens": True}
+    d = httpx.post(server.base + "/completion", json=body, timeout=60).json()
+    assert len(d["tokens"]) == d["tokens_predicted"] > 0
+    back = httpx.post(server.base + "/detokenize", json={"tokens": d["tokens"]}).json()["content"]
+    assert back == d["content"] and d["has_new_line"] == ("\n" in d["content"])
+    assert httpx.post(server.base + "/completion", json={**body, "return_tokens": False}, timeout=60).json()["tokens"] == []
+    events = stream_post(server.base, "/completion", {**body, "stream": True})
+    assert [t for e in events[:-1] for t in e["tokens"]] == d["tokens"]
+    assert events[-1]["stop"] and events[-1]["tokens"] == [] and events[-1]["has_new_line"] == d["has_new_line"]
+    # answers with and without a newline
+    texts = [httpx.post(server.base + "/completion", json={**body, "seed": k}, timeout=60).json() for k in range(3)]
+    texts.append(httpx.post(server.base + "/completion", json={**body, "grammar": 'root ::= "a b"'}, timeout=60).json())
+    assert all(t["has_new_line"] == ("\n" in t["content"]) for t in texts)
+    assert any(t["has_new_line"] for t in texts) and not all(t["has_new_line"] for t in texts)
+
+
+@real
 def test_openai_logprobs(server):
     """/v1/chat/completions logprobs + top_logprobs and /v1/completions logprobs N: llama-server's
     OpenAI logprobs objects (per token text, bytes, logprob; the top ones), the greedy token first."""
