@@ -112,7 +112,10 @@ def test_amb_does_not_change_results(make_model, mla, fa, monkeypatch):
     ctx = context(p, mla=mla, flash_attn=fa)
     ctx.opts.amb_bytes = 1000
     got = ctx.decode(t)
-    close(got, ref, 1e-5)
+    # the same arithmetic per head, but a split changes the shapes of the BLAS products (the prompt's
+    # decompressed heads), whose summation order depends on OpenBLAS's kernel for the CPU
+    # (OPENBLAS_CORETYPE=Haswell on some hosts: 2.7e-5 of the largest logit here)
+    close(got, ref, 1e-4)
 
 
 def test_head_steps_rule():
