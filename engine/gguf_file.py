@@ -1,8 +1,8 @@
 """Opening GGUF model files: metadata, memory-mapped tensors, split files, the loader's log lines.
 
-Built on gguf.GGUFReader; tensor infos are decoded with ikcli's own type table (quant.types) so
-that types mainline's gguf package lacks (the IQK family, _R4/_R8) load too, and so an unknown
-type or a truncated file is reported by name instead of as a traceback.
+Read by ikcli's own bounded walk (engine.gguf_scan); tensor infos are decoded with ikcli's own type
+table (quant.types) so that types mainline's gguf package lacks (the IQK family, _R4/_R8) load
+too, and so an unknown type or a truncated file is reported by name instead of as a traceback.
 """
 from __future__ import annotations
 
@@ -13,12 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
-from gguf import GGUFReader
-
 from quant.tensor import QTensor
 from quant.types import type_info
 
-from .gguf_meta import reader_metadata
+from . import gguf_scan
 from .gguf_scan import printable
 
 _MADV_POPULATE_READ = 22        # Linux >= 5.14; Python's mmap module has no name for it before 3.12
@@ -116,30 +114,32 @@ class TensorEntry:
         return dequantize(self.qtensor()).reshape(self.shape)
 
 
-class _Reader(GGUFReader):
-    """GGUFReader whose tensor table uses ikcli's type registry and checks bounds."""
+class _Reader:
+    """One GGUF file: its metadata (meta, kv_types, version), its bytes memory-mapped (data) and
+    its tensor table (ik_tensors, views of data) checked against ikcli's type registry and the
+    file's size."""
 
-    def _build_tensors(self, start_offs: int, fields: list) -> None:  # noqa: D401 - override
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.data = np.memmap(path, mode="r", dtype=np.uint8)
+        lay = gguf_scan.read_layout(self.data)
+        self.version, self.meta, self.kv_types = lay.version, lay.meta, lay.kv_types
         self.ik_tensors: list[TensorEntry] = []
-        self.tensors = []
         seen: set[str] = set()
         file_size = len(self.data)
-        align = int(getattr(self, "alignment", 32) or 32)
+        align = lay.alignment
         expect = 0                  # ggml's rule: each tensor starts where the previous one, padded, ends
-        for f in fields:
-            _nl, name_data, _nd, dims, raw_dtype, offset_tensor = f.parts
-            name = printable(bytes(name_data), 256)       # damage stays readable in messages
+        for info in lay.tensors:
+            name, tid, ne = info.name, info.type_id, info.ne
             if name in seen:
                 raise ModelFileError(f"duplicated tensor '{name}'")
             seen.add(name)
-            tid = int(raw_dtype[0])
             try:
                 ti = type_info(tid)
                 if ti.internal:
                     raise KeyError(tid)
             except KeyError:
                 raise ModelFileError(f"tensor '{name}' has unknown type id {tid}") from None
-            ne = tuple(int(d) for d in dims.tolist())
             n_elem = int(np.prod(ne)) if ne else 1
             if ne[0] % ti.block_size:
                 raise ModelFileError(f"tensor '{name}': row of {ne[0]} is not a multiple of the {ti.name} block size")
@@ -147,12 +147,12 @@ class _Reader(GGUFReader):
                 raise ModelFileError(f"tensor '{name}': {ne[1]} rows are not a multiple of the {ti.interleave} rows "
                                      f"{ti.name} interleaves")
             nbytes = ti.row_bytes(ne[0]) * (n_elem // ne[0]) if ne[0] else 0
-            rel = int(offset_tensor[0])
+            rel = info.offset
             if rel != expect:
                 raise ModelFileError(f"tensor '{name}' has data offset {rel}, expected {expect} "
                                      f"(damaged tensor table, or a type id that does not fit its size)")
             expect += -(-nbytes // align) * align
-            offs = int(start_offs + rel)
+            offs = int(lay.data_start + rel)
             if offs + nbytes > file_size:
                 raise ModelFileError(
                     f"file is truncated: tensor '{name}' needs bytes {offs}..{offs + nbytes} but the file has {file_size}")
@@ -300,14 +300,9 @@ def _open_one(path: str) -> _Reader:
         raise ModelFileError(f"{path}: is a directory, not a GGUF file")
     if os.path.getsize(path) < 24:
         raise ModelFileError(f"{path}: file is too small to be a GGUF file (truncated?)")
-    from . import gguf_scan
     try:
-        gguf_scan.check_layout(np.memmap(path, mode="r", dtype=np.uint8))
-    except gguf_scan.ModelFileError as e:
-        raise ModelFileError(f"{path}: {e}") from None
-    try:
-        return _Reader(path, "r")
-    except ModelFileError as e:
+        return _Reader(path)
+    except (ModelFileError, gguf_scan.ModelFileError) as e:
         raise ModelFileError(f"{path}: {e}") from None
     except (ValueError, IndexError, OverflowError, UnicodeDecodeError, TypeError, MemoryError) as e:
         msg = str(e) or type(e).__name__
@@ -321,7 +316,7 @@ def _open_one(path: str) -> _Reader:
 def open_model_file(path: str, log: Callable[[str], None] | None = None) -> ModelFile:
     """Open a GGUF file (and the other parts of a split model) without copying tensor data."""
     first = _open_one(path)
-    meta = reader_metadata(first)
+    meta = dict(first.meta)
     paths = split_paths(path, meta)
     readers = [first] + [_open_one(p) for p in paths[1:]]
     tensors: dict[str, TensorEntry] = {}
@@ -333,9 +328,7 @@ def open_model_file(path: str, log: Callable[[str], None] | None = None) -> Mode
             tensors[t.name] = t
     mf = ModelFile(path=path, paths=paths, meta=meta, tensors=tensors,
                    n_kv=len(meta), meta_order=list(meta.keys()), maps=[r.data for r in readers])
-    ver = first.fields.get("GGUF.version")
-    if ver is not None:
-        mf.version = int(ver.parts[ver.data[0]][0])
+    mf.version = first.version
     if log is not None:
         log_model_file(mf, log)
     return mf

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGUFValueType
 
 
 def field_value(field: Any) -> Any:
-    """Decode one GGUFReader field into a Python value."""
+    """Decode one gguf.GGUFReader field into a Python value (for scripts that read files with the gguf
+    package; ikcli's loader decodes with engine.gguf_scan)."""
     types = field.types
     if not types:
         return None
@@ -24,10 +25,9 @@ def field_value(field: Any) -> Any:
     return v
 
 
-def reader_metadata(reader: GGUFReader) -> dict[str, Any]:
-    return {name: field_value(f) for name, f in reader.fields.items() if not name.startswith("GGUF.")}
-
-
 def read_metadata(path: str) -> dict[str, Any]:
     """All key/value metadata of a GGUF file (tensor data is not touched)."""
-    return reader_metadata(GGUFReader(path, "r"))
+    import numpy as np
+
+    from .gguf_scan import read_layout
+    return read_layout(np.memmap(path, mode="r", dtype=np.uint8)).meta

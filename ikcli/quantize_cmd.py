@@ -143,16 +143,12 @@ def _copy_kv(writer, reader, ftype_value: int, extra_kv: Optional[list] = None) 
     --override-kv and quantize.imatrix.* values (extra_kv: (key, value, GGUFValueType)) and
     general.file_type; a key set again keeps its place, as gguf_set_val_* does."""
     from gguf import GGUFValueType
-    from engine.gguf_meta import field_value
     kv: dict = {}
-    for name, f in reader.fields.items():
-        if name.startswith("GGUF.") or name in ("general.architecture", "split.no", "split.count", "split.tensors.count"):
+    for name, value in reader.meta.items():
+        if name in ("general.architecture", "split.no", "split.count", "split.tensors.count"):
             continue
-        if not f.types:
-            continue
-        vt = f.types[0]
-        sub = f.types[-1] if vt == GGUFValueType.ARRAY else None
-        kv[name] = (field_value(f), vt, sub)
+        vt, sub = reader.kv_types[name]
+        kv[name] = (value, GGUFValueType(vt), None if sub is None else GGUFValueType(sub))
     kv["general.quantization_version"] = (2, GGUFValueType.UINT32, None)
     for k, v, vt in extra_kv or []:
         kv[k] = (v, vt, None)

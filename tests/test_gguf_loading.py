@@ -224,3 +224,54 @@ def test_deeply_nested_arrays_are_refused(tmp_path):
     p.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + body)
     with pytest.raises(ModelFileError, match="metadata key 'x': arrays nested more than 4 deep"):
         open_model_file(str(p))
+
+
+def test_metadata_decodes_as_the_gguf_package_reads_it(tmp_path):
+    """ikcli's own reader (engine.gguf_scan) against gguf.GGUFReader on every value type: the same
+    Python values in the same order, and each key's GGUF type (what quantize writes back)."""
+    import gguf
+
+    from engine.gguf_file import _open_one
+    from engine.gguf_meta import field_value
+    p = str(tmp_path / "kv.gguf")
+    w = gguf.GGUFWriter(p, "llama")
+    VT = gguf.GGUFValueType
+    values = [("u8", 200, VT.UINT8), ("i8", -5, VT.INT8), ("u16", 65000, VT.UINT16), ("i16", -300, VT.INT16),
+              ("u32", 4_000_000_000, VT.UINT32), ("i32", -7, VT.INT32), ("f32", 0.1, VT.FLOAT32),
+              ("b", True, VT.BOOL), ("s", "héllo\n", VT.STRING), ("u64", 2 ** 63 + 5, VT.UINT64),
+              ("i64", -2 ** 40, VT.INT64), ("f64", 0.1, VT.FLOAT64)]
+    for k, v, t in values:
+        w.add_key_value(k, v, t)
+    w.add_array("a_i32", [1, -2, 3])
+    w.add_array("a_f32", [0.5, 0.25])
+    w.add_array("a_str", ["x", "", "ü" * 3])
+    w.add_array("a_bool", [True, False])
+    w.add_array("a_empty", [])
+    w.add_tensor("t", np.arange(32, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ref = gguf.GGUFReader(p)
+    want = {k: field_value(f) for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+    r = _open_one(p)
+    assert r.meta == want and list(r.meta) == list(want)
+    assert r.meta["f32"] == float(np.float32(0.1)) and r.meta["b"] is True and r.meta["a_bool"] == [True, False]
+    for k, f in ref.fields.items():
+        if not k.startswith("GGUF."):
+            sub = int(f.types[-1]) if f.types[0] == VT.ARRAY and len(f.types) > 1 else None
+            assert r.kv_types[k][0] == int(f.types[0]), k
+            if sub is not None:
+                assert r.kv_types[k][1] == sub, k
+    assert r.version == 3 and [t.name for t in r.ik_tensors] == ["t"]
+    np.testing.assert_array_equal(r.ik_tensors[0].raw.view(np.float32), np.arange(32, dtype=np.float32))
+
+
+def test_old_and_big_endian_versions_are_one_line_errors(tmp_path):
+    import struct
+    for version, msg in ((1, "GGUF version 1 is not supported"),
+                         (struct.unpack("<I", struct.pack(">I", 3))[0], "big-endian GGUF files are not supported")):
+        p = tmp_path / "v.gguf"
+        p.write_bytes(b"GGUF" + struct.pack("<IQQ", version, 0, 0) + bytes(16))
+        with pytest.raises(ModelFileError, match=msg):
+            open_model_file(str(p))

@@ -43,9 +43,9 @@ def test_quantize_and_perplexity(make_model, text_file, tmp_path, capsys, qtype,
     assert types["blk.0.attn_q.weight"] == tid
     assert types["blk.0.attn_norm.weight"] == 0                # 1-D stays f32
     assert types["output.weight"] == 8                          # 64 columns: not a multiple of 256 -> q8_0
-    assert r.fields["general.quantization_version"].parts[-1][0] == 2
+    assert r.meta["general.quantization_version"] == 2 and r.kv_types["general.quantization_version"] == (4, None)
     ft = {"q8_0": 7, "Q4_0": 2, "q6_0": 135}[qtype]
-    assert r.fields["general.file_type"].parts[-1][0] == ft
+    assert r.meta["general.file_type"] == ft
     assert [t.name for t in r.ik_tensors] == [t.name for t in gguf.GGUFReader(src).tensors]
     if qtype != "q6_0":
         assert len(gguf.GGUFReader(out).tensors) == len(r.ik_tensors)
@@ -108,11 +108,11 @@ def test_keep_split_writes_the_input_shards(make_model, text_file, tmp_path, cap
     assert shards == [f"k-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
     for i, name in enumerate(shards):
         _, r = types_of(str(tmp_path / name))
-        assert r.fields["split.no"].parts[-1][0] == i and r.fields["split.count"].parts[-1][0] == 3
+        assert r.meta["split.no"] == i and r.meta["split.count"] == 3
     code, _, err = cli(capsys, "quantize", src, str(tmp_path / "one.gguf"), "q8_0")
     assert code == 0, err
     _, r = types_of(str(tmp_path / "one.gguf"))
-    assert "split.count" not in r.fields
+    assert "split.count" not in r.meta
     assert ppl(capsys, str(tmp_path / shards[0]), text_file) == ppl(capsys, str(tmp_path / "one.gguf"), text_file)
 
 
