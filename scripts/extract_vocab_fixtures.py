@@ -346,8 +346,9 @@ class Oracle:
         src.write_text(ORACLE_SRC)
         self.exe = tmp / "vocab_oracle"
         lib = ik_root / "build" / "src"
-        cmd = ["g++", "-O1", "-std=c++17", str(src), "-I", str(ik_root / "src" / "include"),
-               "-I", str(ik_root / "src" / "ggml" / "include"), "-L", str(lib), "-lllama",
+        # DIR/src as the checkout beside DIR/build, or DIR itself the checkout
+        incs = [x for d in (ik_root / "src", ik_root) for x in ("-I", str(d / "include"), "-I", str(d / "ggml" / "include"))]
+        cmd = ["g++", "-O1", "-std=c++17", str(src), *incs, "-L", str(lib), "-lllama",
                f"-Wl,-rpath,{lib}", "-o", str(self.exe)]
         subprocess.run(cmd, check=True)
 
