@@ -159,8 +159,8 @@ def _rounded_ref(w: QTensor, x: np.ndarray) -> np.ndarray:
                                   "IQ5_K", "IQ4_KS", "IQ2_KS", "Q4_1", "Q5_0", "Q5_1", "Q6_0", "IQ4_NL"])
 def test_matmul_few_and_many_tokens_agree(name):
     """13 rows (not a multiple of 4 or 8), 512 columns: the row dots (one token, a partial and a
-    full tile of TMAX rows), the integer GEMM (from K.GEMM_MIN tokens with VNNI: one pass of 4
-    tokens plus single ones) and the f32 tile path (CPUs without VNNI; called here directly)
+    full tile of TMAX rows), the integer GEMM (from K.GEMM_MIN tokens with VNNI: passes of 8, 4
+    and single tokens) and the f32 tile path (CPUs without VNNI; called here directly)
     against NumPy on the same Q8-rounded activations."""
     rng = np.random.default_rng(7)
     w = quantize_tensor(rng.standard_normal((13, 512)).astype(np.float32), type_info(name).id)
@@ -205,7 +205,7 @@ GEMM_TYPES = TYPES + sorted(SB.GEMM_ONLY)
 @pytest.mark.parametrize("qtype", GEMM_TYPES, ids=NAMES + [SB.GEMM_ONLY[t].name for t in sorted(SB.GEMM_ONLY)])
 def test_tile_gemm_matches_decoder_on_random_bytes(qtype, form):
     """The GEMM's packing and products, on random rows (every level, scale, sign, extra bit and
-    min): 21 rows (a full and a partial 16-row tile), 7 tokens (a pass of 4 and 3 single ones),
+    min): 21 rows (a full and a partial 16-row tile), 15 tokens (a pass of 8, one of 4, 3 single ones),
     one block, several, and for the grouped legacy records a row ending in single blocks."""
     _kind(form, False)
     fmt = {**SB.BLOCK_DOTS, **SB.GEMM_ONLY}[qtype]
@@ -220,8 +220,8 @@ def test_tile_gemm_matches_decoder_on_random_bytes(qtype, form):
                 rows.append(raw)
                 ys.append(y)
         buf, y = np.concatenate(rows), np.stack(ys)
-        q, s, bs, b16, xa = _act(rng, cols, 7)
-        out = np.full((7, 21), np.nan, np.float32)
+        q, s, bs, b16, xa = _act(rng, cols, 15)
+        out = np.full((15, 21), np.nan, np.float32)
         assert _gemm(form == "generic", qtype, buf, rb, 21, cols, q, s, b16, out, False, False)
         want, mag = xa @ y.T, np.abs(xa) @ np.abs(y).T
         assert np.all(np.abs(out - want) <= 2e-5 * mag + 1e-30), (cols, out, want)
@@ -295,7 +295,7 @@ def test_group_dot_refuses_types_without_record():
 
 def _check_interleaved_gemm(qtype, form, seed, col_list, ngroups):
     """quant.simd_gemm's packing of an _R4 / _R8 type on random groups, 7 tokens, against the
-    plain decoder of the unpacked rows."""
+    plain decoder of the unpacked rows (15 tokens: every pass width of the GEMM)."""
     il = type_info(qtype).interleave
     rng = np.random.default_rng(seed)
     pt = IL.plain_type(qtype)
@@ -310,9 +310,9 @@ def _check_interleaved_gemm(qtype, form, seed, col_list, ngroups):
                 groups.append(raw)
                 ys.append(y)
         buf, y = np.concatenate(groups), np.concatenate(ys)
-        q, s, bs, b16, xa = _act(rng, cols, 7)
+        q, s, bs, b16, xa = _act(rng, cols, 15)
         rows = il * ngroups
-        out = np.full((7, rows), np.nan, np.float32)
+        out = np.full((15, rows), np.nan, np.float32)
         assert _gemm(form == "generic", qtype, buf, grb // il, rows, cols, q, s, b16, out, il == 4, il == 8)
         want, mag = xa @ y.T, np.abs(xa) @ np.abs(y).T
         assert np.all(np.abs(out - want) <= 2e-5 * mag + 1e-30), (cols, out, want)
