@@ -41,6 +41,12 @@ CASES = {
     "qwen3": ("qwen3", "ik", "tiny"),
     "qwen3moe": ("qwen3moe", "ik", "tiny"),
     "qwen3moe-256": ("qwen3moe", "ik", "qwen256"),
+    # the other families at 256-wide matrices (qwen256's shape), for the K-quant / IQK types
+    "qwen2-256": ("qwen2", "ik", "qwen256"),
+    "qwen2moe-256": ("qwen2moe", "ik", "qwen256"),
+    "qwen3-256": ("qwen3", "ik", "qwen256"),
+    "glm4moe-256": ("glm4moe", "ik", "qwen256"),
+    "gemma3-256": ("gemma3", "ik", "qwen256"),
     "glm4moe": ("glm4moe", "ik", "tiny"),
     "gemma3": ("gemma3", "ik", "tiny"),
     "gpt-oss": ("gpt-oss", "ik", "tiny"),      # 256-wide matrices: the K-quant and IQK types
@@ -48,15 +54,18 @@ CASES = {
     "llama4": ("llama4", "ik", "tiny"),
     "llama4-256": ("llama4", "ik", "llama4-256"),
 }
+CHUNKS = re.compile(r"\[(\d+)\](\d+\.\d+)")
 FINAL = re.compile(r"Final estimate: PPL(?: over \d+ chunks for n_ctx=\d+)? = (\d+\.\d+) \+/- (\d+\.\d+)")
 
 
-def run(cmd: list[str]) -> float:
+def run(cmd: list[str]) -> tuple[float, list[float]]:
+    """The final perplexity and the running value after each chunk."""
     r = subprocess.run(cmd, capture_output=True, text=True)
     m = FINAL.search(r.stdout)
     if not m:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
-    return float(m.group(1))
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("[1]")]
+    return float(m.group(1)), [float(v) for _, v in CHUNKS.findall(lines[-1])] if lines else []
 
 
 def main() -> None:
@@ -73,17 +82,19 @@ def main() -> None:
     ap.add_argument("--out")
     a = ap.parse_args()
     names = list(CASES) if a.cases == "all" else a.cases.split(",")
-    rows = ["| model | weights | ikcli PPL | reference PPL | diff |", "|---|---|---:|---:|---:|"]
+    rows = ["| model | weights | ikcli PPL | reference PPL | diff | largest chunk diff |",
+            "|---|---|---:|---:|---:|---:|"]
     with tempfile.TemporaryDirectory() as d:
         for name in names:
             arch, layout, preset = CASES[name]
             for qt in a.types.split(","):
                 path = write_model(os.path.join(d, f"{name}-{qt}.gguf"), arch, layout, qt, preset, seed=1)[0]
                 common = ["-m", path, "-f", a.text, "-c", str(a.ctx), "--chunks", str(a.chunks), "-t", str(a.threads)]
-                ours = run([sys.executable, "-m", "ikcli", "perplexity", *common])
-                ref = run([a.ref, *common, *shlex.split(a.ref_args), *EXTRA_REF_ARGS.get(name, [])])
+                ours, ours_c = run([sys.executable, "-m", "ikcli", "perplexity", *common])
+                ref, ref_c = run([a.ref, *common, *shlex.split(a.ref_args), *EXTRA_REF_ARGS.get(name, [])])
                 diff = (ours - ref) / ref
-                rows.append(f"| {name} | {qt} | {ours:.4f} | {ref:.4f} | {100 * diff:+.3f}% |")
+                worst = max(((x - y) / y for x, y in zip(ours_c, ref_c)), key=abs, default=float("nan"))
+                rows.append(f"| {name} | {qt} | {ours:.4f} | {ref:.4f} | {100 * diff:+.3f}% | {100 * worst:+.3f}% |")
                 print(rows[-1], flush=True)
     text = "\n".join(rows)
     print(text)
