@@ -174,10 +174,11 @@ def test_matmul_few_and_many_tokens_agree(name):
 
 
 @njit(cache=True)
-def _gemm(generic, qtype, buf, stride, rows, cols, q, s, b16, out, r4, r8):
+def _gemm(generic, qtype, buf, stride, rows, cols, q, s, b16, out, r4, r8, per32):
     """quant.simd_gemm over every 16-row run (tiles start as NaN: rows past `rows` stay so);
-    r4 / r8: the _R4 / _R8 packing (stride: of one row, groups of 4 / 8 rows).  r4 and r8 are
-    always passed (bools): an omitted default is another signature, another cold compile."""
+    r4 / r8: the _R4 / _R8 packing (stride: of one row, groups of 4 / 8 rows); per32: the
+    tile_gemm32 form (SCALE32 types).  The flags are always passed (bools): an omitted default is
+    another signature, another cold compile."""
     tu = np.full(16 * cols, 0x7F, np.uint8)
     td = np.full(cols, np.nan, np.float32)
     tw = np.full(cols, np.nan, np.float32)
@@ -191,8 +192,12 @@ def _gemm(generic, qtype, buf, stride, rows, cols, q, s, b16, out, r4, r8):
             ok = SG.tile_pack(qtype, buf, r0 * stride, stride, n, cols, tu, td, tw)
         if not ok:
             return False
-        if generic:
+        if generic and per32:
+            SG.tile_gemm32_generic(tu, td, tw, cols // 16, q, s, b16, 0, q.shape[0], out, r0, n)
+        elif generic:
             SG.tile_gemm_generic(tu, td, tw, cols // 16, q, s, b16, 0, q.shape[0], out, r0, n)
+        elif per32:
+            SG.tile_gemm32(tu, td, tw, cols // 16, q, s, b16, 0, q.shape[0], out, r0, n)
         else:
             SG.tile_gemm(tu, td, tw, cols // 16, q, s, b16, 0, q.shape[0], out, r0, n)
     return True
@@ -222,7 +227,7 @@ def test_tile_gemm_matches_decoder_on_random_bytes(qtype, form):
         buf, y = np.concatenate(rows), np.stack(ys)
         q, s, bs, b16, xa = _act(rng, cols, 15)
         out = np.full((15, 21), np.nan, np.float32)
-        assert _gemm(form == "generic", qtype, buf, rb, 21, cols, q, s, b16, out, False, False)
+        assert _gemm(form == "generic", qtype, buf, rb, 21, cols, q, s, b16, out, False, False, qtype in SG.SCALE32)
         want, mag = xa @ y.T, np.abs(xa) @ np.abs(y).T
         assert np.all(np.abs(out - want) <= 2e-5 * mag + 1e-30), (cols, out, want)
 
@@ -313,7 +318,8 @@ def _check_interleaved_gemm(qtype, form, seed, col_list, ngroups):
         q, s, bs, b16, xa = _act(rng, cols, 15)
         rows = il * ngroups
         out = np.full((15, rows), np.nan, np.float32)
-        assert _gemm(form == "generic", qtype, buf, grb // il, rows, cols, q, s, b16, out, il == 4, il == 8)
+        assert _gemm(form == "generic", qtype, buf, grb // il, rows, cols, q, s, b16, out, il == 4, il == 8,
+                     qtype in SG.SCALE32)
         want, mag = xa @ y.T, np.abs(xa) @ np.abs(y).T
         assert np.all(np.abs(out - want) <= 2e-5 * mag + 1e-30), (cols, out, want)
 
