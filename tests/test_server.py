@@ -1126,7 +1126,7 @@ def test_real_burst_of_requests_loses_none(server):
 
 FAMILY_TEMPLATES = [("qwen3moe", "Qwen-Qwen3-0.6B.jinja"), ("qwen2moe", "Qwen-Qwen2.5-7B-Instruct.jinja"),
                     ("glm4moe", "GLM-4.6.jinja"), ("gemma3", "google-gemma-2-2b-it.jinja"),
-                    ("gpt-oss", "openai-gpt-oss-120b.jinja")]
+                    ("gpt-oss", "openai-gpt-oss-120b.jinja"), ("deepseek2", "Kimi-K2-Instruct.jinja")]
 
 
 @pytest.mark.parametrize("arch,template", FAMILY_TEMPLATES)
