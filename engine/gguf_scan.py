@@ -164,8 +164,3 @@ def read_layout(buf: np.ndarray) -> Layout:
     out.alignment = align
     out.data_start = -(-w.pos // align) * align
     return out
-
-
-def check_layout(buf: np.ndarray) -> None:
-    """read_layout's checks alone."""
-    read_layout(buf)

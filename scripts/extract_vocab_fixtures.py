@@ -55,9 +55,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gguf import GGUFReader, GGUFValueType, GGUFWriter  # noqa: E402
+from gguf import GGUFValueType, GGUFWriter  # noqa: E402
 
-from engine.gguf_meta import field_value  # noqa: E402
+from engine.gguf_file import _open_one  # noqa: E402
 from engine.tokenizer import gpt2_byte_chars  # noqa: E402
 
 DEFAULT_OUT = ROOT / "tests" / "data" / "vocab"
@@ -192,16 +192,16 @@ Field = tuple[str, Any, GGUFValueType, "GGUFValueType | None"]
 
 
 def read_fields(path: Path) -> tuple[str, list[Field]]:
-    reader = GGUFReader(str(path), "r")
-    arch = field_value(reader.fields["general.architecture"])
+    """The file's architecture and its other metadata (value, GGUF type, array element type), in
+    order, read by ikcli's own GGUF reader."""
+    reader = _open_one(str(path))
     fields: list[Field] = []
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture" or name in DROP_KEYS:
+    for name, value in reader.meta.items():
+        if name == "general.architecture" or name in DROP_KEYS:
             continue
-        vtype = field.types[0]
-        sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
-        fields.append((name, field_value(field), vtype, sub))
-    return arch, fields
+        vtype, sub = reader.kv_types[name]
+        fields.append((name, value, GGUFValueType(vtype), None if sub is None else GGUFValueType(sub)))
+    return reader.meta["general.architecture"], fields
 
 
 def write_gguf(dst: Path, arch: str, fields: list[Field], override: dict[str, Any] | None = None) -> None:

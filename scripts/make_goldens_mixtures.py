@@ -225,9 +225,8 @@ def run_ik(args: list[str]) -> str:
 
 
 def kv_of(reader, keys: list[str]) -> dict:
-    """The given keys of a GGUF file as [GGUF value type name, value]."""
-    from engine.gguf_meta import field_value
-    return {k: [reader.fields[k].types[0].name, field_value(reader.fields[k])] for k in keys if k in reader.fields}
+    """The given keys of a GGUF file (engine.gguf_file's reader) as [GGUF value type name, value]."""
+    return {k: [gguf.GGUFValueType(reader.kv_types[k][0]).name, reader.meta[k]] for k in keys if k in reader.meta}
 
 
 def record(key: str, spec: dict, tmp: str) -> dict:
@@ -262,7 +261,7 @@ def record(key: str, spec: dict, tmp: str) -> dict:
                 raise RuntimeError(f"{key} {case}: dry-run log and GGUF disagree: {diff[:5]}")
             if "--override-kv" in extra:
                 keys = [a.split("=")[0] for p, a in zip(extra, extra[1:]) if p == "--override-kv"]
-                kv = {"keys": [k for k in r.fields if not k.startswith("GGUF.")], "values": kv_of(r, keys)}
+                kv = {"keys": list(r.meta), "values": kv_of(r, keys)}
             del r
             os.unlink(out)
             via = "gguf"

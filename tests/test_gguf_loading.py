@@ -226,13 +226,26 @@ def test_deeply_nested_arrays_are_refused(tmp_path):
         open_model_file(str(p))
 
 
+def _gguf_package_value(field):
+    """One gguf.GGUFReader field as a Python value: the oracle ikcli's reader is checked against."""
+    from gguf import GGUFValueType
+    types = field.types
+    if types[0] == GGUFValueType.ARRAY:
+        if types[-1] == GGUFValueType.STRING:
+            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+        return [field.parts[i].tolist()[0] for i in field.data]
+    if types[0] == GGUFValueType.STRING:
+        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+    v = field.parts[field.data[0]].tolist()[0]
+    return bool(v) if types[0] == GGUFValueType.BOOL else v
+
+
 def test_metadata_decodes_as_the_gguf_package_reads_it(tmp_path):
     """ikcli's own reader (engine.gguf_scan) against gguf.GGUFReader on every value type: the same
     Python values in the same order, and each key's GGUF type (what quantize writes back)."""
     import gguf
 
     from engine.gguf_file import _open_one
-    from engine.gguf_meta import field_value
     p = str(tmp_path / "kv.gguf")
     w = gguf.GGUFWriter(p, "llama")
     VT = gguf.GGUFValueType
@@ -253,7 +266,7 @@ def test_metadata_decodes_as_the_gguf_package_reads_it(tmp_path):
     w.write_tensors_to_file()
     w.close()
     ref = gguf.GGUFReader(p)
-    want = {k: field_value(f) for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+    want = {k: _gguf_package_value(f) for k, f in ref.fields.items() if not k.startswith("GGUF.")}
     r = _open_one(p)
     assert r.meta == want and list(r.meta) == list(want)
     assert r.meta["f32"] == float(np.float32(0.1)) and r.meta["b"] is True and r.meta["a_bool"] == [True, False]
