@@ -211,30 +211,19 @@ class ServingEngine:
                id_slot: int = -1, ban: object = None) -> Job:
         """id_slot: llama-server's id_slot (-1: the free slot with the longest cached prefix; else that
         slot, waiting while it is busy); ban: an engine.banned.BanSpec."""
-        prompt = [int(t) for t in prompt]
-        if not prompt:
-            raise ValueError("the prompt is empty")
+        prompt = self._checked_prompt(prompt)
         if not -1 <= int(id_slot) < self.n_parallel:
             raise ValueError("Invalid slot ID")
-        bad = [t for t in prompt if t < 0 or t >= self.model.n_vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is out of range [0, {self.model.n_vocab})")
         truncated = False
         if len(prompt) >= self.n_ctx_slot and self.ctx_shift:
             prompt, truncated = self._truncated_prompt(prompt, int(n_keep), int(n_discard)), True
-        if len(prompt) >= self.n_ctx_slot:
-            raise ValueError(f"the prompt has {len(prompt)} tokens, more than the slot's context of "
-                             f"{self.n_ctx_slot} tokens allows (-c {self.n_ctx_slot * self.n_parallel} "
-                             f"split over {self.n_parallel} slots)")
-        job = Job(prompt, params, int(n_predict), [s for s in stop if s], on_event, cache_prompt=bool(cache_prompt),
-                  preserved_tokens=frozenset(int(t) for t in preserved_tokens or ()),
-                  n_keep=int(n_keep), n_discard=int(n_discard), truncated=truncated, want_slot=int(id_slot),
-                  ban=ban)
-        with self.cv:
-            job.id_task, self.n_tasks = self.n_tasks, self.n_tasks + 1
-            self.queue.append(job)
-            self.cv.notify_all()
-        return job
+        if len(prompt) >= self.n_ctx_slot:      # a generated token needs a cell after the prompt
+            self._too_long(prompt)
+        return self._enqueue(Job(prompt, params, int(n_predict), [s for s in stop if s], on_event,
+                                 cache_prompt=bool(cache_prompt),
+                                 preserved_tokens=frozenset(int(t) for t in preserved_tokens or ()),
+                                 n_keep=int(n_keep), n_discard=int(n_discard), truncated=truncated,
+                                 want_slot=int(id_slot), ban=ban))
 
     def submit_embedding(self, prompt: list[int], on_event: Callable[[Event], None], embd_normalize: int = 2) -> Job:
         """An embedding job: the prompt is read through a slot like a completion's (batched with the
@@ -243,18 +232,28 @@ class ServingEngine:
         as self.pooling says (one row per token for none, not normalized; else one row normalized
         with embd_normalize).  ValueError for an empty prompt, a bad token id or a prompt longer
         than a slot (no truncation: it would change the vector)."""
+        prompt = self._checked_prompt(prompt)
+        if len(prompt) > self.n_ctx_slot:       # no token follows an embedding job's prompt
+            self._too_long(prompt)
+        return self._enqueue(Job(prompt, SamplingParams(), 0, [], on_event, cache_prompt=False, embedding=True,
+                                 embd_normalize=int(embd_normalize)))
+
+    def _checked_prompt(self, prompt: list[int]) -> list[int]:
+        """The prompt as ints; ValueError when it is empty or holds an id outside the vocabulary."""
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("the prompt is empty")
         bad = [t for t in prompt if t < 0 or t >= self.model.n_vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} is out of range [0, {self.model.n_vocab})")
-        if len(prompt) > self.n_ctx_slot:
-            raise ValueError(f"the prompt has {len(prompt)} tokens, more than the slot's context of "
-                             f"{self.n_ctx_slot} tokens allows (-c {self.n_ctx_slot * self.n_parallel} "
-                             f"split over {self.n_parallel} slots)")
-        job = Job(prompt, SamplingParams(), 0, [], on_event, cache_prompt=False, embedding=True,
-                  embd_normalize=int(embd_normalize))
+        return prompt
+
+    def _too_long(self, prompt: list[int]) -> None:
+        raise ValueError(f"the prompt has {len(prompt)} tokens, more than the slot's context of "
+                         f"{self.n_ctx_slot} tokens allows (-c {self.n_ctx_slot * self.n_parallel} "
+                         f"split over {self.n_parallel} slots)")
+
+    def _enqueue(self, job: Job) -> Job:
         with self.cv:
             job.id_task, self.n_tasks = self.n_tasks, self.n_tasks + 1
             self.queue.append(job)
