@@ -292,7 +292,6 @@ def _generic(L: _Lark, tools: list, parallel: bool, with_response: bool) -> str:
     return L.json(wrap)
 
 
-# llama-server's triggers of the lazy ("auto") grammars: where the calls begin
 # each format's call grammar: (L, tools, parallel, lazy) -> body (every builder gets the same four)
 _BODIES: dict[str, Callable[[_Lark, list, bool, bool], str]] = {
     "hermes": lambda L, t, par, lazy: _hermes(L, t, par),
@@ -308,6 +307,7 @@ _BODIES: dict[str, Callable[[_Lark, list, bool, bool], str]] = {
 }
 
 
+# llama-server's triggers of the lazy ("auto") grammars: where the calls begin
 _TRIGGERS: dict[str, list[dict]] = {
     "hermes": [{"type": TRIGGER_WORD, "value": "<tool_call>"}],
     "qwen3_coder": [{"type": TRIGGER_WORD, "value": "<tool_call>"}],

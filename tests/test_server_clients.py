@@ -205,3 +205,4 @@ def test_mixed_requests_under_load_answer_as_alone(server):
     # the server took them in batches of several slots (its /slots shows every slot used)
     slots = httpx.get(server.base + "/slots").json()
     assert len(slots) == 4 and all(s["n_ctx"] == 1024 for s in slots)
+    assert all(s["prompt"] for s in slots), [s["prompt"][:30] for s in slots]
