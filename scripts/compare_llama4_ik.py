@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shlex
-import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CHUNKS = re.compile(r"\[(\d+)\](\d+\.\d+)")
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+from compare_perplexity import run  # noqa: E402
 
 
 def emulate(argv: list[str]) -> None:
@@ -54,11 +54,8 @@ def emulate(argv: list[str]) -> None:
 
 
 def chunk_values(cmd: list[str]) -> list[float]:
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("[1]")]
-    if not lines:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{(r.stdout + r.stderr)[-3000:]}")
-    return [float(v) for _, v in CHUNKS.findall(lines[-1])]
+    """The running perplexity after each chunk (compare_perplexity's parser)."""
+    return run(cmd)[1]
 
 
 def main() -> None:
