@@ -1102,7 +1102,7 @@ def _block_dot(b: ir.IRBuilder, blk: Block, prep, k0, nsub: int, qp, sp, b16p, a
 PREFETCH_BYTES = 2048
 
 
-def prefetch(b: ir.IRBuilder, p, ahead: int, span: int) -> None:
+def prefetch(b: ir.IRBuilder, p, ahead: int, span: int, locality: int = 3) -> None:
     """Software prefetch of the cache lines [p + ahead, p + ahead + span): the hardware
     prefetcher alone left the compute-heavy row loops reading DRAM at 12-16 GB/s on one
     thread where Q8_0's light loop reaches 30 (102400 x 2048, cold)."""
@@ -1110,7 +1110,7 @@ def prefetch(b: ir.IRBuilder, p, ahead: int, span: int) -> None:
                                         "llvm.prefetch.p0i8")
     for o in range(0, span, 64):
         b.call(fn, [b.bitcast(_gep(b, p, ahead + o), ir.IntType(8).as_pointer()), ir.Constant(_I32, 0),
-                    ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+                    ir.Constant(_I32, locality), ir.Constant(_I32, 1)])
 
 
 def tree_sum(b: ir.IRBuilder, vals: list):

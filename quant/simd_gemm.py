@@ -38,7 +38,7 @@ from numba.extending import intrinsic
 from .simd import (HAS_VNNI, QK, _F32, _I8, _I32, _const_i64, _splat, _unpack_q4_0_r8, _unpack_q8_0_r8, _vec,
                    dpbusd)
 from .simd_blocks import (BLOCK_DOTS, GEMM_ONLY, BlockDot, _cv, _f16, _f32, _gep, _ld, _per_half, for_type,
-                          sum_weights, switch_value, type_switch)
+                          prefetch, sum_weights, switch_value, type_switch)
 from .simd_r4 import R4_DOTS, R4Dot, _dup8
 
 ROWS = 16          # weight rows per tile (one 512-bit lane each)
@@ -75,7 +75,7 @@ def _transpose4(b: ir.IRBuilder, vs: list, n: int) -> list:
     return [b.shuffle_vector(a, c, _cv([k, n + k, 2 * n + k, 3 * n + k])) for k in range(n)]
 
 
-def _pack_blocks(b: ir.IRBuilder, fmt: BlockDot, rows, nrows, boff, nb, h0, tu, tdsc, tws) -> None:
+def _pack_blocks(b: ir.IRBuilder, fmt: BlockDot, rows, nrows, boff, nb, h0, tu, tdsc, tws, ahead=None) -> None:
     """Blocks 0 .. nb - 1 of fmt at byte boff of every row (rows(i) -> (row pointer, row scale))
     into the tile rows i < nrows, their first half being half h0.  Block-major: the 16 rows of
     one block write the same 4 KiB of tile (row-major packing measured 4.6 ms for a 4096^2
@@ -88,6 +88,10 @@ def _pack_blocks(b: ir.IRBuilder, fmt: BlockDot, rows, nrows, boff, nb, h0, tu, 
     with cgutils.for_range(b, nb) as loop:
         ib = loop.index
         hb = b.add(h0, b.mul(ib, _const_i64(nh)))
+        if ahead is not None:       # the same block of the next tile's rows, into L2
+            with cgutils.for_range(b, _const_i64(ROWS)) as pl:
+                bo = b.add(_const_i64(boff) if isinstance(boff, int) else boff, b.mul(ib, _const_i64(fmt.nbytes)))
+                prefetch(b, b.gep(ahead(b.add(pl.index, _const_i64(ROWS))), [bo]), 0, fmt.nbytes, locality=2)
         quads = [b.add(b.mul(b.add(hb, _const_i64(2 * j + m // 4)), _const_i64(4)), _const_i64(m % 4))
                  for j in range(nsub) for m in range(8)]
         with cgutils.for_range(b, b.udiv(nrows, _const_i64(4))) as rl:
@@ -148,7 +152,7 @@ def _pack_plain(b: ir.IRBuilder, fmt: BlockDot, at, nrows, cols, tu, tdsc, tws) 
               "": lambda: ir.Constant(_F32, 1.0)}[fmt.row_scale]()
         return row, rs
     nb = b.udiv(cols, _const_i64(fmt.values))
-    _pack_blocks(b, fmt, rows, nrows, fmt.meta, nb, _const_i64(0), tu, tdsc, tws)
+    _pack_blocks(b, fmt, rows, nrows, fmt.meta, nb, _const_i64(0), tu, tdsc, tws, ahead=at)
     if fmt.tail is not None:
         t = fmt.tail
         rest = b.udiv(b.urem(cols, _const_i64(fmt.values)), _const_i64(t.values))
@@ -164,7 +168,7 @@ PLAIN_PACKS = {**BLOCK_DOTS, **GEMM_ONLY}
 tile_pack = _pack_intrinsic(PLAIN_PACKS, "pack", _pack_plain)
 
 
-def _pack_r4_blocks(b: ir.IRBuilder, fmt: R4Dot, groups, ngroups, nb, tu, tdsc, tws) -> None:
+def _pack_r4_blocks(b: ir.IRBuilder, fmt: R4Dot, groups, ngroups, nb, tu, tdsc, tws, ahead) -> None:
     """The _R4 form: blocks 0 .. nb - 1 of every 4-row group g < ngroups (groups(g) -> (block
     pointer, <4 x f32> row scales)) into tile rows 4 g .. 4 g + 3.  A run's dword lane (m, k)
     already holds row k's 4 levels at offset ao[m] of its sub-block, and the group's 4 rows are
@@ -175,6 +179,9 @@ def _pack_r4_blocks(b: ir.IRBuilder, fmt: R4Dot, groups, ngroups, nb, tu, tdsc, 
     with cgutils.for_range(b, nb) as loop:
         ib = loop.index
         hb = b.mul(ib, _const_i64(16))
+        with cgutils.for_range(b, _const_i64(ROWS // 4)) as pl:      # the next tile's block, into L2
+            prefetch(b, b.gep(ahead(b.add(pl.index, _const_i64(ROWS // 4))), [b.mul(ib, _const_i64(fmt.nbytes))]), 0,
+                     fmt.nbytes, locality=2)
         with cgutils.for_range(b, ngroups) as gl:
             g = gl.index
             bp, rs4 = groups(g)
@@ -204,12 +211,14 @@ def _pack_r4_blocks(b: ir.IRBuilder, fmt: R4Dot, groups, ngroups, nb, tu, tdsc, 
 
 
 def _pack_r4(b: ir.IRBuilder, fmt: R4Dot, at, ngroups, cols, tu, tdsc, tws) -> None:
+    def blocks(g):          # the group's first block (no load: also used past the last group)
+        return _gep(b, at(g), 16) if fmt.row_scale == "f32" else at(g)
+
     def groups(g):
-        grp = at(g)
         if fmt.row_scale == "f32":
-            return _gep(b, grp, 16), _ld(b, grp, 0, 4, _F32)
-        return grp, ir.Constant(_vec(_F32, 4), [1.0] * 4)
-    _pack_r4_blocks(b, fmt, groups, ngroups, b.udiv(cols, _const_i64(256)), tu, tdsc, tws)
+            return blocks(g), _ld(b, at(g), 0, 4, _F32)
+        return blocks(g), ir.Constant(_vec(_F32, 4), [1.0] * 4)
+    _pack_r4_blocks(b, fmt, groups, ngroups, b.udiv(cols, _const_i64(256)), tu, tdsc, tws, blocks)
 
 
 # tile_pack_r4(qtype, buf, base, gstride, ngroups, cols, tu, tdsc, tws) -> bool: tile_pack for the
@@ -235,6 +244,9 @@ def _pack_r8(b: ir.IRBuilder, fmt: R8Pack, at, ngroups, cols, tu, tdsc, tws) -> 
     p8 = lambda p: b.bitcast(p, _vec(p.type.pointee, 8).as_pointer())   # noqa: E731
     with cgutils.for_range(b, b.udiv(cols, _const_i64(32))) as loop:
         ib = loop.index
+        with cgutils.for_range(b, _const_i64(ROWS // 8)) as pl:      # the next tile's block, into L2
+            prefetch(b, b.gep(at(b.add(pl.index, _const_i64(ROWS // 8))), [b.mul(ib, _const_i64(fmt.nbytes))]), 0,
+                     fmt.nbytes, locality=2)
         with cgutils.for_range(b, ngroups) as gl:
             bp = b.gep(at(gl.index), [b.mul(ib, _const_i64(fmt.nbytes))])
             r8 = b.mul(gl.index, _const_i64(8))

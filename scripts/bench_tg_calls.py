@@ -3,6 +3,7 @@
 `--tokens` single-token decodes of random tokens, grouped by shape, with its effective weight bandwidth.
 
     python scripts/bench_tg_calls.py [--model /work/bench/ds-1b-q8_0.gguf] [--rtr] [--tokens 20]
+    python scripts/bench_tg_calls.py --model M --batch 512 --tokens 3     (prompt batches instead)
 
 Key: (type id, rows, cols, experts, pairs, fused).  The last line times the same tokens with the
 weight products replaced by constants: what the rest of the forward pass costs.  Compare the GB/s with scripts/bench_matmul.py
@@ -33,16 +34,27 @@ def main() -> None:
     ap.add_argument("--rtr", action="store_true", help="repack Q8_0/Q4_0 to _R8 at load (-rtr)")
     ap.add_argument("--tokens", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=1,
+                    help="tokens per decode: > 1 times prompt batches of that many at N_KV 0 (--tokens of them)")
     a = ap.parse_args()
-    cfg = EngineConfig(a.model, n_ctx=1024, n_threads=a.threads, mla=3)
+    cfg = EngineConfig(a.model, n_ctx=max(1024, a.batch), n_batch=max(2048, a.batch), n_ubatch=max(512, a.batch),
+                       n_threads=a.threads, mla=3, flash_attn=True)
     ctx = Context(load_model(a.model, quiet_log, mla=3, repack=a.rtr), cfg, quiet_log)
     ctx.decode(np.arange(1, 65, dtype=np.int32))
     # random tokens, as sweep-bench draws them (one token repeated keeps its experts partly cached)
     rng = np.random.default_rng(0)
     n_vocab = ctx.model.hp.n_vocab
-    tok = lambda: rng.integers(1, n_vocab, size=1, dtype=np.int32)   # noqa: E731
+    tok1 = lambda: rng.integers(1, n_vocab, size=a.batch, dtype=np.int32)   # noqa: E731
+
+    def tok() -> np.ndarray:
+        if a.batch > 1:         # a prompt batch at N_KV 0, as sweep-bench's first row
+            ctx.clear()
+        return tok1()
+
+    def dec(t: np.ndarray) -> None:      # the last token's logits only, as sweep-bench
+        ctx.decode(t, logits_from=len(t) - 1)
     for _ in range(5):
-        ctx.decode(tok())
+        dec(tok())
     orig = K.matvec_int
     rec = collections.defaultdict(list)
 
@@ -58,7 +70,7 @@ def main() -> None:
     K.matvec_int = timed
     t0 = time.perf_counter()
     for _ in range(a.tokens):
-        ctx.decode(tok())
+        dec(tok())
     per_tok = (time.perf_counter() - t0) / a.tokens
     K.matvec_int = orig
     total = 0.0
@@ -67,9 +79,9 @@ def main() -> None:
         b = sum(x[1] for x in v) / a.tokens
         total += t
         n = len(v) / a.tokens
-        print(f"{str(key):32s} calls/token {n:3.0f}  {t * 1e3:6.3f} ms  {b / 1e6:6.2f} MB  "
+        print(f"{str(key):32s} calls/decode {n:3.0f}  {t * 1e3:6.3f} ms  {b / 1e6:6.2f} MB  "
               f"{b / t / 1e9:5.1f} GB/s  {t / n * 1e6:6.1f} us/call")
-    print(f"token {per_tok * 1e3:.2f} ms (timing wrappers included), matvec_int {total * 1e3:.2f} ms")
+    print(f"decode of {a.batch} {per_tok * 1e3:.2f} ms (timing wrappers included), matvec_int {total * 1e3:.2f} ms")
 
     # everything but the weight products: the same tokens with matvec_int writing constants
     # (no wrappers); the rest of the forward pass (attention, norms, routing, Python) still runs
@@ -79,7 +91,7 @@ def main() -> None:
     def timed_tokens() -> float:
         t0 = time.perf_counter()
         for _ in range(a.tokens):
-            ctx.decode(tok())
+            dec(tok())
         return (time.perf_counter() - t0) / a.tokens
 
     plain = timed_tokens()
