@@ -646,10 +646,33 @@ def group_pairs(ids, x_rows, n_expert, n_x, many):
     return order, counts, few, ge, gb, rows_identity, order_identity
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
+def exp_f32(x):
+    """e^x in f32 without a libm call, so that the loops around it vectorize: x clamped to
+    [-87.3, 88], x = n ln2 + r (|r| <= ln2 / 2, ln2 in two parts), e^r by its degree-7 Taylor
+    polynomial (relative error below 1e-8 there), times 2^n built on the exponent bits.  Within
+    2 ulp of float64 exp (tests/test_kernels_exp.py).  silu at g < -88: g / (1 + e^88), ~1e-36
+    in magnitude where libm's inf gave -0."""
+    x = x if x > np.float32(-87.33) else np.float32(-87.33)     # selects (min / max branch on NaN)
+    x = x if x < np.float32(88.0) else np.float32(88.0)
+    n = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
+    r = (x - n * np.float32(0.693145751953125)) - n * np.float32(1.4286068203094172e-06)
+    p = np.float32(1.0 / 5040.0)
+    p = p * r + np.float32(1.0 / 720.0)
+    p = p * r + np.float32(1.0 / 120.0)
+    p = p * r + np.float32(1.0 / 24.0)
+    p = p * r + np.float32(1.0 / 6.0)
+    p = p * r + np.float32(0.5)
+    p = p * r + np.float32(1.0)
+    p = p * r + np.float32(1.0)
+    return p * _bits_to_f32((np.int32(n) + np.int32(127)) * np.int32(8388608))     # (n + 127) << 23
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _silu_mul(g, u):
-    """silu(g) * u in f32.  Not fastmath: exp(-g) may overflow to inf (silu -> -0)."""
-    return g / (np.float32(1.0) + np.exp(-g)) * u
+    """silu(g) * u in f32 (exp_f32: the fused expert loops vectorize; libm's expf kept them scalar,
+    10.6 ms for 3072 x 1536 values on one thread)."""
+    return g / (np.float32(1.0) + exp_f32(-g)) * u
 
 
 # The integer kernels are compiled without fastmath: numba's fastmath flags on the loops around
@@ -734,11 +757,15 @@ def _f32_run(qtype, buf, ebase, stride, r0, r1, k0, k1, cols, qk, lut, x, y, out
             out[k, r] = acc
 
 
-@njit(**_opts)
+# not fastmath (it would fold exp_f32's two-part ln2); numpy's error model (a division by zero
+# unchecked) and row slices indexed from 0 (no wraparound selects): both kept the loop scalar
+@njit(cache=True, nogil=True, error_model="numpy")
 def _silu_mul_run(r0, r1, k0, k1, out, outb):
     for k in range(k0, k1):
-        for r in range(r0, r1):
-            out[k, r] = _silu_mul(out[k, r], outb[k, r])
+        o = out[k, r0:r1]
+        ob = outb[k, r0:r1]
+        for r in range(o.shape[0]):
+            o[r] = _silu_mul(o[r], ob[r])
 
 
 @njit(parallel=True, **_iopts)
