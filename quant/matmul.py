@@ -293,9 +293,10 @@ def _quantize_act(x: np.ndarray, sums16: bool = True, ints16: bool = True
     if x.size < 65536:
         K.quantize_act_q8_serial(x, K.QK, q, s, bs, b16)
         return q, s, bs, b16
-    K.quantize_act_q8(x, K.QK, q, s, bs)
     if sums16:
-        K.block_sums16(q, s, bs, b16)
+        K.quantize_act_q8_sums(x, K.QK, q, s, bs, b16)
+    else:
+        K.quantize_act_q8(x, K.QK, q, s, bs)
     return q, s, bs, b16
 
 

@@ -98,6 +98,26 @@ def _act(rng, cols, n=NT):
     return q, s, bs, b16, (q.reshape(n, -1, 32).astype(np.float64) * s[:, :, None]).reshape(n, cols)
 
 
+@pytest.mark.parametrize("ints16", [True, False])
+def test_one_pass_quantization_with_sums_matches_two_passes(ints16):
+    """quant.matmul's prompt path (quantize_act_q8_sums) against quantize_act_q8 then
+    block_sums16; without ints16 (Q8_0 / Q4_0) bs keeps its per-32 sums."""
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((9, 256)) * rng.choice([0.01, 1, 100], size=(9, 256))).astype(np.float32)
+    w = 16 if ints16 else 32
+    q, s, bs, b16 = (np.empty((9, 256), np.int8), np.empty((9, 8), np.float32), np.empty((9, 256 // w), np.int32),
+                     np.empty((9, 16), np.float32))
+    K.quantize_act_q8_sums(x, 32, q, s, bs, b16)
+    q2, s2, bs2, b2 = np.empty_like(q), np.empty_like(s), np.empty((9, 8), np.int32), np.empty_like(b16)
+    K.quantize_act_q8(x, 32, q2, s2, bs2)
+    i16 = np.empty((9, 16), np.int32) if ints16 else bs2
+    K.block_sums16(q2, s2, i16, b2)
+    for a, b in ((q, q2), (s, s2), (bs, i16), (b16, b2)):
+        np.testing.assert_array_equal(a, b)
+    if not ints16:
+        np.testing.assert_array_equal(bs, q.reshape(9, 8, 32).astype(np.int32).sum(-1))
+
+
 def _decode(qtype, raw, cols):
     y = np.empty(cols, np.float32)
     if type_info(qtype).name == "IQ6_K":
