@@ -515,48 +515,52 @@ def quantize_act_q8(x, qk, q, s, bs):
 
 
 @njit(cache=True, nogil=True)
-def block_sums16(q, s, i16, f16):
+def block_sums16(q, s, i16, f16, c16):
     """i16[t, i] = the sum of q[t, 16 i:16 i + 16] (int32) and f16[t, i] = the same times the
     activation scale of its 32-block, s[t, i // 2] (f32, exact: an 11-bit sum times a bfloat16
     scale): the per-16 activation sums of the block types with 16-value sub-scales, level
     offsets or mins (quant.simd_blocks takes the f32 ones, quant.simd_r4 both; an i16 of
     another width is not written: Q8_0 / Q4_0 keep their per-32 sums there for quant.simd and
-    take the f32 ones into quant.simd_gemm)."""
+    take the f32 ones into quant.simd_gemm); c16 (when as wide as f16) = -LEVEL_OFF * i16, the
+    start of the GEMM's per-16 sums (quant.simd_gemm)."""
     for t in range(q.shape[0]):
-        _row_sums16(q[t], s[t], i16[t], f16[t])
+        _row_sums16(q[t], s[t], i16[t], f16[t], c16[t])
 
 
 @njit(cache=True, nogil=True)
-def _row_sums16(qr, sr, ir, fr):
+def _row_sums16(qr, sr, ir, fr, cr):
     """block_sums16 of one row."""
     ints = ir.shape[0] == fr.shape[0]      # else ir holds other sums (per 32): left alone
+    tile = cr.shape[0] == fr.shape[0]
     for i in range(fr.shape[0]):
         acc = np.int32(0)
         for j in range(16):
             acc += np.int32(qr[16 * i + j])
         if ints:
             ir[i] = acc
+        if tile:
+            cr[i] = np.int32(-_gemm.LEVEL_OFF) * acc
         fr[i] = np.float32(acc) * sr[i // 2]
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def quantize_act_q8_sums(x, qk, q, s, bs, b16):
+def quantize_act_q8_sums(x, qk, q, s, bs, b16, c16):
     """quantize_act_q8 then block_sums16 in the same parallel pass over rows (a prompt's block
     sums were a serial second pass: ~6 ms of a 512-token batch of the 2B test model)."""
     for t in prange(x.shape[0]):
         _quantize_row_q8(x[t], qk, q[t], s[t], bs[t])
-        _row_sums16(q[t], s[t], bs[t], b16[t])
+        _row_sums16(q[t], s[t], bs[t], b16[t], c16[t])
 
 
 @njit(**_qopts)
-def quantize_act_q8_serial(x, qk, q, s, bs, b16):
+def quantize_act_q8_serial(x, qk, q, s, bs, b16, c16):
     """quantize_act_q8 then block_sums16 (when b16 has columns) on the calling thread, in one
     call: for a few rows, waking the pool costs more (tens of microseconds with
     OMP_WAIT_POLICY=PASSIVE) than the work, and a second dispatch a few more."""
     for t in range(x.shape[0]):
         _quantize_row_q8(x[t], qk, q[t], s[t], bs[t])
     if b16.shape[1]:
-        block_sums16(q, s, bs, b16)
+        block_sums16(q, s, bs, b16, c16)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -697,7 +701,7 @@ _iopts = dict(cache=True, nogil=True)
 
 
 @njit(**_iopts)
-def _gemm_rows(qtype, weave, buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16, out):
+def _gemm_rows(qtype, weave, buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16, c16, out):
     """out[k, r] for rows r0:r1 (<= 16; weave 4 / 8: an _R4 / _R8 layout, whole groups; 0:
     plain rows) and pairs k0:k1 through quant.simd_gemm (False: the type has no record there,
     nothing written)."""
@@ -705,20 +709,28 @@ def _gemm_rows(qtype, weave, buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16
     tdsc = np.empty(cols, np.float32)
     tws = np.empty(cols, np.float32)
     if weave == 4:
-        ok = _gemm.tile_pack_r4(qtype, buf, ebase + r0 * stride, 4 * stride, (r1 - r0) // 4, cols, tu, tdsc, tws)
+        code = _gemm.tile_pack_r4(qtype, buf, ebase + r0 * stride, 4 * stride, (r1 - r0) // 4, cols, tu, tdsc, tws)
     elif weave == 8:
-        ok = _gemm.tile_pack_r8(qtype, buf, ebase + r0 * stride, 8 * stride, (r1 - r0) // 8, cols, tu, tdsc, tws)
+        code = _gemm.tile_pack_r8(qtype, buf, ebase + r0 * stride, 8 * stride, (r1 - r0) // 8, cols, tu, tdsc, tws)
     else:
-        ok = _gemm.tile_pack(qtype, buf, ebase + r0 * stride, stride, r1 - r0, cols, tu, tdsc, tws)
-    if ok and _GEMM_SCALE32[qid(qtype)]:
-        _gemm.tile_gemm32(tu, tdsc, tws, cols // 16, q, s, b16, k0, k1 - k0, out, r0, r1 - r0)
-    elif ok:
-        _gemm.tile_gemm(tu, tdsc, tws, cols // 16, q, s, b16, k0, k1 - k0, out, r0, r1 - r0)
-    return ok
+        code = _gemm.tile_pack(qtype, buf, ebase + r0 * stride, stride, r1 - r0, cols, tu, tdsc, tws)
+    nh, n, nr = cols // 16, k1 - k0, r1 - r0
+    if code == _gemm.NOT_PACKED:
+        return False
+    if _GEMM_SCALE32[qid(qtype)]:
+        if code == _gemm.PACKED_MINS:
+            _gemm.tile_gemm32m(tu, tdsc, tws, nh, q, s, b16, c16, k0, n, out, r0, nr)
+        else:
+            _gemm.tile_gemm32(tu, tdsc, tws, nh, q, s, b16, c16, k0, n, out, r0, nr)
+    elif code == _gemm.PACKED_MINS:
+        _gemm.tile_gemm16m(tu, tdsc, tws, nh, q, s, b16, c16, k0, n, out, r0, nr)
+    else:
+        _gemm.tile_gemm16(tu, tdsc, tws, nh, q, s, b16, c16, k0, n, out, r0, nr)
+    return True
 
 
 @njit(**_iopts)
-def _int_run(qtype, buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, bs, b16, out):
+def _int_run(qtype, buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, bs, b16, c16, out):
     """out[k, r] = row r . activation k for rows r0:r1 (from byte ebase on), pairs k0:k1.
     Interleaved types go 4 or 8 rows at a time (r0, r1 are multiples of that for them).
     From GEMM_MIN pairs every type quant.simd_gemm packs (WEAVE) goes through its GEMM; below,
@@ -728,7 +740,8 @@ def _int_run(qtype, buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, bs, b
     qt = qid(qtype)      # a constant when qtype is a tag: LLVM drops the other types' branches
     # b16 is empty for Q8_0 / Q4_0 activations made for the row dots only (quant.matmul._act)
     if k1 - k0 >= GEMM_MIN and qt < 400 and _GEMM_WEAVE[qt] >= 0 and b16.shape[1] * 16 == cols and \
-            _gemm_rows(qtype, _GEMM_WEAVE[qt], buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16, out):
+            c16.shape[1] * 16 == cols and \
+            _gemm_rows(qtype, _GEMM_WEAVE[qt], buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16, c16, out):
         return
     if qt < 400 and _R4_KERNEL[qt]:
         for kt in range(k0, k1, _blocks.TMAX):
@@ -784,9 +797,9 @@ def _silu_mul_run(r0, r1, k0, k1, out, outb):
 
 
 @njit(parallel=True, **_iopts)
-def matvec_int(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut, q, s, bs, b16, ge, gb, out,
+def matvec_int(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut, q, s, bs, b16, c16, ge, gb, out,
                outb):
-    """INT_DOT_TYPES weights . int8 activations (q, s, bs from quantize_act_q8, b16 from
+    """INT_DOT_TYPES weights . int8 activations (q, s, bs from quantize_act_q8, b16 and c16 from
     block_sums16, one row per pair), integer block sums.  out, outb: (n_pairs, nrows)."""
     nb = cols // qk
     nrun = (nrows + ROW_RUN - 1) // ROW_RUN
@@ -797,16 +810,16 @@ def matvec_int(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut,
         if not fused:
             r0 = c * ROW_RUN
             r1 = min(nrows, r0 + ROW_RUN)
-            _int_run(qtype, bufa, ge[g] * esa, sa, r0, r1, gb[g], gb[g + 1], nb, qk, lut, q, s, bs, b16, out)
+            _int_run(qtype, bufa, ge[g] * esa, sa, r0, r1, gb[g], gb[g + 1], nb, qk, lut, q, s, bs, b16, c16, out)
             continue
         c0 = c * FUSED_RUNS * ROW_RUN
         c1 = min(nrows, c0 + FUSED_RUNS * ROW_RUN)
         for r0 in range(c0, c1, ROW_RUN):
             _int_run(qtype, bufa, ge[g] * esa, sa, r0, min(c1, r0 + ROW_RUN), gb[g], gb[g + 1], nb, qk, lut,
-                     q, s, bs, b16, out)
+                     q, s, bs, b16, c16, out)
         for r0 in range(c0, c1, ROW_RUN):
             _int_run(qtype, bufb, ge[g] * esb, sb, r0, min(c1, r0 + ROW_RUN), gb[g], gb[g + 1], nb, qk, lut,
-                     q, s, bs, b16, outb)
+                     q, s, bs, b16, c16, outb)
         _silu_mul_run(c0, c1, gb[g], gb[g + 1], out, outb)
 
 

@@ -279,10 +279,11 @@ def _f32_matrix(v: _View) -> np.ndarray:
 
 def _quantize_act(x: np.ndarray, sums16: bool = True, ints16: bool = True
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """x (n, cols) -> (q, s, bs, b16): int8 values, one scale per 32 (ik_llama.cpp's Q8_2 rule, see
-    kernels), and activation sums: bs = the int32 sum of each 32 values, or with sums16 and
+    """x (n, cols) -> (q, s, bs, b16, c16): int8 values, one scale per 32 (ik_llama.cpp's Q8_2 rule,
+    see kernels), and activation sums: bs = the int32 sum of each 32 values, or with sums16 and
     ints16 (the block types' per-16 scales, level offsets and mins) of each 16; b16 = with
-    sums16 the sum of each 16 times its scale (f32), else an (n, 0) array."""
+    sums16 the sum of each 16 times its scale (f32), c16 = with sums16 -128 times the int sum of
+    each 16 (the tile GEMM's, quant.simd_gemm), else (n, 0) arrays."""
     q = np.empty(x.shape, dtype=np.int8)
     s = np.empty((x.shape[0], x.shape[1] // K.QK), dtype=np.float32)
     bs = np.empty((x.shape[0], x.shape[1] // (16 if sums16 and ints16 else K.QK)), dtype=np.int32)
@@ -290,18 +291,18 @@ def _quantize_act(x: np.ndarray, sums16: bool = True, ints16: bool = True
     # parallel call for an MLA per-head product (16 heads x 128 values) averaged ~27 us in the 1B
     # model (cProfile), the serial one ~3.6 us
     b16 = np.empty((x.shape[0], x.shape[1] // 16 if sums16 else 0), dtype=np.float32)
+    c16 = np.empty((x.shape[0], x.shape[1] // 16 if sums16 else 0), dtype=np.int32)
     if x.size < 65536:
-        K.quantize_act_q8_serial(x, K.QK, q, s, bs, b16)
-        return q, s, bs, b16
-    if sums16:
-        K.quantize_act_q8_sums(x, K.QK, q, s, bs, b16)
+        K.quantize_act_q8_serial(x, K.QK, q, s, bs, b16, c16)
+    elif sums16:
+        K.quantize_act_q8_sums(x, K.QK, q, s, bs, b16, c16)
     else:
         K.quantize_act_q8(x, K.QK, q, s, bs)
-    return q, s, bs, b16
+    return q, s, bs, b16, c16
 
 
 def _act(qt: int, x: np.ndarray, n_pairs: int | None = None) -> tuple[np.ndarray, ...]:
-    """The few-pair kernels' activations: (q, s, bs, b16) for the integer types, (x,) for the
+    """The few-pair kernels' activations: (q, s, bs, b16, c16) for the integer types, (x,) for the
     others.  Q8_0 / Q4_0 keep per-32 int sums (quant.simd) and get the f32 per-16 ones when
     enough pairs (n_pairs: the most that one expert gets; default: the rows of x) come to reach
     quant.simd_gemm."""

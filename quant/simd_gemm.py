@@ -5,20 +5,22 @@ A row dot unpacks every weight block once per TMAX tokens and pays per block and
 its per-sub-block scales (about 46 vector ops per 256 products, quant.simd_blocks).  Here a
 run of 16 weight rows is unpacked once into a woven tile:
 
-    tu    unsigned levels (the record's u = level + OFF), per 16-value half h and quad j of it
-          one 64-byte vector holding the quad's 4 levels of each of the 16 rows, so one
-          vpdpbusd with the activation quad broadcast gives 16 rows' partial sums in 16 lanes;
+    tu    the levels + LEVEL_OFF (128) as unsigned bytes, whatever the type's own offset; per
+          16-value half h and quad j of it one 64-byte vector holding the quad's 4 levels of each
+          of the 16 rows, so one vpdpbusd with the activation quad broadcast gives 16 rows'
+          partial sums in 16 lanes;
     tdsc  f32 d * scale of each row's half (row scale included);
-    tws   f32 weight of each half's activation sum (-d scale OFF + dm min), as in the row dot.
+    tws   for types with mins only (whose levels stay as stored): f32 weight of each half's
+          activation sum (-d scale OFF + dm min).
 
-and every token then costs per 32 values and 16 rows 8 broadcasts of activation quads, 8 vpdpbusd
-(512-bit), two converts, 3 broadcasts of activation scales and sums, and nine f32 multiplies /
-adds (the two halves' d * scale, the activation scale once, the two halves' activation-sum
-weights; ~6 once LLVM fuses them): no horizontal sums, no per-row work.  The row dots' records
-(BLOCK_DOTS, plus GEMM_ONLY for Q8_0 / Q4_0) feed the packing, so every block type gets the
+and every token then costs per 32 values and 16 rows 8 vpdpbusd (512-bit) with the activation
+quads broadcast from memory, each half's sum started at c16 (-128 * the half's sum of q: the
+offset's term in integers, one broadcast), one or two converts and their d * scale, the activation
+scale once, and for mins the activation-sum weights: no horizontal sums, no per-row work.  The
+row dots' records (BLOCK_DOTS, plus GEMM_ONLY for Q8_0 / Q4_0) feed the packing, so every block type gets the
 GEMM; the _R4 layouts are packed from simd_r4's records and Q8_0_R8 / Q4_0_R8 from their woven
-runs (WEAVE says which packing a type takes).  Activations are quant.matmul's (q, s, bs, b16)
-with the f32 per-16 sums.
+runs (WEAVE says which packing a type takes).  Activations are quant.matmul's (q, s, bs, b16, c16)
+with the f32 per-16 sums and c16 = -LEVEL_OFF * the int per-16 sums.
 
 Without AVX512-VNNI the generic IR form is compiled (LLVM lowers the 512-bit vectors to what
 the CPU has); quant.kernels only uses the GEMM where VNNI is present.
@@ -42,6 +44,10 @@ from .simd_blocks import (BLOCK_DOTS, GEMM_ONLY, BlockDot, _cv, _f16, _f32, _gep
 from .simd_r4 import R4_DOTS, R4Dot, _dup8
 
 ROWS = 16          # weight rows per tile (one 512-bit lane each)
+# the tile's levels are stored + LEVEL_OFF, whatever the type's own offset: the offset's term is then
+# one integer per activation row and 16 values (c16, quant.kernels), started into each half's sum,
+# instead of an f32 weight per half multiplied per token (types with mins keep that for the mins)
+LEVEL_OFF = 128
 # activation rows per pass over the tile (the tile's vectors are loaded once for them); 2-core Zen 5
 # (AVX-512 at full width), one thread, n = 512, 4096^2: 4 -> 8 took Q4_K 41.9 -> 35.7 ms, Q6_K 41.5 ->
 # 30.8, Q8_0 37.1 -> 32.2, IQ4_XS 35.2 -> 31.7; 6 and 12 were slower than 8 (12: register spills)
@@ -54,18 +60,38 @@ _V64B = _vec(_I8, 64)
 # ----------------------------------------------------------------------------------------
 # packing: weight rows -> tile
 # ----------------------------------------------------------------------------------------
+def _rebase(b: ir.IRBuilder, u32, off):
+    """Levels stored as level + off (4 bytes a lane of <8 x i32>; off an int, or per lane an
+    <8 x i32>) -> level + LEVEL_OFF, byte-wise (wrapping adds: the result fits when the level is
+    an int8)."""
+    if isinstance(off, int):
+        if off == LEVEL_OFF:
+            return u32
+        rep = ir.Constant(_vec(_I32, 8), [((LEVEL_OFF - off) & 255) * 0x01010101] * 8)
+    else:
+        rep = b.mul(b.and_(b.sub(_cv([LEVEL_OFF] * 8), off), _cv([255] * 8)), _cv([0x01010101] * 8))
+    v32 = _vec(_I8, 32)
+    return b.bitcast(b.add(b.bitcast(u32, v32), b.bitcast(rep, v32)), _vec(_I32, 8))
+
+
 def _row_fields(b: ir.IRBuilder, fmt: BlockDot, rows, i, boff, ib, nh: int):
-    """Block ib of tile row i: (f32 d * scale per half, f32 activation-sum weight per half, the
-    levels as <8 x i32> per sub-block)."""
+    """Block ib of tile row i: (f32 d * scale per half, None and the levels + LEVEL_OFF as <8 x i32>
+    per sub-block; for types with mins the f32 weight of each half's activation sum (-d sc off +
+    dm min) and the levels as the type stores them)."""
     row, rs = rows(i)
     blk = fmt.unpack(b, b.gep(row, [b.add(_const_i64(boff) if isinstance(boff, int) else boff,
                                           b.mul(ib, _const_i64(fmt.nbytes)))]))
     dh = b.fmul(_per_half(b, blk.d, nh), _splat(b, rs, _F32, nh), flags=["fast"])
     dsc = b.fmul(b.sitofp(blk.sc, _vec(_F32, nh)), dh, flags=["fast"])
     dm = None if blk.mins is None else b.fmul(_per_half(b, blk.dm, nh), _splat(b, rs, _F32, nh), flags=["fast"])
-    ws = sum_weights(b, blk.sc, blk.off, dh, blk.mins, dm)
-    return dsc, ws if ws is not None else ir.Constant(_vec(_F32, nh), [0.0] * nh), \
-        [b.bitcast(u, _vec(_I32, 8)) for u in blk.us]
+    if blk.mins is not None:        # the mins' term is f32 per half anyway: the offset's joins it
+        return dsc, sum_weights(b, blk.sc, blk.off, dh, blk.mins, dm), [b.bitcast(u, _vec(_I32, 8)) for u in blk.us]
+    us = []
+    for j, u in enumerate(blk.us):
+        off = blk.off if isinstance(blk.off, int) else \
+            b.shuffle_vector(blk.off, blk.off, _cv([2 * j] * 4 + [2 * j + 1] * 4))
+        us.append(_rebase(b, b.bitcast(u, _vec(_I32, 8)), off))
+    return dsc, None, us
 
 
 def _transpose4(b: ir.IRBuilder, vs: list, n: int) -> list:
@@ -75,7 +101,7 @@ def _transpose4(b: ir.IRBuilder, vs: list, n: int) -> list:
     return [b.shuffle_vector(a, c, _cv([k, n + k, 2 * n + k, 3 * n + k])) for k in range(n)]
 
 
-def _pack_blocks(b: ir.IRBuilder, fmt: BlockDot, rows, nrows, boff, nb, h0, tu, tdsc, tws, ahead=None) -> None:
+def _pack_blocks(b: ir.IRBuilder, fmt: BlockDot, rows, nrows, boff, nb, h0, tu, tdsc, tws, ahead=None) -> bool:
     """Blocks 0 .. nb - 1 of fmt at byte boff of every row (rows(i) -> (row pointer, row scale))
     into the tile rows i < nrows, their first half being half h0.  Block-major: the 16 rows of
     one block write the same 4 KiB of tile (row-major packing measured 4.6 ms for a 4096^2
@@ -84,6 +110,7 @@ def _pack_blocks(b: ir.IRBuilder, fmt: BlockDot, rows, nrows, boff, nb, h0, tu, 
     extracts and stores); the last nrows % 4 rows one by one."""
     nsub = fmt.values // 32
     nh = 2 * nsub
+    has_mins = False
     p4 = lambda p: b.bitcast(p, _vec(p.type.pointee, 4).as_pointer())   # noqa: E731
     with cgutils.for_range(b, nb) as loop:
         ib = loop.index
@@ -97,10 +124,14 @@ def _pack_blocks(b: ir.IRBuilder, fmt: BlockDot, rows, nrows, boff, nb, h0, tu, 
         with cgutils.for_range(b, b.udiv(nrows, _const_i64(4))) as rl:
             i0 = b.mul(rl.index, _const_i64(4))
             f = [_row_fields(b, fmt, rows, b.add(i0, _const_i64(k)), boff, ib, nh) for k in range(4)]
-            for h, (dv, wv) in enumerate(zip(_transpose4(b, [x[0] for x in f], nh), _transpose4(b, [x[1] for x in f], nh))):
+            for h, dv in enumerate(_transpose4(b, [x[0] for x in f], nh)):
                 at = b.add(b.mul(b.add(hb, _const_i64(h)), _const_i64(ROWS)), i0)
                 b.store(dv, p4(b.gep(tdsc, [at])), align=4)
-                b.store(wv, p4(b.gep(tws, [at])), align=4)
+            if f[0][1] is not None:
+                has_mins = True
+                for h, wv in enumerate(_transpose4(b, [x[1] for x in f], nh)):
+                    at = b.add(b.mul(b.add(hb, _const_i64(h)), _const_i64(ROWS)), i0)
+                    b.store(wv, p4(b.gep(tws, [at])), align=4)
             for j in range(nsub):
                 for m, v in enumerate(_transpose4(b, [x[2][j] for x in f], 8)):
                     b.store(v, p4(b.gep(tu, [b.add(b.mul(quads[8 * j + m], _const_i64(ROWS)), i0)])), align=4)
@@ -110,23 +141,27 @@ def _pack_blocks(b: ir.IRBuilder, fmt: BlockDot, rows, nrows, boff, nb, h0, tu, 
             for h in range(nh):
                 at = b.add(b.mul(b.add(hb, _const_i64(h)), _const_i64(ROWS)), i)
                 b.store(b.extract_element(dsc, ir.Constant(_I32, h)), b.gep(tdsc, [at]))
-                b.store(b.extract_element(ws, ir.Constant(_I32, h)), b.gep(tws, [at]))
+                if ws is not None:
+                    b.store(b.extract_element(ws, ir.Constant(_I32, h)), b.gep(tws, [at]))
             for j, u32 in enumerate(us):
                 for m in range(8):
                     b.store(b.extract_element(u32, ir.Constant(_I32, m)),
                             b.gep(tu, [b.add(b.mul(quads[8 * j + m], _const_i64(ROWS)), i)]))
+    return has_mins
 
 
 def _pack_intrinsic(records: dict, label: str, case: Callable):
-    """An intrinsic f(qtype, buf, base, stride, n, cols, tu, tdsc, tws) -> bool that packs n rows
+    """An intrinsic f(qtype, buf, base, stride, n, cols, tu, tdsc, tws) -> int that packs n rows
     (or groups) of a type in records: case(builder, record, row pointer at byte base + i
-    stride of buf, n, cols, tu (i32 *), tdsc, tws) per type (quant.simd_blocks.type_switch)."""
+    stride of buf, n, cols, tu (i32 *), tdsc, tws) -> whether the type has mins, per type
+    (quant.simd_blocks.type_switch).  Returns NOT_PACKED, PACKED or PACKED_MINS (tws written:
+    the GEMM must add the mins' term)."""
     @intrinsic
     def pack(typingctx, qtype, buf, base, stride, n, cols, tu, tdsc, tws):
         if not all(isinstance(x, types.Array) for x in (buf, tu, tdsc, tws)):
             return None
         recs, qty = for_type(records, qtype)
-        sig = types.boolean(qty, buf, types.int64, types.int64, types.int64, types.int64, tu, tdsc, tws)
+        sig = types.int64(qty, buf, types.int64, types.int64, types.int64, types.int64, tu, tdsc, tws)
 
         def codegen(context, builder, sig, args):
             b = builder
@@ -139,36 +174,47 @@ def _pack_intrinsic(records: dict, label: str, case: Callable):
 
             def at(i):
                 return b.gep(wbuf.data, [b.add(basev, b.mul(i, stridev))])
-            return type_switch(b, qt, recs, label,
-                               lambda fmt: case(b, fmt, at, nv, cols, tu_p, tdsc_p, tws_p))
+            code = cgutils.alloca_once_value(b, _const_i64(NOT_PACKED))
+
+            def one(fmt):
+                mins = case(b, fmt, at, nv, cols, tu_p, tdsc_p, tws_p)
+                b.store(_const_i64(PACKED_MINS if mins else PACKED), code)
+            type_switch(b, qt, recs, label, one)
+            return b.load(code)
         return sig, codegen
     return pack
 
 
-def _pack_plain(b: ir.IRBuilder, fmt: BlockDot, at, nrows, cols, tu, tdsc, tws) -> None:
+NOT_PACKED, PACKED, PACKED_MINS = 0, 1, 2
+
+
+def _pack_plain(b: ir.IRBuilder, fmt: BlockDot, at, nrows, cols, tu, tdsc, tws) -> bool:
     def rows(i):
         row = at(i)
         rs = {"f32": lambda: _f32(b, row, 0), "f16": lambda: _f16(b, row, 0),
               "": lambda: ir.Constant(_F32, 1.0)}[fmt.row_scale]()
         return row, rs
     nb = b.udiv(cols, _const_i64(fmt.values))
-    _pack_blocks(b, fmt, rows, nrows, fmt.meta, nb, _const_i64(0), tu, tdsc, tws, ahead=at)
+    mins = _pack_blocks(b, fmt, rows, nrows, fmt.meta, nb, _const_i64(0), tu, tdsc, tws, ahead=at)
     if fmt.tail is not None:
         t = fmt.tail
         rest = b.udiv(b.urem(cols, _const_i64(fmt.values)), _const_i64(t.values))
-        _pack_blocks(b, t, rows, nrows, b.add(_const_i64(fmt.meta), b.mul(nb, _const_i64(fmt.nbytes))), rest,
-                     b.mul(nb, _const_i64(fmt.values // 16)), tu, tdsc, tws)
+        tail_mins = _pack_blocks(b, t, rows, nrows, b.add(_const_i64(fmt.meta), b.mul(nb, _const_i64(fmt.nbytes))),
+                                 rest, b.mul(nb, _const_i64(fmt.values // 16)), tu, tdsc, tws)
+        assert tail_mins == mins, fmt.name
+    return mins
 
 
-# tile_pack(qtype, buf, base, stride, nrows, cols, tu, tdsc, tws) -> bool: the rows at byte base +
-# i stride of buf, i < nrows (<= ROWS), into tile rows i (tu: uint8, ROWS * cols bytes; tdsc /
-# tws: f32, cols // 16 * ROWS = cols floats); rows nrows.. are left as they are.  False (nothing written) for a type
-# without a BLOCK_DOTS or GEMM_ONLY (Q8_0, Q4_0) record.
+# tile_pack(qtype, buf, base, stride, nrows, cols, tu, tdsc, tws) -> NOT_PACKED / PACKED /
+# PACKED_MINS: the rows at byte base + i stride of buf, i < nrows (<= ROWS), into tile rows i (tu:
+# uint8 levels + LEVEL_OFF, ROWS * cols bytes; tdsc / tws: f32, cols // 16 * ROWS = cols floats,
+# tws only for PACKED_MINS); rows nrows.. are left as they are.  NOT_PACKED (nothing written) for a
+# type without a BLOCK_DOTS or GEMM_ONLY (Q8_0, Q4_0) record.
 PLAIN_PACKS = {**BLOCK_DOTS, **GEMM_ONLY}
 tile_pack = _pack_intrinsic(PLAIN_PACKS, "pack", _pack_plain)
 
 
-def _pack_r4_blocks(b: ir.IRBuilder, fmt: R4Dot, groups, ngroups, nb, tu, tdsc, tws, ahead) -> None:
+def _pack_r4_blocks(b: ir.IRBuilder, fmt: R4Dot, groups, ngroups, nb, tu, tdsc, tws, ahead) -> bool:
     """The _R4 form: blocks 0 .. nb - 1 of every 4-row group g < ngroups (groups(g) -> (block
     pointer, <4 x f32> row scales)) into tile rows 4 g .. 4 g + 3.  A run's dword lane (m, k)
     already holds row k's 4 levels at offset ao[m] of its sub-block, and the group's 4 rows are
@@ -192,25 +238,31 @@ def _pack_r4_blocks(b: ir.IRBuilder, fmt: R4Dot, groups, ngroups, nb, tu, tdsc, 
                 dsc = b.fmul(b.sitofp(sub.scale, v8f), d8, flags=["fast"])
                 mn = None if dm8 is None else \
                     b.zext(b.shuffle_vector(blk.mins, blk.mins, _cv([4 * si + k for k in range(4)] * 2)), _vec(_I32, 8))
-                ws = sum_weights(b, sub.scale, sub.off, d8, mn, dm8)
-                ws = ws if ws is not None else ir.Constant(v8f, [0.0] * 8)
+                ws = None if mn is None else sum_weights(b, sub.scale, sub.off, d8, mn, dm8)
                 # lanes (h or m, k): the group's 4 rows are 4 consecutive tile lanes, one 16-byte store
                 g4 = b.mul(g, _const_i64(4))
                 for h in range(2):
                     at = b.add(b.mul(b.add(hb, _const_i64(2 * si + h)), _const_i64(ROWS)), g4)
                     lanes = _cv(range(4 * h, 4 * h + 4))
                     b.store(b.shuffle_vector(dsc, dsc, lanes), p4(b.gep(tdsc, [at])), align=4)
-                    b.store(b.shuffle_vector(ws, ws, lanes), p4(b.gep(tws, [at])), align=4)
+                    if ws is not None:
+                        b.store(b.shuffle_vector(ws, ws, lanes), p4(b.gep(tws, [at])), align=4)
                 for u, ao in sub.runs:
                     u32 = b.bitcast(u, _vec(_I32, 8))
+                    if mn is None:
+                        off = sub.off if isinstance(sub.off, int) else b.shuffle_vector(
+                            sub.off, sub.off, _cv([ao[m] // 16 * 4 + k for m in range(2) for k in range(4)]))
+                        u32 = _rebase(b, u32, off)
                     for m in range(2):
                         half, quad = 2 * si + ao[m] // 16, (ao[m] % 16) // 4
                         at = b.add(b.mul(b.add(b.mul(b.add(hb, _const_i64(half)), _const_i64(4)), _const_i64(quad)),
                                          _const_i64(ROWS)), g4)
                         b.store(b.shuffle_vector(u32, u32, _cv(range(4 * m, 4 * m + 4))), p4(b.gep(tu, [at])), align=4)
+            has_mins = blk.dm is not None
+    return has_mins
 
 
-def _pack_r4(b: ir.IRBuilder, fmt: R4Dot, at, ngroups, cols, tu, tdsc, tws) -> None:
+def _pack_r4(b: ir.IRBuilder, fmt: R4Dot, at, ngroups, cols, tu, tdsc, tws) -> bool:
     def blocks(g):          # the group's first block (no load: also used past the last group)
         return _gep(b, at(g), 16) if fmt.row_scale == "f32" else at(g)
 
@@ -218,10 +270,10 @@ def _pack_r4(b: ir.IRBuilder, fmt: R4Dot, at, ngroups, cols, tu, tdsc, tws) -> N
         if fmt.row_scale == "f32":
             return blocks(g), _ld(b, at(g), 0, 4, _F32)
         return blocks(g), ir.Constant(_vec(_F32, 4), [1.0] * 4)
-    _pack_r4_blocks(b, fmt, groups, ngroups, b.udiv(cols, _const_i64(256)), tu, tdsc, tws, blocks)
+    return _pack_r4_blocks(b, fmt, groups, ngroups, b.udiv(cols, _const_i64(256)), tu, tdsc, tws, blocks)
 
 
-# tile_pack_r4(qtype, buf, base, gstride, ngroups, cols, tu, tdsc, tws) -> bool: tile_pack for the
+# tile_pack_r4(qtype, buf, base, gstride, ngroups, cols, tu, tdsc, tws) -> int: tile_pack for the
 # _R4 types of quant.simd_r4 (R4_DOTS): the 4-row groups at byte base + g gstride, g < ngroups
 # (<= ROWS / 4), into tile rows 4 g .. 4 g + 3.
 tile_pack_r4 = _pack_intrinsic(R4_DOTS, "packr4", _pack_r4)
@@ -238,7 +290,7 @@ class R8Pack:
     off: int                # level offset of the unsigned bytes (128: int8 + 128; 8: nibbles)
 
 
-def _pack_r8(b: ir.IRBuilder, fmt: R8Pack, at, ngroups, cols, tu, tdsc, tws) -> None:
+def _pack_r8(b: ir.IRBuilder, fmt: R8Pack, at, ngroups, cols, tu, tdsc, tws) -> bool:
     """Blocks of every 8-row group g < ngroups into tile rows 8 g .. 8 g + 7: the woven 32-byte
     runs are the tile's layout already (8 rows' quad), so each is one store."""
     p8 = lambda p: b.bitcast(p, _vec(p.type.pointee, 8).as_pointer())   # noqa: E731
@@ -251,17 +303,17 @@ def _pack_r8(b: ir.IRBuilder, fmt: R8Pack, at, ngroups, cols, tu, tdsc, tws) -> 
             bp = b.gep(at(gl.index), [b.mul(ib, _const_i64(fmt.nbytes))])
             r8 = b.mul(gl.index, _const_i64(8))
             d, runs = fmt.unpack(b, bp, u8=True)
-            ws = sum_weights(b, _cv([1] * 8), fmt.off, d)
             for h in range(2):
                 at_h = b.add(b.mul(b.add(b.mul(ib, _const_i64(2)), _const_i64(h)), _const_i64(ROWS)), r8)
                 b.store(d, p8(b.gep(tdsc, [at_h])), align=4)
-                b.store(ws, p8(b.gep(tws, [at_h])), align=4)
             for v, ao in runs:               # activation offset ao: quad ao // 4 of the block's 8
                 quad = b.add(b.mul(ib, _const_i64(8)), _const_i64(ao // 4))
-                b.store(b.bitcast(v, _vec(_I32, 8)), p8(b.gep(tu, [b.add(b.mul(quad, _const_i64(ROWS)), r8)])), align=4)
+                b.store(_rebase(b, b.bitcast(v, _vec(_I32, 8)), fmt.off),
+                        p8(b.gep(tu, [b.add(b.mul(quad, _const_i64(ROWS)), r8)])), align=4)
+    return False
 
 
-# tile_pack_r8(qtype, buf, base, gstride, ngroups, cols, tu, tdsc, tws) -> bool: tile_pack for
+# tile_pack_r8(qtype, buf, base, gstride, ngroups, cols, tu, tdsc, tws) -> int: tile_pack for
 # Q8_0_R8 / Q4_0_R8: the 8-row groups at byte base + g gstride, g < ngroups (<= ROWS / 8).
 R8_PACKS = {208: R8Pack("Q8_0_R8", 16 + 8 * QK, _unpack_q8_0_r8, 128),
             202: R8Pack("Q4_0_R8", 16 + 4 * QK, _unpack_q4_0_r8, 8)}
@@ -277,9 +329,11 @@ SCALE32: frozenset[int] = frozenset([t for t, r in PLAIN_PACKS.items() if r.scal
 # ----------------------------------------------------------------------------------------
 # the GEMM: tile x activation rows
 # ----------------------------------------------------------------------------------------
-def _gemm_codegen(vnni: bool, per32: bool = False):
+def _gemm_codegen(vnni: bool, per32: bool, mins: bool):
     """per32: the tile's two halves of every 32 values share their d * scale and activation-sum
-    weight (SCALE32): their integer sums are added, then converted and scaled once."""
+    weight (SCALE32): their integer sums are added, then converted and scaled once.  mins: a
+    PACKED_MINS tile (levels as the type stores them, tws the f32 weights of the activation sums:
+    mins and offset); else the levels carry + LEVEL_OFF and c16 starts each half's sum."""
     def codegen(context, builder, sig, args):
         b = builder
         tu_p = context.make_array(sig.args[0])(context, b, args[0]).data
@@ -287,12 +341,12 @@ def _gemm_codegen(vnni: bool, per32: bool = False):
         tws_p = context.make_array(sig.args[2])(context, b, args[2]).data
         nh = args[3]
         arrs = []
-        for k in (4, 5, 6, 9):        # q, s, b16, out: data pointer and row stride in elements
+        for k in (4, 5, 6, 7, 10):    # q, s, b16, c16, out: data pointer and row stride in elements
             a = context.make_array(sig.args[k])(context, b, args[k])
             st = b.sdiv(b.extract_value(a.strides, 0), _const_i64(sig.args[k].dtype.bitwidth // 8))
             arrs.append((a.data, st))
-        (qd, qst), (sd, sst), (fd, fst), (od, ost) = arrs
-        k0, ntok, r0, nrows = args[7], args[8], args[10], args[11]
+        (qd, qst), (sd, sst), (fd, fst), (cd, cst), (od, ost) = arrs
+        k0, ntok, r0, nrows = args[8], args[9], args[11], args[12]
         zf = ir.Constant(_V16F, [0.0] * ROWS)
 
         def chunk(t0, nt: int):
@@ -301,8 +355,10 @@ def _gemm_codegen(vnni: bool, per32: bool = False):
             qp = [b.gep(qd, [b.mul(t, qst)]) for t in tok]
             sp = [b.gep(sd, [b.mul(t, sst)]) for t in tok]
             fp = [b.gep(fd, [b.mul(t, fst)]) for t in tok]
-            accs = [cgutils.alloca_once_value(b, zf) for _ in range(2 * nt)]
-            for a in accs:
+            cp = [b.gep(cd, [b.mul(t, cst)]) for t in tok]
+            accs = [cgutils.alloca_once_value(b, zf) for _ in range(nt)]
+            macs = [cgutils.alloca_once_value(b, zf) for _ in range(nt if mins else 0)]
+            for a in accs + macs:
                 b.store(zf, a)
             # per 32 values (one activation scale): the two halves' products with their d * scale,
             # then the scale once (one multiply a 32 fewer than per half)
@@ -313,12 +369,15 @@ def _gemm_codegen(vnni: bool, per32: bool = False):
                        for j in range(4)] for h in hs]
                 dsc = [b.load(b.bitcast(b.gep(tdsc_p, [b.mul(h, _const_i64(ROWS))]), _V16F.as_pointer()), align=4)
                        for h in hs]
-                wsum = [b.load(b.bitcast(b.gep(tws_p, [b.mul(h, _const_i64(ROWS))]), _V16F.as_pointer()), align=4)
-                        for h in hs]
+                if mins:
+                    wsum = [b.load(b.bitcast(b.gep(tws_p, [b.mul(h, _const_i64(ROWS))]), _V16F.as_pointer()),
+                                   align=4) for h in hs]
                 for t in range(nt):
                     isums = []
                     for k, h in enumerate(hs):
-                        isum = ir.Constant(_V16I, [0] * ROWS)
+                        # the levels carry + LEVEL_OFF: their sum starts at -LEVEL_OFF * (the half's sum of q)
+                        isum = ir.Constant(_V16I, [0] * ROWS) if mins else \
+                            _splat(b, b.load(b.gep(cp[t], [h])), _I32, ROWS)
                         q16 = b.bitcast(b.gep(qp[t], [b.mul(h, _const_i64(16))]), _I32.as_pointer())
                         for j in range(4):
                             a = _splat(b, b.load(b.gep(q16, [_const_i64(j)]), align=1), _I32, ROWS)
@@ -332,20 +391,23 @@ def _gemm_codegen(vnni: bool, per32: bool = False):
                             x = b.fmul(b.sitofp(isum, _V16F), dsc[k], flags=["fast"])
                             part = x if part is None else b.fadd(part, x, flags=["fast"])
                     sv = _splat(b, b.load(b.gep(sp[t], [sl.index])), _F32, ROWS)
-                    b.store(b.fadd(b.load(accs[2 * t]), b.fmul(part, sv, flags=["fast"]), flags=["fast"]), accs[2 * t])
-                    acc2 = b.load(accs[2 * t + 1])
-                    fs = [b.load(b.gep(fp[t], [h])) for h in hs]
-                    if per32:       # the 32 values' activation sum, one weight
-                        fv = _splat(b, b.fadd(fs[0], fs[1], flags=["fast"]), _F32, ROWS)
-                        acc2 = b.fadd(acc2, b.fmul(wsum[0], fv, flags=["fast"]), flags=["fast"])
-                    else:
-                        for k, f in enumerate(fs):
-                            fv = _splat(b, f, _F32, ROWS)
-                            acc2 = b.fadd(acc2, b.fmul(wsum[k], fv, flags=["fast"]), flags=["fast"])
-                    b.store(acc2, accs[2 * t + 1])
+                    b.store(b.fadd(b.load(accs[t]), b.fmul(part, sv, flags=["fast"]), flags=["fast"]), accs[t])
+                    if mins:
+                        acc2 = b.load(macs[t])
+                        fs = [b.load(b.gep(fp[t], [h])) for h in hs]
+                        if per32:       # the 32 values' activation sum, one weight
+                            fv = _splat(b, b.fadd(fs[0], fs[1], flags=["fast"]), _F32, ROWS)
+                            acc2 = b.fadd(acc2, b.fmul(wsum[0], fv, flags=["fast"]), flags=["fast"])
+                        else:
+                            for k, f in enumerate(fs):
+                                fv = _splat(b, f, _F32, ROWS)
+                                acc2 = b.fadd(acc2, b.fmul(wsum[k], fv, flags=["fast"]), flags=["fast"])
+                        b.store(acc2, macs[t])
             full = b.icmp_unsigned("==", nrows, _const_i64(ROWS))
             for t in range(nt):
-                res = b.fadd(b.load(accs[2 * t]), b.load(accs[2 * t + 1]), flags=["fast"])
+                res = b.load(accs[t])
+                if mins:
+                    res = b.fadd(res, b.load(macs[t]), flags=["fast"])
                 dst = b.gep(od, [b.add(b.mul(tok[t], ost), r0)])
                 with b.if_else(full) as (then, otherwise):
                     with then:
@@ -370,24 +432,30 @@ def _gemm_codegen(vnni: bool, per32: bool = False):
     return codegen
 
 
-def _gemm_intrinsic(vnni: bool, per32: bool = False):
-    """tile_gemm(tu, tdsc, tws, nh, q, s, b16, k0, ntok, out, r0, nrows): out[k0 + t, r0 + i] =
-    tile row i dotted with activation row k0 + t (q int8, s f32 per 32, b16 f32 per 16 sums),
-    t < ntok, i < nrows; nh = cols / 16.  per32: for tiles of SCALE32 types."""
+def _gemm_intrinsic(vnni: bool, per32: bool, mins: bool):
+    """tile_gemm(tu, tdsc, tws, nh, q, s, b16, c16, k0, ntok, out, r0, nrows): out[k0 + t, r0 + i]
+    = tile row i dotted with activation row k0 + t (q int8, s f32 per 32, b16 f32 per 16 sums,
+    c16 int32 -LEVEL_OFF * the per-16 sums of q), t < ntok, i < nrows; nh = cols / 16.  per32:
+    for tiles of SCALE32 types; mins: for tiles packed PACKED_MINS."""
     @intrinsic
-    def tile_gemm(typingctx, tu, tdsc, tws, nh, q, s, b16, k0, ntok, out, r0, nrows):
-        if not all(isinstance(x, types.Array) for x in (tu, tdsc, tws, q, s, b16, out)):
+    def tile_gemm(typingctx, tu, tdsc, tws, nh, q, s, b16, c16, k0, ntok, out, r0, nrows):
+        if not all(isinstance(x, types.Array) for x in (tu, tdsc, tws, q, s, b16, c16, out)):
             return None
-        sig = types.void(tu, tdsc, tws, types.int64, q, s, b16, types.int64, types.int64, out, types.int64,
+        sig = types.void(tu, tdsc, tws, types.int64, q, s, b16, c16, types.int64, types.int64, out, types.int64,
                          types.int64)
-        return sig, _gemm_codegen(vnni, per32)
+        return sig, _gemm_codegen(vnni, per32, mins)
     return tile_gemm
 
 
-tile_gemm_generic = _gemm_intrinsic(False)
-tile_gemm_vnni = _gemm_intrinsic(True) if HAS_VNNI else None
-tile_gemm = tile_gemm_vnni if HAS_VNNI else tile_gemm_generic
-# one conversion and scale per 32 values (SCALE32 types); one thread, n = 512, 4096^2, 2-core Zen 5:
+# tile_gemm16 / tile_gemm32 (per 16 / per 32 values: SCALE32 types), with m: for PACKED_MINS
+# tiles; VNNI where the CPU has it, else the generic IR (LLVM lowers it to what the CPU has), which
+# the _generic names always are (tests).  Per 32 values, one thread, n = 512, 4096^2, 2-core Zen 5:
 # Q4_K 35.7 -> 33.5 ms, Q8_0 32.2 -> 29.9, IQ4_XS 31.7 -> 30.9
-tile_gemm32_generic = _gemm_intrinsic(False, True)
-tile_gemm32 = _gemm_intrinsic(True, True) if HAS_VNNI else tile_gemm32_generic
+tile_gemm16_generic = _gemm_intrinsic(False, False, False)
+tile_gemm16m_generic = _gemm_intrinsic(False, False, True)
+tile_gemm32_generic = _gemm_intrinsic(False, True, False)
+tile_gemm32m_generic = _gemm_intrinsic(False, True, True)
+tile_gemm16 = _gemm_intrinsic(True, False, False) if HAS_VNNI else tile_gemm16_generic
+tile_gemm16m = _gemm_intrinsic(True, False, True) if HAS_VNNI else tile_gemm16m_generic
+tile_gemm32 = _gemm_intrinsic(True, True, False) if HAS_VNNI else tile_gemm32_generic
+tile_gemm32m = _gemm_intrinsic(True, True, True) if HAS_VNNI else tile_gemm32m_generic

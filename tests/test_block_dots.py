@@ -93,7 +93,7 @@ def _act(rng, cols, n=NT):
     K.quantize_act_q8(x, 32, q, s, bs)
     i16 = np.empty((n, cols // 16), np.int32)
     b16 = np.empty((n, cols // 16), np.float32)
-    K.block_sums16(q, s, i16, b16)
+    K.block_sums16(q, s, i16, b16, np.empty((n, 0), np.int32))
     bs = i16
     return q, s, bs, b16, (q.reshape(n, -1, 32).astype(np.float64) * s[:, :, None]).reshape(n, cols)
 
@@ -107,13 +107,16 @@ def test_one_pass_quantization_with_sums_matches_two_passes(ints16):
     w = 16 if ints16 else 32
     q, s, bs, b16 = (np.empty((9, 256), np.int8), np.empty((9, 8), np.float32), np.empty((9, 256 // w), np.int32),
                      np.empty((9, 16), np.float32))
-    K.quantize_act_q8_sums(x, 32, q, s, bs, b16)
+    c16 = np.empty((9, 16), np.int32)
+    K.quantize_act_q8_sums(x, 32, q, s, bs, b16, c16)
     q2, s2, bs2, b2 = np.empty_like(q), np.empty_like(s), np.empty((9, 8), np.int32), np.empty_like(b16)
     K.quantize_act_q8(x, 32, q2, s2, bs2)
     i16 = np.empty((9, 16), np.int32) if ints16 else bs2
-    K.block_sums16(q2, s2, i16, b2)
-    for a, b in ((q, q2), (s, s2), (bs, i16), (b16, b2)):
+    c2 = np.empty_like(c16)
+    K.block_sums16(q2, s2, i16, b2, c2)
+    for a, b in ((q, q2), (s, s2), (bs, i16), (b16, b2), (c16, c2)):
         np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(c16, -128 * q.reshape(9, 16, 16).astype(np.int32).sum(-1))
     if not ints16:
         np.testing.assert_array_equal(bs, q.reshape(9, 8, 32).astype(np.int32).sum(-1))
 
@@ -197,29 +200,42 @@ def test_matmul_few_and_many_tokens_agree(name):
 def _gemm(generic, qtype, buf, stride, rows, cols, q, s, b16, out, r4, r8, per32):
     """quant.simd_gemm over every 16-row run (tiles start as NaN: rows past `rows` stay so);
     r4 / r8: the _R4 / _R8 packing (stride: of one row, groups of 4 / 8 rows); per32: the
-    tile_gemm32 form (SCALE32 types).  The flags are always passed (bools): an omitted default is
-    another signature, another cold compile."""
+    tile_gemm32 forms (SCALE32 types); the packing's code picks the mins' forms.  The flags are
+    always passed (bools): an omitted default is another signature, another cold compile."""
     tu = np.full(16 * cols, 0x7F, np.uint8)
     td = np.full(cols, np.nan, np.float32)
     tw = np.full(cols, np.nan, np.float32)
+    c16 = np.empty((q.shape[0], cols // 16), np.int32)      # -128 * the per-16 sums of q
+    for t in range(q.shape[0]):
+        for i in range(cols // 16):
+            c16[t, i] = -128 * np.sum(q[t, 16 * i:16 * i + 16].astype(np.int32))
     for r0 in range(0, rows, 16):
         n = min(16, rows - r0)
         if r8:
-            ok = SG.tile_pack_r8(qtype, buf, r0 * stride, 8 * stride, n // 8, cols, tu, td, tw)
+            code = SG.tile_pack_r8(qtype, buf, r0 * stride, 8 * stride, n // 8, cols, tu, td, tw)
         elif r4:
-            ok = SG.tile_pack_r4(qtype, buf, r0 * stride, 4 * stride, n // 4, cols, tu, td, tw)
+            code = SG.tile_pack_r4(qtype, buf, r0 * stride, 4 * stride, n // 4, cols, tu, td, tw)
         else:
-            ok = SG.tile_pack(qtype, buf, r0 * stride, stride, n, cols, tu, td, tw)
-        if not ok:
+            code = SG.tile_pack(qtype, buf, r0 * stride, stride, n, cols, tu, td, tw)
+        if code == SG.NOT_PACKED:
             return False
-        if generic and per32:
-            SG.tile_gemm32_generic(tu, td, tw, cols // 16, q, s, b16, 0, q.shape[0], out, r0, n)
+        m = code == SG.PACKED_MINS
+        if generic and per32 and m:
+            SG.tile_gemm32m_generic(tu, td, tw, cols // 16, q, s, b16, c16, 0, q.shape[0], out, r0, n)
+        elif generic and per32:
+            SG.tile_gemm32_generic(tu, td, tw, cols // 16, q, s, b16, c16, 0, q.shape[0], out, r0, n)
+        elif generic and m:
+            SG.tile_gemm16m_generic(tu, td, tw, cols // 16, q, s, b16, c16, 0, q.shape[0], out, r0, n)
         elif generic:
-            SG.tile_gemm_generic(tu, td, tw, cols // 16, q, s, b16, 0, q.shape[0], out, r0, n)
+            SG.tile_gemm16_generic(tu, td, tw, cols // 16, q, s, b16, c16, 0, q.shape[0], out, r0, n)
+        elif per32 and m:
+            SG.tile_gemm32m(tu, td, tw, cols // 16, q, s, b16, c16, 0, q.shape[0], out, r0, n)
         elif per32:
-            SG.tile_gemm32(tu, td, tw, cols // 16, q, s, b16, 0, q.shape[0], out, r0, n)
+            SG.tile_gemm32(tu, td, tw, cols // 16, q, s, b16, c16, 0, q.shape[0], out, r0, n)
+        elif m:
+            SG.tile_gemm16m(tu, td, tw, cols // 16, q, s, b16, c16, 0, q.shape[0], out, r0, n)
         else:
-            SG.tile_gemm(tu, td, tw, cols // 16, q, s, b16, 0, q.shape[0], out, r0, n)
+            SG.tile_gemm16(tu, td, tw, cols // 16, q, s, b16, c16, 0, q.shape[0], out, r0, n)
     return True
 
 
