@@ -85,7 +85,8 @@ def main() -> None:
 
     # everything but the weight products: the same tokens with matvec_int writing constants
     # (no wrappers); the rest of the forward pass (attention, norms, routing, Python) still runs
-    def null(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut, q, s, bs, b16, ge, gb, out, outb):
+    def null(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut, q, s, bs, b16, c16, ge, gb, out,
+             outb):
         out[:] = 0.01
 
     def timed_tokens() -> float:
