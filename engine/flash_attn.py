@@ -37,7 +37,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from quant.gemm import gemm
+import quant.gemm as _qgemm
+from quant.gemm import gemm, gemm_t
 from quant.kernels import F16_TO_F32, QK, decode_cache_rows
 
 from .device import on_device, to_host
@@ -510,6 +511,10 @@ def _flash_blas(q, k, v, n_kv, hkv, dk, dv, cell_pos, q_pos, q_lo, scale, block,
         rows = (t1 - t0) * G                       # row (t, i) of kv head g: query t0 + t, head g*G + i
         qt = np.ascontiguousarray(qs[t0:t1].reshape(t1 - t0, hkv, G, dk).transpose(1, 0, 2, 3))
         qt = qt.reshape(hkv, rows, dk)
+        qtt = None
+        if _qgemm.OWN:      # quant.simd_sgemm: scores as K . Q^T written transposed, Q^T once a tile
+            qtt = np.zeros((hkv, dk, -(-rows // 16) * 16), dtype=np.float32)
+            qtt[:, :, :rows] = qt.transpose(0, 2, 1)
         qp = q_pos[t0:t1]
         ql = q_lo[t0:t1]
         m = np.full((hkv, rows), -np.inf, dtype=np.float32)
@@ -525,7 +530,10 @@ def _flash_blas(q, k, v, n_kv, hkv, dk, dv, cell_pos, q_pos, q_lo, scale, block,
                 continue                           # nobody in this query tile sees these cells
             kf = _read_tile(k, c0, c1, kt).reshape(c1 - c0, hkv, dk)
             vf = kf[:, :, :dv] if v is None else _read_tile(v, c0, c1, vt).reshape(c1 - c0, hkv, dv)
-            s = gemm(qt, kf.transpose(1, 0, 2), st[:, :, :c1 - c0])   # (hkv, rows, cells), log2 domain
+            if qtt is None:     # (hkv, rows, cells), log2 domain
+                s = gemm(qt, kf.transpose(1, 0, 2), st[:, :, :c1 - c0])
+            else:
+                s = gemm_t(kf.transpose(1, 0, 2), qtt, st[:, :, :c1 - c0])
             _softmax_tile(st, c1 - c0, cp, qp, ql, G, m, lsum, acc)
             gemm(s, vf.transpose(1, 0, 2), acc, trans_b=False, accumulate=True)
         if sink2 is not None:   # one more logit per row in the softmax sum, with no value

@@ -78,3 +78,19 @@ def set_blas_threads(n: int) -> int | None:
     fn.restype = None
     fn(int(max(1, n)))
     return prev
+
+
+_CORENAME = ("scipy_openblas_get_corename64_", "scipy_openblas_get_corename", "openblas_get_corename64_",
+             "openblas_get_corename")
+
+
+def blas_core() -> str | None:
+    """The kernel set numpy's OpenBLAS runs (its core name, e.g. "Haswell", "SkylakeX"; chosen at
+    load from the CPU or OPENBLAS_CORETYPE); None without OpenBLAS."""
+    lib = _openblas()
+    fn = _find(_CORENAME, lib) if lib is not None else None
+    if fn is None:
+        return None
+    fn.restype = ctypes.c_char_p
+    name = fn()
+    return name.decode(errors="replace") if name else None

@@ -23,6 +23,7 @@ C = A . B^T (trans_b, the engine's x @ W.T) or C = A . B, optionally accumulated
 from __future__ import annotations
 
 import ctypes
+import os
 
 import numba
 import numpy as np
@@ -31,7 +32,9 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from . import blas_threads
+from . import simd_sgemm as _own
 from .kernels import decode_rows_at
+from .simd import cpu_features
 from .typetag import QType
 
 _I32, _I64, _F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -57,6 +60,25 @@ def _find() -> tuple[int, int, bool]:
                        ilp64)
                 break
     return _FN
+
+
+# OpenBLAS's kernel sets with AVX-512; on an AVX-512 CPU whose numpy OpenBLAS runs another
+# (OPENBLAS_CORETYPE=Haswell on the Zen 5 test VM) quant.simd_sgemm's tile kernel takes the
+# prompt attention's products (scripts/bench_prompt_attention.py)
+_AVX512_CORES = ("skylakex", "cooperlake", "sapphirerapids")
+
+
+def _own_kernel() -> bool:
+    """Whether the prompt attention's f32 products go through quant.simd_sgemm: IKCLI_SGEMM=own /
+    blas forces it; by default on AVX-512 CPUs where numpy's OpenBLAS runs no AVX-512 kernels."""
+    v = os.environ.get("IKCLI_SGEMM", "").strip().lower()
+    if v in ("own", "blas"):
+        return v == "own"
+    core = blas_threads.blas_core()
+    return core is not None and "+avx512f" in cpu_features() and core.lower() not in _AVX512_CORES
+
+
+OWN = _own_kernel()
 
 
 def available() -> bool:
@@ -163,7 +185,7 @@ def _shares(n, parts, align):
 
 
 @njit(parallel=True, **_opts)
-def _gemm_batched(fn, fnv, ilp64, transb, a, b, c, beta, nsplit):
+def _gemm_batched(fn, fnv, ilp64, transb, a, b, c, beta, nsplit, own):
     """c[g] = a[g] . op(b[g]) + beta c[g] for every g, one work item per (g, share of c's columns);
     a single row of a goes to sgemv (fnv): sgemm with M = 1 measured 2.7-6x slower than gemv
     (1 x 64..4096 x 1024), and (16, 1, 576) x (16, 3584, 576)^T took 4.7 ms, as numpy with
@@ -186,6 +208,9 @@ def _gemm_batched(fn, fnv, ilp64, transb, a, b, c, beta, nsplit):
                 _sgemv(fnv, ilp64, False, n1 - n0, K, b, boff, b.strides[1] // 4, a, aoff, beta, c, coff)
             else:
                 _sgemv(fnv, ilp64, True, K, n1 - n0, b, boff, b.strides[1] // 4, a, aoff, beta, c, coff)
+        elif own and not transb and (n1 - n0) % 16 == 0:     # b's rows read as whole 16-lane vectors
+            _own.tile_sgemm(a, aoff, a.strides[1] // 4, b, boff, b.strides[1] // 4, c, coff, c.strides[1] // 4,
+                            M, n1 - n0, K, beta != 0)
         else:
             _sgemm(fn, ilp64, transb, M, n1 - n0, K, a, aoff, a.strides[1] // 4,
                    b, boff, b.strides[1] // 4, beta, c, coff, c.strides[1] // 4)
@@ -247,7 +272,39 @@ def gemm(a: np.ndarray, b: np.ndarray, out: np.ndarray, trans_b: bool = True, ac
     fn, fnv, ilp64 = _find()
     nt = numba.get_num_threads()
     nsplit = max(1, -(-nt // c3.shape[0]))
-    _gemm_batched(fn, fnv, ilp64, bool(trans_b), a3, b3, c3, np.float32(1.0 if accumulate else 0.0), nsplit)
+    _gemm_batched(fn, fnv, ilp64, bool(trans_b), a3, b3, c3, np.float32(1.0 if accumulate else 0.0), nsplit, OWN)
+    return out
+
+
+@njit(parallel=True, **_opts)
+def _gemm_t_batched(a, bt, c, nsplit):
+    """c[g] = (a[g] . bt[g])^T, one work item per (g, share of a's rows = c's columns)."""
+    nbat, M, K = a.shape
+    N = c.shape[1]
+    st = _shares(M, nsplit, 8)
+    for it in prange(nbat * nsplit):
+        g, p = it // nsplit, it % nsplit
+        m0, m1 = st[p], st[p + 1]
+        if m1 <= m0:
+            continue
+        _own.tile_sgemm_t(a, (g * a.strides[0] + m0 * a.strides[1]) // 4, a.strides[1] // 4, bt,
+                          g * bt.strides[0] // 4, bt.strides[1] // 4, c, (g * c.strides[0]) // 4 + m0,
+                          c.strides[1] // 4, m1 - m0, N, K, False)
+
+
+def gemm_t(a: np.ndarray, bt: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """out[g] = (a[g] @ bt[g]).T through quant.simd_sgemm (3-D f32 operands, last axes
+    contiguous): a (G, M, K), bt (G, K, >= N) whose rows hold at least N rounded up to 16 readable
+    columns (the prompt attention's K . Q^T, with Q^T padded), out (G, N, M).  For OWN hosts."""
+    if out.size == 0:
+        return out
+    if a.shape[2] == 0:
+        out[...] = 0.0
+        return out
+    if a.strides[2] != 4 or bt.strides[2] != 4 or out.strides[2] != 4 or bt.shape[2] < -(-out.shape[1] // 16) * 16:
+        raise ValueError("gemm_t: last axes must be contiguous and bt's rows padded to 16 columns")
+    nsplit = max(1, -(-numba.get_num_threads() // out.shape[0]))
+    _gemm_t_batched(a, bt, out, nsplit)
     return out
 
 
