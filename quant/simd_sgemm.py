@@ -7,7 +7,9 @@ A is read one element at a time (broadcast), so any row stride lda works; B's ro
 whole 16-lane vectors: the caller keeps every row readable to a multiple of 16 columns (ldb and
 the buffer), and C is written only in the columns j < N.  Blocks of 8 rows x 32 columns keep
 16 accumulators in registers (two B vectors and 16 broadcast FMAs per k); the rows past the last
-8 go one at a time, and the columns past the last 32 one 16-lane vector at a time.
+8 go one at a time, and the columns past the last 32 one 16-lane vector at a time.  The _t form
+writes C transposed (the attention's scores as K . Q^T: Q^T is made once a query tile, and no
+operand is repacked per cell tile).
 
 Development note (as quant.simd): after editing this module delete quant/__pycache__/*.nb*.
 """
@@ -59,26 +61,20 @@ def _codegen(transc: bool):
                 for v in range(nv):
                     res = b.load(accs[r * nv + v])
                     dst = b.gep(crow, [_const_i64(16 * v)])
-                    if transc:      # C[j0 + 16 v + lane, i0 + r]: one column of C per lane
+                    if transc or ncols is not None:
+                        # lane by lane: C's row may end inside the vector, or (transc) each lane is
+                        # C[j0 + 16 v + lane, i0 + r], in a column of its own
                         with cgutils.for_range(b, _const_i64(16) if ncols is None else ncols) as ll:
-                            lane = b.trunc(ll.index, _I32)
-                            x = b.extract_element(res, lane)
+                            x = b.extract_element(res, b.trunc(ll.index, _I32))
                             sp = b.gep(cp, [b.add(b.mul(b.add(b.add(j0, _const_i64(16 * v)), ll.index), ldc),
-                                                  b.add(i0, _const_i64(r)))])
+                                                  b.add(i0, _const_i64(r)))]) if transc else b.gep(dst, [ll.index])
                             x = b.select(accum, b.fadd(x, b.load(sp)), x)
                             b.store(x, sp)
-                    elif ncols is None:
+                    else:
                         vp = b.bitcast(dst, _V16.as_pointer())
                         with b.if_then(accum):
                             b.store(b.fadd(res, b.load(vp, align=4)), accs[r * nv + v])
                         b.store(b.load(accs[r * nv + v]), vp, align=4)
-                    else:       # lane by lane: C's row may end inside the vector
-                        with cgutils.for_range(b, ncols) as ll:
-                            lane = b.trunc(ll.index, _I32)
-                            x = b.extract_element(res, lane)
-                            sp = b.gep(dst, [ll.index])
-                            x = b.select(accum, b.fadd(x, b.load(sp)), x)
-                            b.store(x, sp)
 
         m8 = b.mul(b.udiv(M, _const_i64(ROWS)), _const_i64(ROWS))
         n32 = b.mul(b.udiv(N, _const_i64(COLS)), _const_i64(COLS))
