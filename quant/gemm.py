@@ -184,6 +184,13 @@ def _shares(n, parts, align):
     return st
 
 
+@njit(**_opts)
+def _item(it, nsplit, st):
+    """Work item it of the batched products: (batch index, its share st[p]:st[p + 1])."""
+    p = it % nsplit
+    return it // nsplit, st[p], st[p + 1]
+
+
 @njit(parallel=True, **_opts)
 def _gemm_batched(fn, fnv, ilp64, transb, a, b, c, beta, nsplit, own):
     """c[g] = a[g] . op(b[g]) + beta c[g] for every g, one work item per (g, share of c's columns);
@@ -194,8 +201,7 @@ def _gemm_batched(fn, fnv, ilp64, transb, a, b, c, beta, nsplit, own):
     N = c.shape[2]
     st = _shares(N, nsplit, 16)
     for it in prange(nbat * nsplit):
-        g, p = it // nsplit, it % nsplit
-        n0, n1 = st[p], st[p + 1]
+        g, n0, n1 = _item(it, nsplit, st)
         if n1 <= n0:
             continue
         if transb:      # rows n0:n1 of b[g]
@@ -283,8 +289,7 @@ def _gemm_t_batched(a, bt, c, nsplit):
     N = c.shape[1]
     st = _shares(M, nsplit, 8)
     for it in prange(nbat * nsplit):
-        g, p = it // nsplit, it % nsplit
-        m0, m1 = st[p], st[p + 1]
+        g, m0, m1 = _item(it, nsplit, st)
         if m1 <= m0:
             continue
         _own.tile_sgemm_t(a, (g * a.strides[0] + m0 * a.strides[1]) // 4, a.strides[1] // 4, bt,
