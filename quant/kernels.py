@@ -87,7 +87,7 @@ Q4_0_R8_ID, Q8_0_R8_ID = 202, 208   # ik_llama.cpp's 8-row interleaved forms (qu
 INT_DOT_TYPES = _reg.INT_DOT_TYPES
 _R4_KERNEL = _reg.id_table(lambda r: r.dot == _reg.DOT_R4, np.bool_, False)   # type id -> simd_r4 group dot
 _GEMM_WEAVE = _reg.id_table(lambda r: r.gemm, np.int64, -1)      # type id -> simd_gemm's packing (-1: none)
-_GEMM_SCALE32 = _reg.id_table(lambda r: r.id in _gemm.SCALE32, np.bool_, False)   # -> simd_gemm.tile_gemm32
+_GEMM_SCALE32 = _reg.id_table(lambda r: r.id in _gemm.SCALE32, np.bool_, False)   # tile_gemm's per32 form
 # type id -> the family decoder _decode_plain_rows calls for it (after the types it decodes inline)
 _DEC_LEGACY, _DEC_KQUANTS, _DEC_IQK, _DEC_IQUANTS, _DEC_KT = 1, 2, 3, 4, 5
 _DECODER = _reg.id_table(lambda r: {"legacy": _DEC_LEGACY, "kquants": _DEC_KQUANTS, "iqk": _DEC_IQK,
@@ -714,18 +714,10 @@ def _gemm_rows(qtype, weave, buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16
         code = _gemm.tile_pack_r8(qtype, buf, ebase + r0 * stride, 8 * stride, (r1 - r0) // 8, cols, tu, tdsc, tws)
     else:
         code = _gemm.tile_pack(qtype, buf, ebase + r0 * stride, stride, r1 - r0, cols, tu, tdsc, tws)
-    nh, n, nr = cols // 16, k1 - k0, r1 - r0
     if code == _gemm.NOT_PACKED:
         return False
-    if _GEMM_SCALE32[qid(qtype)]:
-        if code == _gemm.PACKED_MINS:
-            _gemm.tile_gemm32m(tu, tdsc, tws, nh, q, s, b16, c16, k0, n, out, r0, nr)
-        else:
-            _gemm.tile_gemm32(tu, tdsc, tws, nh, q, s, b16, c16, k0, n, out, r0, nr)
-    elif code == _gemm.PACKED_MINS:
-        _gemm.tile_gemm16m(tu, tdsc, tws, nh, q, s, b16, c16, k0, n, out, r0, nr)
-    else:
-        _gemm.tile_gemm16(tu, tdsc, tws, nh, q, s, b16, c16, k0, n, out, r0, nr)
+    _gemm.tile_gemm(tu, tdsc, tws, cols // 16, q, s, b16, c16, k0, k1 - k0, out, r0, r1 - r0,
+                    _GEMM_SCALE32[qid(qtype)], code == _gemm.PACKED_MINS)
     return True
 
 

@@ -322,140 +322,139 @@ tile_pack_r8 = _pack_intrinsic(R8_PACKS, "packr8", _pack_r8)
 # type id -> the packing quant.kernels calls for it: 0 tile_pack (rows), 4 tile_pack_r4, 8 tile_pack_r8
 WEAVE: dict[int, int] = {**{t: 0 for t in PLAIN_PACKS}, **{t: 4 for t in R4_DOTS}, **{t: 8 for t in R8_PACKS}}
 # the types whose tiles hold one d * scale and activation-sum weight per 32 values (both halves
-# alike: BlockDot.scale32; the _R8 packs write one per block of 32): tile_gemm32 multiplies them
+# alike: BlockDot.scale32; the _R8 packs write one per block of 32): tile_gemm's per32 form multiplies them
 SCALE32: frozenset[int] = frozenset([t for t, r in PLAIN_PACKS.items() if r.scale32] + list(R8_PACKS))
 
 
 # ----------------------------------------------------------------------------------------
 # the GEMM: tile x activation rows
 # ----------------------------------------------------------------------------------------
-def _gemm_codegen(vnni: bool, per32: bool, mins: bool):
-    """per32: the tile's two halves of every 32 values share their d * scale and activation-sum
-    weight (SCALE32): their integer sums are added, then converted and scaled once.  mins: a
-    PACKED_MINS tile (levels as the type stores them, tws the f32 weights of the activation sums:
-    mins and offset); else the levels carry + LEVEL_OFF and c16 starts each half's sum."""
-    def codegen(context, builder, sig, args):
-        b = builder
-        tu_p = context.make_array(sig.args[0])(context, b, args[0]).data
-        tdsc_p = context.make_array(sig.args[1])(context, b, args[1]).data
-        tws_p = context.make_array(sig.args[2])(context, b, args[2]).data
-        nh = args[3]
-        arrs = []
-        for k in (4, 5, 6, 7, 10):    # q, s, b16, c16, out: data pointer and row stride in elements
-            a = context.make_array(sig.args[k])(context, b, args[k])
-            st = b.sdiv(b.extract_value(a.strides, 0), _const_i64(sig.args[k].dtype.bitwidth // 8))
-            arrs.append((a.data, st))
-        (qd, qst), (sd, sst), (fd, fst), (cd, cst), (od, ost) = arrs
-        k0, ntok, r0, nrows = args[8], args[9], args[11], args[12]
-        zf = ir.Constant(_V16F, [0.0] * ROWS)
+def _gemm_body(context, b: ir.IRBuilder, sig, args, vnni: bool, per32: bool, mins: bool) -> None:
+    """One form of the GEMM.  per32: the tile's two halves of every 32 values share their d *
+    scale and activation-sum weight (SCALE32): their integer sums are added, then converted and
+    scaled once.  mins: a PACKED_MINS tile (levels as the type stores them, tws the f32 weights of
+    the activation sums: mins and offset); else the levels carry + LEVEL_OFF and c16 starts each
+    half's sum."""
+    tu_p = context.make_array(sig.args[0])(context, b, args[0]).data
+    tdsc_p = context.make_array(sig.args[1])(context, b, args[1]).data
+    tws_p = context.make_array(sig.args[2])(context, b, args[2]).data
+    nh = args[3]
+    arrs = []
+    for k in (4, 5, 6, 7, 10):    # q, s, b16, c16, out: data pointer and row stride in elements
+        a = context.make_array(sig.args[k])(context, b, args[k])
+        st = b.sdiv(b.extract_value(a.strides, 0), _const_i64(sig.args[k].dtype.bitwidth // 8))
+        arrs.append((a.data, st))
+    (qd, qst), (sd, sst), (fd, fst), (cd, cst), (od, ost) = arrs
+    k0, ntok, r0, nrows = args[8], args[9], args[11], args[12]
+    zf = ir.Constant(_V16F, [0.0] * ROWS)
 
-        def chunk(t0, nt: int):
-            """Tokens t0 .. t0 + nt - 1 (nt constant) over the whole tile."""
-            tok = [b.add(k0, b.add(t0, _const_i64(t))) for t in range(nt)]
-            qp = [b.gep(qd, [b.mul(t, qst)]) for t in tok]
-            sp = [b.gep(sd, [b.mul(t, sst)]) for t in tok]
-            fp = [b.gep(fd, [b.mul(t, fst)]) for t in tok]
-            cp = [b.gep(cd, [b.mul(t, cst)]) for t in tok]
-            accs = [cgutils.alloca_once_value(b, zf) for _ in range(nt)]
-            macs = [cgutils.alloca_once_value(b, zf) for _ in range(nt if mins else 0)]
-            for a in accs + macs:
-                b.store(zf, a)
-            # per 32 values (one activation scale): the two halves' products with their d * scale,
-            # then the scale once (one multiply a 32 fewer than per half)
-            with cgutils.for_range(b, b.udiv(nh, _const_i64(2))) as sl:
-                hs = [b.add(b.mul(sl.index, _const_i64(2)), _const_i64(k)) for k in range(2)]
-                ws = [[b.load(b.bitcast(b.gep(tu_p, [b.mul(b.add(b.mul(h, _const_i64(4)), _const_i64(j)),
-                                                           _const_i64(64))]), _V64B.as_pointer()), align=1)
-                       for j in range(4)] for h in hs]
-                dsc = [b.load(b.bitcast(b.gep(tdsc_p, [b.mul(h, _const_i64(ROWS))]), _V16F.as_pointer()), align=4)
-                       for h in hs]
-                if mins:
-                    wsum = [b.load(b.bitcast(b.gep(tws_p, [b.mul(h, _const_i64(ROWS))]), _V16F.as_pointer()),
-                                   align=4) for h in hs]
-                for t in range(nt):
-                    isums = []
-                    for k, h in enumerate(hs):
-                        # the levels carry + LEVEL_OFF: their sum starts at -LEVEL_OFF * (the half's sum of q)
-                        isum = ir.Constant(_V16I, [0] * ROWS) if mins else \
-                            _splat(b, b.load(b.gep(cp[t], [h])), _I32, ROWS)
-                        q16 = b.bitcast(b.gep(qp[t], [b.mul(h, _const_i64(16))]), _I32.as_pointer())
-                        for j in range(4):
-                            a = _splat(b, b.load(b.gep(q16, [_const_i64(j)]), align=1), _I32, ROWS)
-                            isum = dpbusd(b, isum, ws[k][j], b.bitcast(a, _V64B), vnni)
-                        isums.append(isum)
-                    if per32:
-                        part = b.fmul(b.sitofp(b.add(isums[0], isums[1]), _V16F), dsc[0], flags=["fast"])
-                    else:
-                        part = None
-                        for k, isum in enumerate(isums):
-                            x = b.fmul(b.sitofp(isum, _V16F), dsc[k], flags=["fast"])
-                            part = x if part is None else b.fadd(part, x, flags=["fast"])
-                    sv = _splat(b, b.load(b.gep(sp[t], [sl.index])), _F32, ROWS)
-                    b.store(b.fadd(b.load(accs[t]), b.fmul(part, sv, flags=["fast"]), flags=["fast"]), accs[t])
-                    if mins:
-                        acc2 = b.load(macs[t])
-                        fs = [b.load(b.gep(fp[t], [h])) for h in hs]
-                        if per32:       # the 32 values' activation sum, one weight
-                            fv = _splat(b, b.fadd(fs[0], fs[1], flags=["fast"]), _F32, ROWS)
-                            acc2 = b.fadd(acc2, b.fmul(wsum[0], fv, flags=["fast"]), flags=["fast"])
-                        else:
-                            for k, f in enumerate(fs):
-                                fv = _splat(b, f, _F32, ROWS)
-                                acc2 = b.fadd(acc2, b.fmul(wsum[k], fv, flags=["fast"]), flags=["fast"])
-                        b.store(acc2, macs[t])
-            full = b.icmp_unsigned("==", nrows, _const_i64(ROWS))
+    def chunk(t0, nt: int):
+        """Tokens t0 .. t0 + nt - 1 (nt constant) over the whole tile."""
+        tok = [b.add(k0, b.add(t0, _const_i64(t))) for t in range(nt)]
+        qp = [b.gep(qd, [b.mul(t, qst)]) for t in tok]
+        sp = [b.gep(sd, [b.mul(t, sst)]) for t in tok]
+        fp = [b.gep(fd, [b.mul(t, fst)]) for t in tok]
+        cp = [b.gep(cd, [b.mul(t, cst)]) for t in tok]
+        accs = [cgutils.alloca_once_value(b, zf) for _ in range(nt)]
+        macs = [cgutils.alloca_once_value(b, zf) for _ in range(nt if mins else 0)]
+        for a in accs + macs:
+            b.store(zf, a)
+        # per 32 values (one activation scale): the two halves' products with their d * scale,
+        # then the scale once (one multiply a 32 fewer than per half)
+        with cgutils.for_range(b, b.udiv(nh, _const_i64(2))) as sl:
+            hs = [b.add(b.mul(sl.index, _const_i64(2)), _const_i64(k)) for k in range(2)]
+            ws = [[b.load(b.bitcast(b.gep(tu_p, [b.mul(b.add(b.mul(h, _const_i64(4)), _const_i64(j)),
+                                                       _const_i64(64))]), _V64B.as_pointer()), align=1)
+                   for j in range(4)] for h in hs]
+            dsc = [b.load(b.bitcast(b.gep(tdsc_p, [b.mul(h, _const_i64(ROWS))]), _V16F.as_pointer()), align=4)
+                   for h in hs]
+            if mins:
+                wsum = [b.load(b.bitcast(b.gep(tws_p, [b.mul(h, _const_i64(ROWS))]), _V16F.as_pointer()),
+                               align=4) for h in hs]
             for t in range(nt):
-                res = b.load(accs[t])
+                isums = []
+                for k, h in enumerate(hs):
+                    # the levels carry + LEVEL_OFF: their sum starts at -LEVEL_OFF * (the half's sum of q)
+                    isum = ir.Constant(_V16I, [0] * ROWS) if mins else \
+                        _splat(b, b.load(b.gep(cp[t], [h])), _I32, ROWS)
+                    q16 = b.bitcast(b.gep(qp[t], [b.mul(h, _const_i64(16))]), _I32.as_pointer())
+                    for j in range(4):
+                        a = _splat(b, b.load(b.gep(q16, [_const_i64(j)]), align=1), _I32, ROWS)
+                        isum = dpbusd(b, isum, ws[k][j], b.bitcast(a, _V64B), vnni)
+                    isums.append(isum)
+                if per32:
+                    part = b.fmul(b.sitofp(b.add(isums[0], isums[1]), _V16F), dsc[0], flags=["fast"])
+                else:
+                    part = None
+                    for k, isum in enumerate(isums):
+                        x = b.fmul(b.sitofp(isum, _V16F), dsc[k], flags=["fast"])
+                        part = x if part is None else b.fadd(part, x, flags=["fast"])
+                sv = _splat(b, b.load(b.gep(sp[t], [sl.index])), _F32, ROWS)
+                b.store(b.fadd(b.load(accs[t]), b.fmul(part, sv, flags=["fast"]), flags=["fast"]), accs[t])
                 if mins:
-                    res = b.fadd(res, b.load(macs[t]), flags=["fast"])
-                dst = b.gep(od, [b.add(b.mul(tok[t], ost), r0)])
-                with b.if_else(full) as (then, otherwise):
-                    with then:
-                        b.store(res, b.bitcast(dst, _V16F.as_pointer()), align=4)
-                    with otherwise:
-                        with cgutils.for_range(b, nrows) as il:
-                            b.store(b.extract_element(res, b.trunc(il.index, _I32)), b.gep(dst, [il.index]))
+                    acc2 = b.load(macs[t])
+                    fs = [b.load(b.gep(fp[t], [h])) for h in hs]
+                    if per32:       # the 32 values' activation sum, one weight
+                        fv = _splat(b, b.fadd(fs[0], fs[1], flags=["fast"]), _F32, ROWS)
+                        acc2 = b.fadd(acc2, b.fmul(wsum[0], fv, flags=["fast"]), flags=["fast"])
+                    else:
+                        for k, f in enumerate(fs):
+                            fv = _splat(b, f, _F32, ROWS)
+                            acc2 = b.fadd(acc2, b.fmul(wsum[k], fv, flags=["fast"]), flags=["fast"])
+                    b.store(acc2, macs[t])
+        full = b.icmp_unsigned("==", nrows, _const_i64(ROWS))
+        for t in range(nt):
+            res = b.load(accs[t])
+            if mins:
+                res = b.fadd(res, b.load(macs[t]), flags=["fast"])
+            dst = b.gep(od, [b.add(b.mul(tok[t], ost), r0)])
+            with b.if_else(full) as (then, otherwise):
+                with then:
+                    b.store(res, b.bitcast(dst, _V16F.as_pointer()), align=4)
+                with otherwise:
+                    with cgutils.for_range(b, nrows) as il:
+                        b.store(b.extract_element(res, b.trunc(il.index, _I32)), b.gep(dst, [il.index]))
 
-        # chunks of TOKENS, then one of TOKENS // 2 if that many are left, then single tokens (an
-        # expert's share of a prompt is often a few dozen rows: its remainder is not done one by one)
-        nfull = b.udiv(ntok, _const_i64(TOKENS))
-        with cgutils.for_range(b, nfull) as cl:
-            chunk(b.mul(cl.index, _const_i64(TOKENS)), TOKENS)
-        done = b.mul(nfull, _const_i64(TOKENS))
-        half = TOKENS // 2
-        with b.if_then(b.icmp_unsigned(">=", b.sub(ntok, done), _const_i64(half))):
-            chunk(done, half)
-        done = b.add(done, b.mul(b.udiv(b.sub(ntok, done), _const_i64(half)), _const_i64(half)))
-        with cgutils.for_range(b, b.sub(ntok, done)) as rl:
-            chunk(b.add(done, rl.index), 1)
-        return context.get_dummy_value()
-    return codegen
+    # chunks of TOKENS, then one of TOKENS // 2 if that many are left, then single tokens (an
+    # expert's share of a prompt is often a few dozen rows: its remainder is not done one by one)
+    nfull = b.udiv(ntok, _const_i64(TOKENS))
+    with cgutils.for_range(b, nfull) as cl:
+        chunk(b.mul(cl.index, _const_i64(TOKENS)), TOKENS)
+    done = b.mul(nfull, _const_i64(TOKENS))
+    half = TOKENS // 2
+    with b.if_then(b.icmp_unsigned(">=", b.sub(ntok, done), _const_i64(half))):
+        chunk(done, half)
+    done = b.add(done, b.mul(b.udiv(b.sub(ntok, done), _const_i64(half)), _const_i64(half)))
+    with cgutils.for_range(b, b.sub(ntok, done)) as rl:
+        chunk(b.add(done, rl.index), 1)
 
 
-def _gemm_intrinsic(vnni: bool, per32: bool, mins: bool):
-    """tile_gemm(tu, tdsc, tws, nh, q, s, b16, c16, k0, ntok, out, r0, nrows): out[k0 + t, r0 + i]
-    = tile row i dotted with activation row k0 + t (q int8, s f32 per 32, b16 f32 per 16 sums,
-    c16 int32 -LEVEL_OFF * the per-16 sums of q), t < ntok, i < nrows; nh = cols / 16.  per32:
-    for tiles of SCALE32 types; mins: for tiles packed PACKED_MINS."""
+def _gemm_intrinsic(vnni: bool):
+    """tile_gemm(tu, tdsc, tws, nh, q, s, b16, c16, k0, ntok, out, r0, nrows, per32, mins):
+    out[k0 + t, r0 + i] = tile row i dotted with activation row k0 + t (q int8, s f32 per 32, b16
+    f32 per 16 sums, c16 int32 -LEVEL_OFF * the per-16 sums of q), t < ntok, i < nrows; nh = cols /
+    16.  per32: for tiles of SCALE32 types; mins: for tiles packed PACKED_MINS (the four forms are
+    branches of one kernel: a constant flag leaves LLVM one of them)."""
     @intrinsic
-    def tile_gemm(typingctx, tu, tdsc, tws, nh, q, s, b16, c16, k0, ntok, out, r0, nrows):
+    def tile_gemm(typingctx, tu, tdsc, tws, nh, q, s, b16, c16, k0, ntok, out, r0, nrows, per32, mins):
         if not all(isinstance(x, types.Array) for x in (tu, tdsc, tws, q, s, b16, c16, out)):
             return None
-        sig = types.void(tu, tdsc, tws, types.int64, q, s, b16, c16, types.int64, types.int64, out, types.int64,
-                         types.int64)
-        return sig, _gemm_codegen(vnni, per32, mins)
+        i64 = types.int64
+        sig = types.void(tu, tdsc, tws, i64, q, s, b16, c16, i64, i64, out, i64, i64, types.boolean, types.boolean)
+
+        def codegen(context, b, sig, args):
+            for p32 in (False, True):
+                for m in (False, True):
+                    form = b.and_(args[13] if p32 else b.not_(args[13]), args[14] if m else b.not_(args[14]))
+                    with b.if_then(form):
+                        _gemm_body(context, b, sig, args, vnni, p32, m)
+            return context.get_dummy_value()
+        return sig, codegen
     return tile_gemm
 
 
-# tile_gemm16 / tile_gemm32 (per 16 / per 32 values: SCALE32 types), with m: for PACKED_MINS
-# tiles; VNNI where the CPU has it, else the generic IR (LLVM lowers it to what the CPU has), which
-# the _generic names always are (tests).  Per 32 values, one thread, n = 512, 4096^2, 2-core Zen 5:
+# VNNI where the CPU has it, else the generic IR (LLVM lowers it to what the CPU has), which
+# tile_gemm_generic always is (tests).  Per 32 values, one thread, n = 512, 4096^2, 2-core Zen 5:
 # Q4_K 35.7 -> 33.5 ms, Q8_0 32.2 -> 29.9, IQ4_XS 31.7 -> 30.9
-tile_gemm16_generic = _gemm_intrinsic(False, False, False)
-tile_gemm16m_generic = _gemm_intrinsic(False, False, True)
-tile_gemm32_generic = _gemm_intrinsic(False, True, False)
-tile_gemm32m_generic = _gemm_intrinsic(False, True, True)
-tile_gemm16 = _gemm_intrinsic(True, False, False) if HAS_VNNI else tile_gemm16_generic
-tile_gemm16m = _gemm_intrinsic(True, False, True) if HAS_VNNI else tile_gemm16m_generic
-tile_gemm32 = _gemm_intrinsic(True, True, False) if HAS_VNNI else tile_gemm32_generic
-tile_gemm32m = _gemm_intrinsic(True, True, True) if HAS_VNNI else tile_gemm32m_generic
+tile_gemm_generic = _gemm_intrinsic(False)
+tile_gemm = _gemm_intrinsic(True) if HAS_VNNI else tile_gemm_generic

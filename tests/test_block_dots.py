@@ -200,7 +200,7 @@ def test_matmul_few_and_many_tokens_agree(name):
 def _gemm(generic, qtype, buf, stride, rows, cols, q, s, b16, out, r4, r8, per32):
     """quant.simd_gemm over every 16-row run (tiles start as NaN: rows past `rows` stay so);
     r4 / r8: the _R4 / _R8 packing (stride: of one row, groups of 4 / 8 rows); per32: the
-    tile_gemm32 forms (SCALE32 types); the packing's code picks the mins' forms.  The flags are
+    per-32 form (SCALE32 types); the packing's code picks the mins' form.  The flags are
     always passed (bools): an omitted default is another signature, another cold compile."""
     tu = np.full(16 * cols, 0x7F, np.uint8)
     td = np.full(cols, np.nan, np.float32)
@@ -220,22 +220,10 @@ def _gemm(generic, qtype, buf, stride, rows, cols, q, s, b16, out, r4, r8, per32
         if code == SG.NOT_PACKED:
             return False
         m = code == SG.PACKED_MINS
-        if generic and per32 and m:
-            SG.tile_gemm32m_generic(tu, td, tw, cols // 16, q, s, b16, c16, 0, q.shape[0], out, r0, n)
-        elif generic and per32:
-            SG.tile_gemm32_generic(tu, td, tw, cols // 16, q, s, b16, c16, 0, q.shape[0], out, r0, n)
-        elif generic and m:
-            SG.tile_gemm16m_generic(tu, td, tw, cols // 16, q, s, b16, c16, 0, q.shape[0], out, r0, n)
-        elif generic:
-            SG.tile_gemm16_generic(tu, td, tw, cols // 16, q, s, b16, c16, 0, q.shape[0], out, r0, n)
-        elif per32 and m:
-            SG.tile_gemm32m(tu, td, tw, cols // 16, q, s, b16, c16, 0, q.shape[0], out, r0, n)
-        elif per32:
-            SG.tile_gemm32(tu, td, tw, cols // 16, q, s, b16, c16, 0, q.shape[0], out, r0, n)
-        elif m:
-            SG.tile_gemm16m(tu, td, tw, cols // 16, q, s, b16, c16, 0, q.shape[0], out, r0, n)
+        if generic:
+            SG.tile_gemm_generic(tu, td, tw, cols // 16, q, s, b16, c16, 0, q.shape[0], out, r0, n, per32, m)
         else:
-            SG.tile_gemm16(tu, td, tw, cols // 16, q, s, b16, c16, 0, q.shape[0], out, r0, n)
+            SG.tile_gemm(tu, td, tw, cols // 16, q, s, b16, c16, 0, q.shape[0], out, r0, n, per32, m)
     return True
 
 
