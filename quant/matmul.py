@@ -277,13 +277,14 @@ def _f32_matrix(v: _View) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(f, shape=(v.rows, v.cols), strides=(v.stride, 4), writeable=False)
 
 
-def _quantize_act(x: np.ndarray, sums16: bool = True, ints16: bool = True
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _quantize_act(x: np.ndarray, sums16: bool = True, ints16: bool = True, tile: bool = False
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """x (n, cols) -> (q, s, bs, b16, c16): int8 values, one scale per 32 (ik_llama.cpp's Q8_2 rule,
     see kernels), and activation sums: bs = the int32 sum of each 32 values, or with sums16 and
     ints16 (the block types' per-16 scales, level offsets and mins) of each 16; b16 = with
-    sums16 the sum of each 16 times its scale (f32), c16 = with sums16 -128 times the int sum of
-    each 16 (the tile GEMM's, quant.simd_gemm), else (n, 0) arrays."""
+    sums16 the sum of each 16 times its scale (f32), else an (n, 0) array; c16 = with sums16 and
+    tile (some expert gets GEMM_MIN pairs) -128 times the int sum of each 16 (the tile GEMM's,
+    quant.simd_gemm), else an (n, 0) array (a generated token makes none)."""
     q = np.empty(x.shape, dtype=np.int8)
     s = np.empty((x.shape[0], x.shape[1] // K.QK), dtype=np.float32)
     bs = np.empty((x.shape[0], x.shape[1] // (16 if sums16 and ints16 else K.QK)), dtype=np.int32)
@@ -291,7 +292,7 @@ def _quantize_act(x: np.ndarray, sums16: bool = True, ints16: bool = True
     # parallel call for an MLA per-head product (16 heads x 128 values) averaged ~27 us in the 1B
     # model (cProfile), the serial one ~3.6 us
     b16 = np.empty((x.shape[0], x.shape[1] // 16 if sums16 else 0), dtype=np.float32)
-    c16 = np.empty((x.shape[0], x.shape[1] // 16 if sums16 else 0), dtype=np.int32)
+    c16 = np.empty((x.shape[0], x.shape[1] // 16 if sums16 and tile else 0), dtype=np.int32)
     if x.size < 65536:
         K.quantize_act_q8_serial(x, K.QK, q, s, bs, b16, c16)
     elif sums16:
@@ -308,9 +309,10 @@ def _act(qt: int, x: np.ndarray, n_pairs: int | None = None) -> tuple[np.ndarray
     quant.simd_gemm."""
     if qt not in K.INT_DOT_TYPES:
         return (x,)
+    tile = (x.shape[0] if n_pairs is None else n_pairs) >= K.GEMM_MIN
     if qt in _Q8_SIMD:
-        return _quantize_act(x, (x.shape[0] if n_pairs is None else n_pairs) >= K.GEMM_MIN, False)
-    return _quantize_act(x)
+        return _quantize_act(x, tile, False, tile)
+    return _quantize_act(x, tile=tile)
 
 
 def _round_act(qt: int, x: np.ndarray, act: tuple[np.ndarray, ...] = ()) -> np.ndarray:
