@@ -5,7 +5,9 @@ in turns on the same inputs (a shared machine's load hits both alike):
 
     python scripts/bench_prompt_attention.py [--threads 2] [--cells 4096] [--queries 512]
 
-DeepSeek-V2-Lite-like heads: 16 heads, keys 192, values 128.  Prints the best time of each.
+DeepSeek-V2-Lite-like heads: 16 heads, keys 192, values 128.  Prints the best time of each, then
+numpy's own matmul (OpenBLAS, one thread) on the two products' shapes: run it again with
+OPENBLAS_CORETYPE set otherwise (e.g. SkylakeX, or unset) to compare OpenBLAS's kernel sets.
 """
 from __future__ import annotations
 
@@ -53,6 +55,15 @@ def main() -> None:
     d = np.abs(outs[True] - outs[False]).max() / np.abs(outs[False]).max()
     print(f"{T} queries x {n} cells x {H} heads, {a.threads} threads, OpenBLAS core {blas_core()}: "
           f"BLAS {best[False] * 1e3:.1f} ms, quant.simd_sgemm {best[True] * 1e3:.1f} ms; largest difference {d:.1e}")
+    for (m, kk, nn) in ((4096, 192, 256), (4096, 256, 128)):     # scores, values: numpy at one BLAS thread
+        x = rng.standard_normal((m, kk)).astype(np.float32)
+        y = rng.standard_normal((kk, nn)).astype(np.float32)
+        x @ y
+        t = time.perf_counter()
+        for _ in range(20):
+            x @ y
+        dt = (time.perf_counter() - t) / 20
+        print(f"numpy {m} x {kk} by {kk} x {nn}: {2 * m * kk * nn / dt / 1e9:.0f} GFLOP/s")
 
 
 if __name__ == "__main__":

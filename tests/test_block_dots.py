@@ -323,8 +323,8 @@ def test_group_dot_refuses_types_without_record():
 
 
 def _check_interleaved_gemm(qtype, form, seed, col_list, ngroups):
-    """quant.simd_gemm's packing of an _R4 / _R8 type on random groups, 7 tokens, against the
-    plain decoder of the unpacked rows (15 tokens: every pass width of the GEMM)."""
+    """quant.simd_gemm's packing of an _R4 / _R8 type on random groups, 15 tokens (every pass
+    width of the GEMM), against the plain decoder of the unpacked rows."""
     il = type_info(qtype).interleave
     rng = np.random.default_rng(seed)
     pt = IL.plain_type(qtype)
