@@ -88,6 +88,8 @@ INT_DOT_TYPES = _reg.INT_DOT_TYPES
 _R4_KERNEL = _reg.id_table(lambda r: r.dot == _reg.DOT_R4, np.bool_, False)   # type id -> simd_r4 group dot
 _GEMM_WEAVE = _reg.id_table(lambda r: r.gemm, np.int64, -1)      # type id -> simd_gemm's packing (-1: none)
 _GEMM_SCALE32 = _reg.id_table(lambda r: r.id in _gemm.SCALE32, np.bool_, False)   # tile_gemm's per32 form
+# tile_gemm's act256 form: the type's GEMM activations have one scale per 256 (quant.matmul._act)
+_GEMM_ACT256 = _reg.id_table(lambda r: r.act == _reg.ACT_Q8_256, np.bool_, False)
 # type id -> the family decoder _decode_plain_rows calls for it (after the types it decodes inline)
 _DEC_LEGACY, _DEC_KQUANTS, _DEC_IQK, _DEC_IQUANTS, _DEC_KT = 1, 2, 3, 4, 5
 _DECODER = _reg.id_table(lambda r: {"legacy": _DEC_LEGACY, "kquants": _DEC_KQUANTS, "iqk": _DEC_IQK,
@@ -506,12 +508,46 @@ def _quantize_row_q8(xr, qk, qr, sr, br):
         br[b] = tot
 
 
+@njit(**_qopts)
+def _quantize_row_q8_k(xr, qr, sr, br):
+    """One row by the rule of ik_llama.cpp's Q8_K activations (what its GEMM multiplies the IQ,
+    IQK, Q2_K / Q3_K and _R4 types with): per 256 values d = amax/127 in f32, q = x * (127/amax)
+    rounded to nearest even.  The layout stays per 32: d is written to the 8 scales of its 256
+    values (every kernel reads them as it reads Q8_2's), br the int32 sums of q per 32."""
+    for b in range(xr.shape[0] // 256):
+        o = b * 256
+        amax = np.float32(0.0)
+        for j in range(256):
+            amax = max(amax, abs(xr[o + j]))
+        d = amax / np.float32(127.0)
+        inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+        for k in range(8):
+            sr[8 * b + k] = d
+            tot = np.int32(0)
+            for j in range(32):
+                qi = np.int32(min(np.float32(127.0), max(np.float32(-127.0), np.rint(xr[o + 32 * k + j] * inv))))
+                qr[o + 32 * k + j] = np.int8(qi)
+                tot += qi
+            br[8 * b + k] = tot
+
+
+@njit(**_qopts)
+def _quantize_row(xr, qk, qr, sr, br):
+    """One row: qk == QK the Q8_2 rule (_quantize_row_q8), qk == 256 the Q8_K rule
+    (_quantize_row_q8_k; the row is whole 256s)."""
+    if qk == 256:
+        _quantize_row_q8_k(xr, qr, sr, br)
+    else:
+        _quantize_row_q8(xr, QK, qr, sr, br)
+
+
 @njit(parallel=True, **_qopts)
 def quantize_act_q8(x, qk, q, s, bs):
-    """x (n, cols) f32 -> q (n, cols) int8, s (n, cols//qk) f32 with x ~= q * s (per block),
-    bs (n, cols//qk) int32 block sums of q, in parallel over rows."""
+    """x (n, cols) f32 -> q (n, cols) int8, s (n, cols//32) f32 with x ~= q * s (per 32 values;
+    qk 256: one scale per 256 values, written to its 8 entries), bs (n, cols//32) int32 block
+    sums of q, in parallel over rows."""
     for t in prange(x.shape[0]):
-        _quantize_row_q8(x[t], qk, q[t], s[t], bs[t])
+        _quantize_row(x[t], qk, q[t], s[t], bs[t])
 
 
 @njit(cache=True, nogil=True)
@@ -548,7 +584,7 @@ def quantize_act_q8_sums(x, qk, q, s, bs, b16, c16):
     """quantize_act_q8 then block_sums16 in the same parallel pass over rows (a prompt's block
     sums were a serial second pass: ~6 ms of a 512-token batch of the 2B test model)."""
     for t in prange(x.shape[0]):
-        _quantize_row_q8(x[t], qk, q[t], s[t], bs[t])
+        _quantize_row(x[t], qk, q[t], s[t], bs[t])
         _row_sums16(q[t], s[t], bs[t], b16[t], c16[t])
 
 
@@ -558,7 +594,7 @@ def quantize_act_q8_serial(x, qk, q, s, bs, b16, c16):
     call: for a few rows, waking the pool costs more (tens of microseconds with
     OMP_WAIT_POLICY=PASSIVE) than the work, and a second dispatch a few more."""
     for t in range(x.shape[0]):
-        _quantize_row_q8(x[t], qk, q[t], s[t], bs[t])
+        _quantize_row(x[t], qk, q[t], s[t], bs[t])
     if b16.shape[1]:
         block_sums16(q, s, bs, b16, c16)
 
@@ -717,7 +753,7 @@ def _gemm_rows(qtype, weave, buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16
     if code == _gemm.NOT_PACKED:
         return False
     _gemm.tile_gemm(tu, tdsc, tws, cols // 16, q, s, b16, c16, k0, k1 - k0, out, r0, r1 - r0,
-                    _GEMM_SCALE32[qid(qtype)], code == _gemm.PACKED_MINS)
+                    _GEMM_SCALE32[qid(qtype)], code == _gemm.PACKED_MINS, _GEMM_ACT256[qid(qtype)])
     return True
 
 

@@ -73,6 +73,8 @@ _SUPPORTED = registry.COMPUTE_TYPES
 # quant.simd's types: per-32 int activation sums (their row dots), the f32 per-16 ones only for
 # quant.simd_gemm, which packs them too
 _Q8_SIMD = frozenset(t for t, r in registry.TRAITS.items() if r.act == registry.ACT_Q8_32)
+# the types whose GEMM reads one activation scale per 256 values (ik's Q8_K; registry.ACT_Q8_256)
+_Q8_K = frozenset(t for t, r in registry.TRAITS.items() if r.act == registry.ACT_Q8_256)
 _ELEM = {F32: 4, F16: 2, BF16: 2}   # alignment the kernels' views need (1 byte for block types)
 
 
@@ -277,10 +279,11 @@ def _f32_matrix(v: _View) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(f, shape=(v.rows, v.cols), strides=(v.stride, 4), writeable=False)
 
 
-def _quantize_act(x: np.ndarray, sums16: bool = True, ints16: bool = True, tile: bool = False
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _quantize_act(x: np.ndarray, sums16: bool = True, ints16: bool = True, tile: bool = False,
+                  per256: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """x (n, cols) -> (q, s, bs, b16, c16): int8 values, one scale per 32 (ik_llama.cpp's Q8_2 rule,
-    see kernels), and activation sums: bs = the int32 sum of each 32 values, or with sums16 and
+    see kernels; per256: its Q8_K rule, one scale per 256 written to each of its 32s), and
+    activation sums: bs = the int32 sum of each 32 values, or with sums16 and
     ints16 (the block types' per-16 scales, level offsets and mins) of each 16; b16 = with
     sums16 the sum of each 16 times its scale (f32), else an (n, 0) array; c16 = with sums16 and
     tile (some expert gets GEMM_MIN pairs) -128 times the int sum of each 16 (the tile GEMM's,
@@ -293,12 +296,13 @@ def _quantize_act(x: np.ndarray, sums16: bool = True, ints16: bool = True, tile:
     # model (cProfile), the serial one ~3.6 us
     b16 = np.empty((x.shape[0], x.shape[1] // 16 if sums16 else 0), dtype=np.float32)
     c16 = np.empty((x.shape[0], x.shape[1] // 16 if sums16 and tile else 0), dtype=np.int32)
+    qk = 256 if per256 else K.QK
     if x.size < 65536:
-        K.quantize_act_q8_serial(x, K.QK, q, s, bs, b16, c16)
+        K.quantize_act_q8_serial(x, qk, q, s, bs, b16, c16)
     elif sums16:
-        K.quantize_act_q8_sums(x, K.QK, q, s, bs, b16, c16)
+        K.quantize_act_q8_sums(x, qk, q, s, bs, b16, c16)
     else:
-        K.quantize_act_q8(x, K.QK, q, s, bs)
+        K.quantize_act_q8(x, qk, q, s, bs)
     return q, s, bs, b16, c16
 
 
@@ -306,13 +310,15 @@ def _act(qt: int, x: np.ndarray, n_pairs: int | None = None) -> tuple[np.ndarray
     """The few-pair kernels' activations: (q, s, bs, b16, c16) for the integer types, (x,) for the
     others.  Q8_0 / Q4_0 keep per-32 int sums (quant.simd) and get the f32 per-16 ones when
     enough pairs (n_pairs: the most that one expert gets; default: the rows of x) come to reach
-    quant.simd_gemm."""
+    quant.simd_gemm.  The types of ik's Q8_K GEMM get one scale per 256 values when the GEMM runs
+    (the few-pair kernels read the same layout; the GEMM then scales once per 256: a 4096^2
+    IQ4_XS product of 512 rows ~10 % faster)."""
     if qt not in K.INT_DOT_TYPES:
         return (x,)
     tile = (x.shape[0] if n_pairs is None else n_pairs) >= K.GEMM_MIN
     if qt in _Q8_SIMD:
         return _quantize_act(x, tile, False, tile)
-    return _quantize_act(x, tile=tile)
+    return _quantize_act(x, tile=tile, per256=tile and qt in _Q8_K)
 
 
 def _round_act(qt: int, x: np.ndarray, act: tuple[np.ndarray, ...] = ()) -> np.ndarray:

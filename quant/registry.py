@@ -47,6 +47,9 @@ DOT_UNPACK = "unpack"      # an _R4/_R8 layout without kernels: unpacked to its 
 ACT_F32 = "f32"
 ACT_Q8_32 = "q8 per 32, int sums per 32"                 # ik's Q8_2 / Q8_0_X4 role
 ACT_Q8_16 = "q8 per 32, int and f32 sums per 16"         # ik's Q8_K role (bsums)
+# the same layout, but from quant.kernels.GEMM_MIN pairs one scale per 256 values (ik's Q8_K rule,
+# for the types ik's GEMM multiplies with Q8_K: BlockDot / R4Dot.act256)
+ACT_Q8_256 = "q8 per 32 or, for a GEMM, per 256; int and f32 sums per 16"
 
 
 @dataclass(frozen=True)
@@ -122,7 +125,7 @@ def _plain_record(ti: TypeInfo, fam: Family | None) -> TypeTraits:
     if t in GEMM_ONLY:
         dot, act = DOT_Q8, ACT_Q8_32
     elif t in BLOCK_DOTS:
-        dot, act = DOT_BLOCK, ACT_Q8_16
+        dot, act = DOT_BLOCK, (ACT_Q8_256 if BLOCK_DOTS[t].act256 else ACT_Q8_16)
     elif fam is not None:
         dot, act = DOT_F32, ACT_F32
     else:
@@ -152,7 +155,8 @@ def _interleaved_record(ti: TypeInfo, plain: dict[int, TypeTraits]) -> TypeTrait
         return interleaved.dequantize(raw, t, n // npr, npr, dequantize_plain).reshape(-1)
 
     if t in R4_DOTS:
-        dot, act = DOT_R4, ACT_Q8_16
+        # its plain type's activations (ACT_Q8_16 / ACT_Q8_256): -rtr then gives the plain results exactly
+        dot, act = DOT_R4, base.act
     elif t in WEAVE:                                       # Q8_0_R8, Q4_0_R8: quant.simd's row dots
         dot, act = DOT_Q8, ACT_Q8_32
     else:

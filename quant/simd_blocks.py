@@ -195,6 +195,11 @@ class BlockDot:
     # both 16-value halves of every 32 values share d * scale and the activation-sum weight (one
     # scale per 32): quant.simd_gemm then converts once per 32 values instead of per 16
     scale32: bool = False
+    # ik_llama.cpp's prompt GEMM multiplies it with Q8_K activations (one scale per 256 values;
+    # per 32 for Q4_K / Q5_K / Q6_K, the 32-value types and the trellis ones): ikcli's GEMM
+    # quantizes them so too (quant.matmul) and applies the activation scale once per 256; its
+    # _R4 form (quant.simd_r4) takes the same activations (quant.registry)
+    act256: bool = False
 
     @property
     def meta(self) -> int:
@@ -843,33 +848,33 @@ BLOCK_DOTS: dict[int, BlockDot] = {
     20: _grouped(BlockDot("IQ4_NL", 32, 18, 128, _unpack_iq4_nl, scale32=True)),
     133: _grouped(BlockDot("Q6_0", 32, 26, 32, _unpack_q6_0, scale32=True)),
     39: _grouped(BlockDot("MXFP4", 32, 17, 128, _unpack_mxfp4, scale32=True)),
-    16: BlockDot("IQ2_XXS", 256, 66, _OFF_GRID, _unpack_iq2_xxs, scale32=True),
-    17: BlockDot("IQ2_XS", 256, 74, _OFF_GRID, _unpack_iq2_xs),
-    22: BlockDot("IQ2_S", 256, 82, _OFF_GRID, _unpack_iq2_s),
-    18: BlockDot("IQ3_XXS", 256, 98, _OFF_GRID, _unpack_iq3_xxs, scale32=True),
-    21: BlockDot("IQ3_S", 256, 110, _OFF_GRID, _unpack_iq3_s, scale32=True),
-    19: BlockDot("IQ1_S", 256, 50, _OFF_IQ1, _unpack_iq1_s, scale32=True),
-    29: BlockDot("IQ1_M", 256, 56, _OFF_IQ1, _unpack_iq1_m),
+    16: BlockDot("IQ2_XXS", 256, 66, _OFF_GRID, _unpack_iq2_xxs, scale32=True, act256=True),
+    17: BlockDot("IQ2_XS", 256, 74, _OFF_GRID, _unpack_iq2_xs, act256=True),
+    22: BlockDot("IQ2_S", 256, 82, _OFF_GRID, _unpack_iq2_s, act256=True),
+    18: BlockDot("IQ3_XXS", 256, 98, _OFF_GRID, _unpack_iq3_xxs, scale32=True, act256=True),
+    21: BlockDot("IQ3_S", 256, 110, _OFF_GRID, _unpack_iq3_s, scale32=True, act256=True),
+    19: BlockDot("IQ1_S", 256, 50, _OFF_IQ1, _unpack_iq1_s, scale32=True, act256=True),
+    29: BlockDot("IQ1_M", 256, 56, _OFF_IQ1, _unpack_iq1_m, act256=True),
     4: BlockDot("IQ1_M_ROWS", 256, 56, _OFF_IQ1, _unpack_iq1_m_rows(8), "f16",
                 tail=BlockDot("IQ1_M_ROWS", 32, 7, _OFF_IQ1, _unpack_iq1_m_rows(1), "f16")),
-    10: BlockDot("Q2_K", 256, 84, 0, _unpack_q2_k),
-    11: BlockDot("Q3_K", 256, 110, 4, _unpack_q3_k),
+    10: BlockDot("Q2_K", 256, 84, 0, _unpack_q2_k, act256=True),
+    11: BlockDot("Q3_K", 256, 110, 4, _unpack_q3_k, act256=True),
     12: BlockDot("Q4_K", 256, 144, 0, _unpack_q4_k, scale32=True),
     # Q5_K / Q6_K read faster with the hardware prefetcher alone (102400 x 2048, one token, one
     # thread: 7.79 -> 7.51 and 7.40 -> 6.94 ms; Q4_K and IQ4_XS lose 1-4 % without it)
     13: BlockDot("Q5_K", 256, 176, 0, _unpack_q5_k, prefetch=False, scale32=True),
     14: BlockDot("Q6_K", 256, 210, 32, _unpack_q6_k, prefetch=False),
-    23: BlockDot("IQ4_XS", 256, 136, 128, _unpack_iq4_xs, scale32=True),
-    137: BlockDot("IQ2_K", 256, 76, 128, _unpack_iq2_k),
-    138: BlockDot("IQ3_K", 256, 110, 128, _unpack_iq3_k),
-    139: BlockDot("IQ4_K", 256, 144, 128, _unpack_iq4_k),
-    140: BlockDot("IQ5_K", 256, 176, 128, _unpack_iq5_k),
-    141: BlockDot("IQ6_K", 256, 212, 128, _unpack_iq6_k),
-    144: BlockDot("IQ4_KS", 256, 136, 128, _unpack_iq4_ks, "f32", scale32=True),
-    145: BlockDot("IQ2_KS", 256, 70, 128, _unpack_iq2_ks, "f16", scale32=True),
-    152: BlockDot("IQ5_KS", 256, 168, 128, _unpack_iq5_ks, "f32", scale32=True),
-    156: BlockDot("IQ3_KS", 256, 102, 128, _unpack_iq3_ks, "f16", scale32=True),
-    157: BlockDot("IQ2_KL", 256, 86, 128, _unpack_iq2_kl, "f16"),
+    23: BlockDot("IQ4_XS", 256, 136, 128, _unpack_iq4_xs, scale32=True, act256=True),
+    137: BlockDot("IQ2_K", 256, 76, 128, _unpack_iq2_k, act256=True),
+    138: BlockDot("IQ3_K", 256, 110, 128, _unpack_iq3_k, act256=True),
+    139: BlockDot("IQ4_K", 256, 144, 128, _unpack_iq4_k, act256=True),
+    140: BlockDot("IQ5_K", 256, 176, 128, _unpack_iq5_k, act256=True),
+    141: BlockDot("IQ6_K", 256, 212, 128, _unpack_iq6_k, act256=True),
+    144: BlockDot("IQ4_KS", 256, 136, 128, _unpack_iq4_ks, "f32", scale32=True, act256=True),
+    145: BlockDot("IQ2_KS", 256, 70, 128, _unpack_iq2_ks, "f16", scale32=True, act256=True),
+    152: BlockDot("IQ5_KS", 256, 168, 128, _unpack_iq5_ks, "f32", scale32=True, act256=True),
+    156: BlockDot("IQ3_KS", 256, 102, 128, _unpack_iq3_ks, "f16", scale32=True, act256=True),
+    157: BlockDot("IQ2_KL", 256, 86, 128, _unpack_iq2_kl, "f16", act256=True),
     158: BlockDot("IQ1_KT", 256, 56, _OFF_KT, _unpack_iq1_kt, "f32", scale32=True),
     153: BlockDot("IQ2_KT", 256, 68, _OFF_KT, _unpack_iq2_kt, "f32", scale32=True),
     154: BlockDot("IQ3_KT", 256, 100, _OFF_KT, _unpack_iq3_kt, "f32", scale32=True),

@@ -329,12 +329,13 @@ SCALE32: frozenset[int] = frozenset([t for t, r in PLAIN_PACKS.items() if r.scal
 # ----------------------------------------------------------------------------------------
 # the GEMM: tile x activation rows
 # ----------------------------------------------------------------------------------------
-def _gemm_body(context, b: ir.IRBuilder, sig, args, vnni: bool, per32: bool, mins: bool) -> None:
+def _gemm_body(context, b: ir.IRBuilder, sig, args, vnni: bool, per32: bool, mins: bool, act256: bool) -> None:
     """One form of the GEMM.  per32: the tile's two halves of every 32 values share their d *
     scale and activation-sum weight (SCALE32): their integer sums are added, then converted and
     scaled once.  mins: a PACKED_MINS tile (levels as the type stores them, tws the f32 weights of
     the activation sums: mins and offset); else the levels carry + LEVEL_OFF and c16 starts each
-    half's sum."""
+    half's sum.  act256: the activations have one scale per 256 values (ik's Q8_K rule, each of
+    its 8 entries of s alike; cols a multiple of 256): it is applied once per 256."""
     tu_p = context.make_array(sig.args[0])(context, b, args[0]).data
     tdsc_p = context.make_array(sig.args[1])(context, b, args[1]).data
     tws_p = context.make_array(sig.args[2])(context, b, args[2]).data
@@ -359,10 +360,12 @@ def _gemm_body(context, b: ir.IRBuilder, sig, args, vnni: bool, per32: bool, min
         macs = [cgutils.alloca_once_value(b, zf) for _ in range(nt if mins else 0)]
         for a in accs + macs:
             b.store(zf, a)
-        # per 32 values (one activation scale): the two halves' products with their d * scale,
-        # then the scale once (one multiply a 32 fewer than per half)
-        with cgutils.for_range(b, b.udiv(nh, _const_i64(2))) as sl:
-            hs = [b.add(b.mul(sl.index, _const_i64(2)), _const_i64(k)) for k in range(2)]
+        baccs = [cgutils.alloca_once_value(b, zf) for _ in range(nt if act256 else 0)]
+
+        def step(si):
+            """The 32 values si: the two halves' products with their d * scale, then (per 32) the
+            activation scale once, a 32 fewer than per half; act256: into baccs, scaled per 256."""
+            hs = [b.add(b.mul(si, _const_i64(2)), _const_i64(k)) for k in range(2)]
             ws = [[b.load(b.bitcast(b.gep(tu_p, [b.mul(b.add(b.mul(h, _const_i64(4)), _const_i64(j)),
                                                        _const_i64(64))]), _V64B.as_pointer()), align=1)
                    for j in range(4)] for h in hs]
@@ -382,15 +385,21 @@ def _gemm_body(context, b: ir.IRBuilder, sig, args, vnni: bool, per32: bool, min
                         a = _splat(b, b.load(b.gep(q16, [_const_i64(j)]), align=1), _I32, ROWS)
                         isum = dpbusd(b, isum, ws[k][j], b.bitcast(a, _V64B), vnni)
                     isums.append(isum)
-                if per32:
-                    part = b.fmul(b.sitofp(b.add(isums[0], isums[1]), _V16F), dsc[0], flags=["fast"])
+                if act256:      # each product straight into the 256's sum (an FMA each)
+                    acc = b.load(baccs[t])
+                    for isum, d in ([(b.add(isums[0], isums[1]), dsc[0])] if per32 else zip(isums, dsc)):
+                        acc = b.fadd(acc, b.fmul(b.sitofp(isum, _V16F), d, flags=["fast"]), flags=["fast"])
+                    b.store(acc, baccs[t])
                 else:
-                    part = None
-                    for k, isum in enumerate(isums):
-                        x = b.fmul(b.sitofp(isum, _V16F), dsc[k], flags=["fast"])
-                        part = x if part is None else b.fadd(part, x, flags=["fast"])
-                sv = _splat(b, b.load(b.gep(sp[t], [sl.index])), _F32, ROWS)
-                b.store(b.fadd(b.load(accs[t]), b.fmul(part, sv, flags=["fast"]), flags=["fast"]), accs[t])
+                    if per32:
+                        part = b.fmul(b.sitofp(b.add(isums[0], isums[1]), _V16F), dsc[0], flags=["fast"])
+                    else:
+                        part = None
+                        for k, isum in enumerate(isums):
+                            x = b.fmul(b.sitofp(isum, _V16F), dsc[k], flags=["fast"])
+                            part = x if part is None else b.fadd(part, x, flags=["fast"])
+                    sv = _splat(b, b.load(b.gep(sp[t], [si])), _F32, ROWS)
+                    b.store(b.fadd(b.load(accs[t]), b.fmul(part, sv, flags=["fast"]), flags=["fast"]), accs[t])
                 if mins:
                     acc2 = b.load(macs[t])
                     fs = [b.load(b.gep(fp[t], [h])) for h in hs]
@@ -402,6 +411,20 @@ def _gemm_body(context, b: ir.IRBuilder, sig, args, vnni: bool, per32: bool, min
                             fv = _splat(b, f, _F32, ROWS)
                             acc2 = b.fadd(acc2, b.fmul(wsum[k], fv, flags=["fast"]), flags=["fast"])
                     b.store(acc2, macs[t])
+
+        if act256:      # 8 steps of 32 under one activation scale (its 8 entries of s are equal)
+            with cgutils.for_range(b, b.udiv(nh, _const_i64(16))) as bl:
+                for a in baccs:
+                    b.store(zf, a)
+                with cgutils.for_range(b, _const_i64(8)) as il:
+                    step(b.add(b.mul(bl.index, _const_i64(8)), il.index))
+                for t in range(nt):
+                    sv = _splat(b, b.load(b.gep(sp[t], [b.mul(bl.index, _const_i64(8))])), _F32, ROWS)
+                    b.store(b.fadd(b.load(accs[t]), b.fmul(b.load(baccs[t]), sv, flags=["fast"]), flags=["fast"]),
+                            accs[t])
+        else:
+            with cgutils.for_range(b, b.udiv(nh, _const_i64(2))) as sl:
+                step(sl.index)
         full = b.icmp_unsigned("==", nrows, _const_i64(ROWS))
         for t in range(nt):
             res = b.load(accs[t])
@@ -430,24 +453,29 @@ def _gemm_body(context, b: ir.IRBuilder, sig, args, vnni: bool, per32: bool, min
 
 
 def _gemm_intrinsic(vnni: bool):
-    """tile_gemm(tu, tdsc, tws, nh, q, s, b16, c16, k0, ntok, out, r0, nrows, per32, mins):
+    """tile_gemm(tu, tdsc, tws, nh, q, s, b16, c16, k0, ntok, out, r0, nrows, per32, mins, act256):
     out[k0 + t, r0 + i] = tile row i dotted with activation row k0 + t (q int8, s f32 per 32, b16
     f32 per 16 sums, c16 int32 -LEVEL_OFF * the per-16 sums of q), t < ntok, i < nrows; nh = cols /
-    16.  per32: for tiles of SCALE32 types; mins: for tiles packed PACKED_MINS (the four forms are
-    branches of one kernel: a constant flag leaves LLVM one of them)."""
+    16.  per32: for tiles of SCALE32 types; mins: for tiles packed PACKED_MINS; act256: s has one
+    value per 256 (the eight forms are branches of one kernel: constant flags leave LLVM one)."""
     @intrinsic
-    def tile_gemm(typingctx, tu, tdsc, tws, nh, q, s, b16, c16, k0, ntok, out, r0, nrows, per32, mins):
+    def tile_gemm(typingctx, tu, tdsc, tws, nh, q, s, b16, c16, k0, ntok, out, r0, nrows, per32, mins, act256):
         if not all(isinstance(x, types.Array) for x in (tu, tdsc, tws, q, s, b16, c16, out)):
             return None
-        i64 = types.int64
-        sig = types.void(tu, tdsc, tws, i64, q, s, b16, c16, i64, i64, out, i64, i64, types.boolean, types.boolean)
+        i64, bl = types.int64, types.boolean
+        sig = types.void(tu, tdsc, tws, i64, q, s, b16, c16, i64, i64, out, i64, i64, bl, bl, bl)
 
         def codegen(context, b, sig, args):
             for p32 in (False, True):
                 for m in (False, True):
-                    form = b.and_(args[13] if p32 else b.not_(args[13]), args[14] if m else b.not_(args[14]))
-                    with b.if_then(form):
-                        _gemm_body(context, b, sig, args, vnni, p32, m)
+                    for k in (False, True):
+                        flags = [(args[13], p32), (args[14], m), (args[15], k)]
+                        form = None
+                        for v, want in flags:
+                            c = v if want else b.not_(v)
+                            form = c if form is None else b.and_(form, c)
+                        with b.if_then(form):
+                            _gemm_body(context, b, sig, args, vnni, p32, m, k)
             return context.get_dummy_value()
         return sig, codegen
     return tile_gemm

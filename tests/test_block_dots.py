@@ -15,7 +15,8 @@ from quant import kernels as K
 from quant import simd_blocks as SB
 from quant import simd_gemm as SG
 from quant.iqk import decode_row_iqk_int6
-from quant.matmul import _q8_rounded, _tiles, _view, dequantize, matmul, matmul_id, moe_up_gate, quantize_tensor
+from quant.matmul import (_Q8_K, _q8_rounded, _quantize_act, _tiles, _view, dequantize, matmul, matmul_id,
+                          moe_up_gate, quantize_tensor)
 from quant.tensor import QTensor
 from quant.types import type_info
 
@@ -84,13 +85,14 @@ def _kind(form: str, r4: bool) -> int:
 NT = 3    # activation rows per kernel call (each weight block is unpacked once for all)
 
 
-def _act(rng, cols, n=NT):
-    """n activation rows quantized as quant.matmul does: (q, s, bs, b16, their f64 values)."""
+def _act(rng, cols, n=NT, per256=False):
+    """n activation rows quantized as quant.matmul does: (q, s, bs, b16, their f64 values);
+    per256: one scale per 256 values (the GEMM activations of the act256 types)."""
     x = (rng.standard_normal((n, cols)) * rng.choice([0.01, 1, 100], size=(n, cols))).astype(np.float32)
     q = np.empty((n, cols), np.int8)
     s = np.empty((n, cols // 32), np.float32)
     bs = np.empty((n, cols // 32), np.int32)
-    K.quantize_act_q8(x, 32, q, s, bs)
+    K.quantize_act_q8(x, 256 if per256 else 32, q, s, bs)
     i16 = np.empty((n, cols // 16), np.int32)
     b16 = np.empty((n, cols // 16), np.float32)
     K.block_sums16(q, s, i16, b16, np.empty((n, 0), np.int32))
@@ -173,9 +175,16 @@ def test_row_dot_refuses_types_without_record():
     assert np.all(out == 0)
 
 
-def _rounded_ref(w: QTensor, x: np.ndarray) -> np.ndarray:
+def _rounded_ref(w: QTensor, x: np.ndarray, per256: bool = False) -> np.ndarray:
+    """x's Q8 round trip (per256: one scale per 256, the GEMM activations of ik's Q8_K types)
+    times the dequantized rows, in f64."""
     deq = dequantize(w).reshape(-1, w.cols).astype(np.float64)
-    return _q8_rounded(x).astype(np.float64) @ deq.T
+    return _q8_rounded(x, _quantize_act(x, False, per256=per256)).astype(np.float64) @ deq.T
+
+
+def _gemm_acts(w: QTensor, n: int) -> bool:
+    """Whether matmul quantizes n activation rows for w per 256 (its GEMM runs, the type is ik's Q8_K's)."""
+    return n >= K.GEMM_MIN and w.qtype in _Q8_K
 
 
 @pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ2_K", "IQ3_K", "IQ4_K",
@@ -189,19 +198,21 @@ def test_matmul_few_and_many_tokens_agree(name):
     w = quantize_tensor(rng.standard_normal((13, 512)).astype(np.float32), type_info(name).id)
     for n in (1, 3, 8, 19, 100):
         x = rng.standard_normal((n, 512)).astype(np.float32)
-        want = _rounded_ref(w, x)
+        want = _rounded_ref(w, x, _gemm_acts(w, n))
         np.testing.assert_allclose(matmul(w, x), want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+        want = _rounded_ref(w, x)
         tiles = np.empty((n, 13), np.float32)
         _tiles(_view(w), _q8_rounded(x), tiles)
         np.testing.assert_allclose(tiles, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
 
 
 @njit(cache=True)
-def _gemm(generic, qtype, buf, stride, rows, cols, q, s, b16, out, r4, r8, per32):
+def _gemm(generic, qtype, buf, stride, rows, cols, q, s, b16, out, r4, r8, per32, act256):
     """quant.simd_gemm over every 16-row run (tiles start as NaN: rows past `rows` stay so);
     r4 / r8: the _R4 / _R8 packing (stride: of one row, groups of 4 / 8 rows); per32: the
-    per-32 form (SCALE32 types); the packing's code picks the mins' form.  The flags are
-    always passed (bools): an omitted default is another signature, another cold compile."""
+    per-32 form (SCALE32 types); act256: activations with one scale per 256; the packing's code
+    picks the mins' form.  The flags are always passed (bools): an omitted default is another
+    signature, another cold compile."""
     tu = np.full(16 * cols, 0x7F, np.uint8)
     td = np.full(cols, np.nan, np.float32)
     tw = np.full(cols, np.nan, np.float32)
@@ -221,9 +232,9 @@ def _gemm(generic, qtype, buf, stride, rows, cols, q, s, b16, out, r4, r8, per32
             return False
         m = code == SG.PACKED_MINS
         if generic:
-            SG.tile_gemm_generic(tu, td, tw, cols // 16, q, s, b16, c16, 0, q.shape[0], out, r0, n, per32, m)
+            SG.tile_gemm_generic(tu, td, tw, cols // 16, q, s, b16, c16, 0, q.shape[0], out, r0, n, per32, m, act256)
         else:
-            SG.tile_gemm(tu, td, tw, cols // 16, q, s, b16, c16, 0, q.shape[0], out, r0, n, per32, m)
+            SG.tile_gemm(tu, td, tw, cols // 16, q, s, b16, c16, 0, q.shape[0], out, r0, n, per32, m, act256)
     return True
 
 
@@ -249,9 +260,10 @@ def test_tile_gemm_matches_decoder_on_random_bytes(qtype, form):
                 rows.append(raw)
                 ys.append(y)
         buf, y = np.concatenate(rows), np.stack(ys)
-        q, s, bs, b16, xa = _act(rng, cols, 15)
+        q, s, bs, b16, xa = _act(rng, cols, 15, fmt.act256)
         out = np.full((15, 21), np.nan, np.float32)
-        assert _gemm(form == "generic", qtype, buf, rb, 21, cols, q, s, b16, out, False, False, qtype in SG.SCALE32)
+        assert _gemm(form == "generic", qtype, buf, rb, 21, cols, q, s, b16, out, False, False, qtype in SG.SCALE32,
+                     fmt.act256)
         want, mag = xa @ y.T, np.abs(xa) @ np.abs(y).T
         assert np.all(np.abs(out - want) <= 2e-5 * mag + 1e-30), (cols, out, want)
 
@@ -270,8 +282,10 @@ def test_matmul_id_and_fused_gate_up(name):
 
 def _check_experts(gate: QTensor, up: QTensor, x: np.ndarray, ids: np.ndarray, xr: np.ndarray) -> None:
     """matmul_id and moe_up_gate against float64 products of the dequantized experts with the
-    Q8-rounded activations."""
-    xq = _q8_rounded(x).astype(np.float64)
+    Q8-rounded activations (one scale per 256 where some expert's pairs reach the GEMM and the
+    type is one of ik's Q8_K types: quant.matmul quantizes the whole call so)."""
+    per256 = _gemm_acts(gate, int(np.bincount(ids).max()))
+    xq = _q8_rounded(x, _quantize_act(x, False, per256=per256)).astype(np.float64)
     dg = dequantize(gate).astype(np.float64)
     du = dequantize(up).astype(np.float64)
     g = np.stack([dg[e] @ xq[r] for e, r in zip(ids, xr)])
@@ -339,11 +353,12 @@ def _check_interleaved_gemm(qtype, form, seed, col_list, ngroups):
                 groups.append(raw)
                 ys.append(y)
         buf, y = np.concatenate(groups), np.concatenate(ys)
-        q, s, bs, b16, xa = _act(rng, cols, 15)
+        act256 = qtype in _Q8_K
+        q, s, bs, b16, xa = _act(rng, cols, 15, act256)
         rows = il * ngroups
         out = np.full((15, rows), np.nan, np.float32)
         assert _gemm(form == "generic", qtype, buf, grb // il, rows, cols, q, s, b16, out, il == 4, il == 8,
-                     qtype in SG.SCALE32)
+                     qtype in SG.SCALE32, act256)
         want, mag = xa @ y.T, np.abs(xa) @ np.abs(y).T
         assert np.all(np.abs(out - want) <= 2e-5 * mag + 1e-30), (cols, out, want)
 

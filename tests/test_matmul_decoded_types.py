@@ -15,7 +15,7 @@ import pytest
 
 from quant import kernels as K
 from quant.iqk import decode_row_iqk_int6
-from quant.matmul import _q8_rounded, dequantize, many_tokens, matmul, matmul_id
+from quant.matmul import _Q8_K, _q8_rounded, _quantize_act, dequantize, many_tokens, matmul, matmul_id
 from quant.tensor import QTensor
 from quant.types import type_info
 
@@ -42,8 +42,10 @@ CASES = goldens()
 
 
 def _act(t, x):
-    """The activations the kernels multiply type t's weights with."""
-    return _q8_rounded(x) if t.id in K.INT_DOT_TYPES else x
+    """The activations the kernels multiply type t's weights with (one scale per 256 for ik's Q8_K
+    types where the GEMM runs)."""
+    per256 = x.shape[0] >= K.GEMM_MIN and t.id in _Q8_K
+    return _q8_rounded(x, _quantize_act(x, False, per256=per256)) if t.id in K.INT_DOT_TYPES else x
 
 
 def _kernel_deq(t, raw, deq, n_tokens):

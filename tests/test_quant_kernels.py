@@ -147,6 +147,42 @@ def test_quantize_act_q8_exact():
     assert np.array_equal(bs, rq.reshape(5, 8, 32).astype(np.int32).sum(axis=2))
 
 
+def _ref_act_q8_k(x):
+    """ik_llama.cpp's Q8_K activation rule: per 256 values d = amax/127 (f32), q = x * (127/amax)
+    rounded half to even; d repeated for each 32 of its 256 values."""
+    b = x.reshape(x.shape[0], -1, 256)
+    amax = np.abs(b).max(axis=2)
+    d = (amax / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint(b * inv[:, :, None]), -127, 127).astype(np.int8)
+    return q.reshape(x.shape), np.repeat(d, 8, axis=1)
+
+
+def test_quantize_act_q8_k_exact():
+    """qk 256 (the GEMM activations of ik's Q8_K types): the reference's bytes and scales, in the
+    parallel, one-pass and serial entry points alike, with the per-16 sums from its scale."""
+    rng = np.random.default_rng(6)
+    x = (rng.standard_normal((4, 512)) * rng.uniform(1e-3, 1e3, (4, 1))).astype(np.float32)
+    x[0, :256] = 0                                        # a zero block: d = 0, q = 0
+    x[1, 256:] = np.linspace(-3.5, 3.5, 256)
+    x[2, :3] = (-127.0, 0.5, 1.5)                         # 127 / amax = 1: ties to even
+    x[2, 3:256] = 0
+    rq, rs = _ref_act_q8_k(x)
+    q, s, bs = np.empty(x.shape, np.int8), np.empty((4, 16), np.float32), np.empty((4, 16), np.int32)
+    K.quantize_act_q8(x, 256, q, s, bs)
+    assert np.array_equal(q, rq) and np.array_equal(s, rs)
+    assert np.array_equal(bs, rq.reshape(4, 16, 32).astype(np.int32).sum(axis=2))
+    i16 = rq.reshape(4, 32, 16).astype(np.int32).sum(axis=2)
+    for fn in (K.quantize_act_q8_sums, K.quantize_act_q8_serial):
+        q2, s2 = np.empty(x.shape, np.int8), np.empty((4, 16), np.float32)
+        bs2, b16, c16 = np.empty((4, 32), np.int32), np.empty((4, 32), np.float32), np.empty((4, 32), np.int32)
+        fn(x, 256, q2, s2, bs2, b16, c16)
+        assert np.array_equal(q2, rq) and np.array_equal(s2, rs)
+        assert np.array_equal(bs2, i16) and np.array_equal(c16, -128 * i16)
+        assert np.array_equal(b16, i16.astype(np.float32) * np.repeat(rs, 2, axis=1))
+
+
 # ------------------------------------------------------------------ matmul
 def _check_matmul(w: QTensor, x: np.ndarray, y: np.ndarray):
     W = _ref_matrix(w).astype(np.float64)

@@ -79,7 +79,7 @@ def test_derived_sets():
             # ... but for ikcli's internal compute forms (quant.types), never written
             assert (r.quantize is not None) == (not type_info(t).internal), r.name
         if r.integer_dot:
-            assert r.act in (registry.ACT_Q8_32, registry.ACT_Q8_16)
+            assert r.act in (registry.ACT_Q8_32, registry.ACT_Q8_16, registry.ACT_Q8_256)
         if r.dot == registry.DOT_UNPACK:
             assert type_info(t).interleave
     # what ikcli computes today: 37 plain types (floats, legacy, K-quants, IQK, i-quants, trellis)
