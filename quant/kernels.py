@@ -21,7 +21,9 @@ Calling convention shared by every weight kernel (quant.matmul builds these argu
 
 Activation side of the integer dot products: a row of f32 values is quantized once per
 matmul into int8 values plus one scale per 32 (`quantize_act_q8`), with the rounding of the
-Q8_2 blocks ik_llama.cpp uses for the same purpose (bf16 scale, round half to even).
+Q8_2 blocks ik_llama.cpp uses for the same purpose (bf16 scale, round half to even); for the
+GEMM of the types ik multiplies with Q8_K (quant.registry.ACT_Q8_256) one f32 scale per 256
+values, written to each of its 32s (qk = 256).
 
 The few-token kernels are one loop per type family: matvec_int (INT_DOT_TYPES) and
 matvec_float (F16, BF16, F32), each serving plain matmuls, expert-indexed pairs (mul_mat_id)
