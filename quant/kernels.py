@@ -574,7 +574,7 @@ def _quantize_row_q8(xr, qk, qr, sr, br):
 @njit(**_qopts)
 def _quantize_row_q8_k(xr, qr, sr, br):
     """One row by the rule of ik_llama.cpp's Q8_K activations (what its GEMM multiplies the IQ,
-    IQK, Q2_K / Q3_K and _R4 types with): per 256 values d = amax/127 in f32, q = x * (127/amax)
+    IQK, Q2_K / Q3_K and IQK _R4 types with): per 256 values d = amax/127 in f32, q = x * (127/amax)
     rounded to nearest even.  The layout stays per 32: d is written to the 8 scales of its 256
     values (every kernel reads them as it reads Q8_2's), br the int32 sums of q per 32."""
     for b in range(xr.shape[0] // 256):

@@ -48,7 +48,7 @@ ACT_F32 = "f32"
 ACT_Q8_32 = "q8 per 32, int sums per 32"                 # ik's Q8_2 / Q8_0_X4 role
 ACT_Q8_16 = "q8 per 32, int and f32 sums per 16"         # ik's Q8_K role (bsums)
 # the same layout, but from quant.kernels.GEMM_MIN pairs one scale per 256 values (ik's Q8_K rule,
-# for the types ik's GEMM multiplies with Q8_K: BlockDot / R4Dot.act256)
+# for the types ik's GEMM multiplies with Q8_K: BlockDot.act256; an _R4 type takes its plain type's)
 ACT_Q8_256 = "q8 per 32 or, for a GEMM, per 256; int and f32 sums per 16"
 
 
