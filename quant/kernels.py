@@ -67,7 +67,6 @@ import math
 import numpy as np  # noqa: E402
 from llvmlite import ir  # noqa: E402
 from numba import njit, prange, types  # noqa: E402
-from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from . import interleaved as _interleaved, registry as _reg, simd as _simd  # noqa: E402
@@ -75,6 +74,7 @@ from . import simd_blocks as _blocks  # noqa: E402  (integer row dots of the oth
 from . import simd_r4 as _r4  # noqa: E402  (integer dots of the _R4 K-quant / IQK layouts)
 from . import simd_gemm as _gemm  # noqa: E402  (integer GEMM of the simd_blocks types)
 from .f32ops import f32_bits as _f32_bits  # noqa: E402
+from .simd import amax32 as _amax32, isum16 as _isum16, q8_block32 as _q8_block32  # noqa: E402
 from .iqk import decode_row_iqk  # noqa: E402
 from .iquants import decode_row_iquants  # noqa: E402
 from .ktquants import decode_row_kt, decode_row_kt_mm  # noqa: E402
@@ -484,72 +484,6 @@ def dequant_rows_unscaled(buf, qtype, stride, row_ids, cols, qk, lut, out):
 _qopts = dict(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz"})
 
 
-@intrinsic
-def _amax32(typingctx, xr, o):
-    """max |xr[o:o + 32]| (f32) from one 32-lane vector: a halving tree of vector maxima (the
-    scalar loop's maxss chain did not vectorize)."""
-    if not (isinstance(xr, types.Array) and xr.layout == "C"):       # vector loads at data + o
-        return None
-
-    def codegen(context, b, sig, args):
-        f32 = ir.FloatType()
-        xa = context.make_array(sig.args[0])(context, b, args[0])
-        v = b.load(b.bitcast(b.gep(xa.data, [args[1]]), ir.VectorType(f32, 32).as_pointer()), align=4)
-        v = b.call(cgutils.get_or_insert_function(b.module, ir.FunctionType(v.type, [v.type]), "llvm.fabs.v32f32"), [v])
-        n = 32
-        while n > 1:
-            n //= 2
-            lo = b.shuffle_vector(v, v, ir.Constant(ir.VectorType(ir.IntType(32), n), list(range(n))))
-            hi = b.shuffle_vector(v, v, ir.Constant(ir.VectorType(ir.IntType(32), n), list(range(n, 2 * n))))
-            v = b.select(b.fcmp_ordered(">", hi, lo), hi, lo)
-        return b.extract_element(v, ir.Constant(ir.IntType(32), 0))
-    return types.float32(xr, types.int64), codegen
-
-
-@intrinsic
-def _isum16(typingctx, qr, o):
-    """The int32 sum of the int8 values qr[o:o + 16] (one vector load and reduction)."""
-    if not (isinstance(qr, types.Array) and qr.layout == "C"):
-        return None
-
-    def codegen(context, b, sig, args):
-        i32 = ir.IntType(32)
-        qa = context.make_array(sig.args[0])(context, b, args[0])
-        v = b.sext(b.load(b.bitcast(b.gep(qa.data, [args[1]]), ir.VectorType(ir.IntType(8), 16).as_pointer()), align=1),
-                   ir.VectorType(i32, 16))
-        red = cgutils.get_or_insert_function(b.module, ir.FunctionType(i32, [v.type]), "llvm.vector.reduce.add.v16i32")
-        return b.call(red, [v])
-    return types.int32(qr, types.int64), codegen
-
-
-@intrinsic
-def _q8_block32(typingctx, xr, o, inv, qr):
-    """qr[o:o + 32] = x * inv rounded to nearest even and saturated to int8, for x = xr[o:o + 32];
-    returns the int32 sum of those 32 values.  Written as one 32-lane vector: the unrolled
-    scalar loop stayed scalar (32 vroundss and conversions a block: 0.5 ns a value)."""
-    if not (isinstance(xr, types.Array) and isinstance(qr, types.Array) and xr.layout == qr.layout == "C"):
-        return None
-
-    def codegen(context, b, sig, args):
-        f32, i32, i8 = ir.FloatType(), ir.IntType(32), ir.IntType(8)
-        vf, vi = ir.VectorType(f32, 32), ir.VectorType(i32, 32)
-        xa = context.make_array(sig.args[0])(context, b, args[0])
-        qa = context.make_array(sig.args[3])(context, b, args[3])
-        x = b.load(b.bitcast(b.gep(xa.data, [args[1]]), vf.as_pointer()), align=4)
-        sv = b.insert_element(ir.Constant(vf, None), args[2], ir.Constant(i32, 0))
-        v = b.fmul(x, b.shuffle_vector(sv, sv, ir.Constant(vi, [0] * 32)))
-        rint = cgutils.get_or_insert_function(b.module, ir.FunctionType(vf, [vf]), "llvm.rint.v32f32")
-        r = b.call(rint, [v])
-        lo, hi = ir.Constant(vf, [-128.0] * 32), ir.Constant(vf, [127.0] * 32)
-        r = b.select(b.fcmp_ordered(">", r, hi), hi, b.select(b.fcmp_ordered("<", r, lo), lo, r))
-        qi = b.fptosi(r, vi)
-        b.store(b.trunc(qi, ir.VectorType(i8, 32)), b.bitcast(b.gep(qa.data, [args[1]]), ir.VectorType(i8, 32).as_pointer()),
-                align=1)
-        red = cgutils.get_or_insert_function(b.module, ir.FunctionType(i32, [vi]), "llvm.vector.reduce.add.v32i32")
-        return b.call(red, [qi])
-    return types.int32(xr, types.int64, types.float32, qr), codegen
-
-
 @njit(**_qopts)
 def _quantize_row_q8(xr, qk, qr, sr, br):
     """One row: the rule of the Q8_2 activation blocks ik_llama.cpp multiplies Q8_0 / Q4_0
@@ -557,8 +491,7 @@ def _quantize_row_q8(xr, qk, qr, sr, br):
     even and saturated to int8.  Matching it keeps perplexities within noise of the C++ tool.
     br: each block's sum of q (the VNNI kernels' offset correction, quant.simd).  qk must be QK:
     the loops use the constant, f32 bounds and the bf16 rounding on the bits (9216 values, one
-    call: 14.8 -> 7.8 us); the block's max and rounding as 32-lane vectors (_amax32, _q8_block32:
-    3072 x 1536 values with the per-16 sums, one thread, 0.50 -> 0.26 ns a value)."""
+    call: 14.8 -> 7.8 us); the block's max and rounding are quant.simd's 32-lane vector intrinsics."""
     for b in range(xr.shape[0] // QK):
         o = b * QK
         amax = _amax32(xr, o)
