@@ -232,9 +232,16 @@ def real():
     eng.shutdown()
 
 
+# Room for the longest call the grammars allow: JSON's whitespace rule takes up to 22 characters at each
+# of ~20 places, and a random model at temperature 1 often takes most of them one token at a time
+# (250-400 tokens a call on the demo model), so 400 tokens cut some calls short.
+CALL_TOKENS = 1024
+
+
 def chat(base: str, **body) -> dict:
     r = httpx.post(base + "/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 400, **body}, timeout=120)
+        "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": CALL_TOKENS, **body},
+        timeout=120)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]
 
@@ -261,7 +268,7 @@ def test_required_and_named_always_call(real, app):
         check_calls(calls_of(ch), "get_time")
     # streamed: the same call as deltas
     events = stream_post(base, "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 400, "tools": TOOLS,
+        "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": CALL_TOKENS, "tools": TOOLS,
         "tool_choice": "required", "parallel_tool_calls": False, "temperature": 1, "seed": 0, "stream": True})
     args = "".join(t["function"].get("arguments", "") for e in events[:-1] if e["choices"]
                    for t in e["choices"][0]["delta"].get("tool_calls", []))
@@ -269,7 +276,7 @@ def test_required_and_named_always_call(real, app):
                                  temperature=1, seed=0))[0].arguments
     # Anthropic's tool_choice "any" is "required"
     r = httpx.post(base + "/v1/messages", json={
-        "model": "demo", "max_tokens": 400, "temperature": 1,
+        "model": "demo", "max_tokens": CALL_TOKENS, "temperature": 1, "seed": 0,
         "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
         "messages": [{"role": "user", "content": "Weather?"}],
         "tools": [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]},
