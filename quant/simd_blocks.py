@@ -981,7 +981,7 @@ def _blocks_loop(b: ir.IRBuilder, fmt: BlockDot, blocks, sub0, nb, act: Act, nto
     """nb blocks of fmt from pointer blocks on, whose first sub-block is activation sub-block
     sub0, times the ntok activation rows: (accs, saccs), TMAX accumulators each."""
     nsub = fmt.values // 32
-    accs, saccs = token_accs(b, _vec(_F32, 8), _vec(_F32, 2 * nsub))
+    accs, saccs = token_accs(b, _vec(_F32, 8 * _width(vnni)), _vec(_F32, 2 * nsub))
     zero32 = ir.Constant(_I32, 0)
     with cgutils.for_range(b, nb) as loop:
         ib = loop.index
@@ -1005,24 +1005,43 @@ def _per_half(b: ir.IRBuilder, v, nh: int):
     return _splat(b, v, _F32, nh)
 
 
-def _quad_lanes(g: int, m: int, nh: int) -> list:
+def _width(vnni: bool) -> int:
+    """Sub-blocks per dot product: two with VNNI (a 512-bit vpdpbusd over 64 values: half the dot
+    and reduction instructions of a block), one in the generic IR (256-bit)."""
+    return 2 if vnni else 1
+
+
+def _quad_lanes(g: int, nsub: int, nh: int, w: int) -> list:
     """Lanes of the per-half vectors (natural order: sub-block j's halves at 2j, 2j + 1) in the
-    order of _quad_sum's result for sub-blocks 4g .. 4g + m - 1 (index nh: a zero lane)."""
-    return [2 * (4 * g + i) + h if i < m else nh for h in range(2) for i in range(4)]
+    order of _quad_sum's result for group g (sub-blocks 4wg .. 4wg + 4w - 1, those below nsub;
+    index nh: a zero lane): lane 4m + i holds the 16-value group m of product vector i, which
+    covers sub-blocks 4wg + wi .. 4wg + wi + w - 1."""
+    out = []
+    for lane in range(8 * w):
+        m, i = divmod(lane, 4)
+        sb = 4 * w * g + w * i + (m >> 1)
+        out.append(2 * sb + (m & 1) if sb < nsub else nh)
+    return out
 
 
 def _quad_sum(b: ir.IRBuilder, ps: list):
-    """Four <8 x i32> vectors (lanes 0..3: the first 16 values of a sub-block, 4..7: the second)
-    -> one <8 x i32>: lane 4h + i = the sum of half h of ps[i].  Two levels of unpack-and-add
-    (vpunpck{l,h}{dq,qdq}) instead of a horizontal sum per sub-block: the f32 scales are then
-    applied with one convert and one FMA per four sub-blocks, as ik_llama.cpp's K-quant
-    kernels do."""
+    """Four <8w x i32> product vectors (each 4-lane group: the products of 16 values) -> one
+    <8w x i32>: lane 4m + i = the sum of group m of ps[i].  Two levels of unpack-and-add
+    (vpunpck{l,h}{dq,qdq}, within 128-bit lanes) instead of a horizontal sum per sub-block: the
+    f32 scales are then applied with one convert and one FMA per 4w sub-blocks, as
+    ik_llama.cpp's K-quant kernels do."""
+    n = ps[0].type.count
+
     def level(x, y, lo, hi):
         return b.add(b.shuffle_vector(x, y, _cv(lo)), b.shuffle_vector(x, y, _cv(hi)))
-    lo1, hi1 = [0, 8, 1, 9, 4, 12, 5, 13], [2, 10, 3, 11, 6, 14, 7, 15]
+
+    lo1 = [v for m in range(n // 4) for v in (4 * m, n + 4 * m, 4 * m + 1, n + 4 * m + 1)]
+    hi1 = [v for m in range(n // 4) for v in (4 * m + 2, n + 4 * m + 2, 4 * m + 3, n + 4 * m + 3)]
+    lo2 = [v for m in range(n // 4) for v in (4 * m, 4 * m + 1, n + 4 * m, n + 4 * m + 1)]
+    hi2 = [v for m in range(n // 4) for v in (4 * m + 2, 4 * m + 3, n + 4 * m + 2, n + 4 * m + 3)]
     x = level(ps[0], ps[1], lo1, hi1)
     y = level(ps[2], ps[3], lo1, hi1)
-    return level(x, y, [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15])
+    return level(x, y, lo2, hi2)
 
 
 def sum_weights(b: ir.IRBuilder, sc, off, d, mins=None, dm=None):
@@ -1042,18 +1061,24 @@ def sum_weights(b: ir.IRBuilder, sc, off, d, mins=None, dm=None):
 
 
 def _block_prep(b: ir.IRBuilder, blk: Block, nsub: int, vnni: bool):
-    """What the activation rows share of a block: per quad of sub-blocks the f32 lanes d * sc in
-    _quad_sum's order, the per-half weights of the activation sums (-d sc off + dm min, f32,
-    natural order) and, for the generic IR, the per-byte level offsets."""
-    nh = 2 * nsub
-    # the quads' lanes are picked from the integer scales (one shuffle) before the convert
+    """What the activation rows share of a block: per group of 4w sub-blocks (_width) the f32
+    lanes d * sc in _quad_sum's order, the per-half weights of the activation sums
+    (-d sc off + dm min, f32, natural order), the levels w sub-blocks to a vector and, for the
+    generic IR, the per-byte level offsets."""
+    nh, w = 2 * nsub, _width(vnni)
+    # the groups' lanes are picked from the integer scales (one shuffle) before the convert
     scz = b.shuffle_vector(blk.sc, ir.Constant(_vec(_I32, nh), [0] * nh), _cv(range(nh + 1)))
     dh = _per_half(b, blk.d, nh)
     dz = b.shuffle_vector(dh, ir.Constant(_vec(_F32, nh), [0.0] * nh), _cv(range(nh + 1)))
     dsc = []
-    for g in range((nsub + 3) // 4):
-        lanes = _quad_lanes(g, min(4, nsub - 4 * g), nh)
-        dsc.append(b.fmul(b.sitofp(_gather(b, scz, lanes), _vec(_F32, 8)), _gather(b, dz, lanes), flags=["fast"]))
+    for g in range(-(-nsub // (4 * w))):
+        lanes = _quad_lanes(g, nsub, nh, w)
+        dsc.append(b.fmul(b.sitofp(_gather(b, scz, lanes), _vec(_F32, 8 * w)), _gather(b, dz, lanes), flags=["fast"]))
+    us = blk.us
+    if w == 2:
+        zero = ir.Constant(_V32, [0] * 32)
+        us = [b.shuffle_vector(us[j], us[j + 1] if j + 1 < nsub else zero, _cv(range(64)))
+              for j in range(0, nsub, 2)]
     # the generic IR takes the offsets off the levels themselves (off8), VNNI off the sums
     off = blk.off
     wsum = sum_weights(b, blk.sc, off if vnni else 0, dh, blk.mins,
@@ -1065,37 +1090,45 @@ def _block_prep(b: ir.IRBuilder, blk: Block, nsub: int, vnni: bool):
         else:
             o8 = b.trunc(off, _vec(_I8, nh))
             off8 = [_gather(b, o8, [2 * j] * 16 + [2 * j + 1] * 16) for j in range(nsub)]
-    return dsc, wsum, off8
+    return dsc, wsum, off8, us
 
 
 def _block_dot(b: ir.IRBuilder, blk: Block, prep, k0, nsub: int, qp, sp, b16p, accp, saccp, vnni: bool):
     """acc += the unpacked block whose first sub-block is activation sub-block k0, times one
     activation row (the activation-sum terms: sacc; b16 holds each half's sum times its
     sub-block's activation scale, f32)."""
-    dsc, wsum, off8 = prep
-    v8f = _vec(_F32, 8)
-    zero8 = ir.Constant(_vec(_I32, 8), [0] * 8)
+    dsc, wsum, off8, us = prep
+    w = _width(vnni)
+    vf = _vec(_F32, 8 * w)
+    zero = ir.Constant(_vec(_I32, 8 * w), [0] * (8 * w))
     acc = b.load(accp)
     for g, coef in enumerate(dsc):
-        m = min(4, nsub - 4 * g)
         ps = []
         for i in range(4):
-            if i >= m:
-                ps.append(zero8)
+            j = 4 * w * g + w * i          # the vector's first sub-block
+            if j >= nsub:
+                ps.append(zero)
                 continue
-            j = 4 * g + i
             k = b.add(k0, _const_i64(j))
-            a = b.load(b.bitcast(b.gep(qp, [b.mul(k, _const_i64(32))]), _V32.as_pointer()), align=1)
-            ps.append(_sub_isum(b, blk.us[j], a, None if off8 is None else off8[j], vnni))
-        kg = b.add(k0, _const_i64(4 * g))
-        if m == 4:
-            s4 = b.load(b.bitcast(b.gep(sp, [kg]), _vec(_F32, 4).as_pointer()), align=4)
+            n = 32 * min(w, nsub - j)      # an odd last sub-block: 32 bytes (the row may end there)
+            a = b.load(b.bitcast(b.gep(qp, [b.mul(k, _const_i64(32))]), _vec(_I8, n).as_pointer()), align=1)
+            if n < 32 * w:                 # ... its zero levels meet zero bytes
+                a = b.shuffle_vector(a, ir.Constant(_V32, [0] * 32), _cv(range(64)))
+            if w == 1:
+                ps.append(_sub_isum(b, us[j], a, None if off8 is None else off8[j], vnni))
+            else:
+                ps.append(dpbusd(b, zero, us[j // 2], a))
+        # the activation scale of each lane's sub-block
+        kg = b.add(k0, _const_i64(4 * w * g))
+        m = min(4 * w, nsub - 4 * w * g)
+        if m == 4 * w:
+            sv = b.load(b.bitcast(b.gep(sp, [kg]), _vec(_F32, 4 * w).as_pointer()), align=4)
         else:
-            s4 = ir.Constant(_vec(_F32, 4), [0.0] * 4)
+            sv = ir.Constant(_vec(_F32, 4 * w), [0.0] * (4 * w))
             for i in range(m):
-                s4 = b.insert_element(s4, b.load(b.gep(sp, [b.add(kg, _const_i64(i))])), ir.Constant(_I32, i))
-        s8 = b.shuffle_vector(s4, s4, _cv([0, 1, 2, 3, 0, 1, 2, 3]))
-        t = b.fmul(b.sitofp(_quad_sum(b, ps), v8f), b.fmul(coef, s8, flags=["fast"]), flags=["fast"])
+                sv = b.insert_element(sv, b.load(b.gep(sp, [b.add(kg, _const_i64(i))])), ir.Constant(_I32, i))
+        sl = b.shuffle_vector(sv, sv, _cv([w * (lane % 4) + (lane // 4 >> 1) for lane in range(8 * w)]))
+        t = b.fmul(b.sitofp(_quad_sum(b, ps), vf), b.fmul(coef, sl, flags=["fast"]), flags=["fast"])
         acc = b.fadd(acc, t, flags=["fast"])
     b.store(acc, accp)
     if wsum is not None:
