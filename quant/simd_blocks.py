@@ -54,6 +54,7 @@ from .typetag import group_of
 from .simd import HAS_VNNI, cpu_features, stack_scope, _F32, _I8, _I16, _I32, _I64, _vec, _const_i64, _pair_sum, _splat, dpbusd
 
 HAS_AVX2 = "+avx2" in cpu_features()
+_V64 = _vec(_I8, 64)
 _V32 = _vec(_I8, 32)
 _V16 = _vec(_I8, 16)
 
@@ -111,8 +112,9 @@ def _bit_to(b: ir.IRBuilder, v, src: int, dst: int):
 
 
 def _cat(b: ir.IRBuilder, lo, hi):
-    """Two 16-byte vectors -> one 32-byte vector (lo first)."""
-    return b.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, 32), list(range(32))))
+    """Two vectors of n lanes -> one of 2n (lo first)."""
+    n = 2 * lo.type.count
+    return b.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, n), list(range(n))))
 
 
 def _nib32(b: ir.IRBuilder, p, off):
@@ -134,6 +136,27 @@ def _nib32_pairs(b: ir.IRBuilder, p, off, n: int) -> list:
     return out
 
 
+def _nib64(b: ir.IRBuilder, p, off, group: int) -> list:
+    """The 64 bytes at p + off as two vectors of 64 levels (BlockDot.wide): their low and high
+    nibble planes (one and, one shift, one and), then per vector the planes' groups of `group`
+    bytes interleaved, low first (one two-source permute).  group 16 (IQ4_XS, IQ4_K: a
+    sub-block's low nibbles are its values 0..15, the high ones 16..31): sub-blocks 0, 1 and
+    2, 3 of the four the bytes hold; group 32 (Q4_K: low nibbles one sub-block, high the next):
+    sub-blocks 0, 1 and 2, 3 too."""
+    v = _ld(b, p, off, 64)
+    lo, hi = _vshr(b, v, 0, 15, 64), _vshr(b, v, 4, 15, 64)
+    per = 32 // group                      # groups of each plane in one vector
+    return [b.shuffle_vector(lo, hi, _cv([base + group * g + i for g in range(o * per, (o + 1) * per)
+                                          for base in (0, 64) for i in range(group)]))
+            for o in range(2)]
+
+
+def _nibbles16(b: ir.IRBuilder, p, off: int, wide: bool) -> list:
+    """The 128 bytes at p + off as 8 sub-blocks' levels (16 bytes each, low nibbles values 0..15):
+    eight vectors of 32, or with `wide` four of 64."""
+    return _nib64(b, p, off, 16) + _nib64(b, p, off + 64, 16) if wide else _nib32_pairs(b, p, off, 8)
+
+
 def _bitlanes(b: ir.IRBuilder, word, n: int = 32):
     """Bit i of the i32 `word` in byte lane i (0 or 1), i < n."""
     w = b.shuffle_vector(b.insert_element(ir.Constant(_vec(_I32, 1), None), word, ir.Constant(_I32, 0)),
@@ -149,8 +172,11 @@ def _tab16(table: np.ndarray, off: int) -> ir.Constant:
 
 
 def _lookup(b: ir.IRBuilder, tab32, idx):
-    """Byte lane i of the result = tab32[16 * (i // 16) + idx[i]], idx in 0..15: vpshufb on
-    AVX2; elsewhere a compare/select per table entry."""
+    """Byte lane i of the result = tab32[16 * (i // 16) + idx[i]], idx in 0..15 (32 lanes, or 64
+    with a 64-byte table): vpshufb on AVX2 / AVX-512; elsewhere a compare/select per table entry."""
+    if idx.type.count == 64:        # two sub-blocks (BlockDot.unpack_wide: AVX-512 only)
+        fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(_V64, [_V64, _V64]), "llvm.x86.avx512.pshuf.b.512")
+        return b.call(fn, [tab32, idx])
     if HAS_AVX2:
         fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(_V32, [_V32, _V32]), "llvm.x86.avx2.pshuf.b")
         return b.call(fn, [tab32, idx])
@@ -200,6 +226,9 @@ class BlockDot:
     # quantizes them so too (quant.matmul) and applies the activation scale once per 256; its
     # _R4 form (quant.simd_r4) takes the same activations (quant.registry)
     act256: bool = False
+    # unpack(b, p, wide=True) gives the levels two sub-blocks to a vector (64 bytes: AVX-512),
+    # which the VNNI row dots take as they are (else they join the 32-byte ones in pairs)
+    wide: bool = False
 
     @property
     def meta(self) -> int:
@@ -270,9 +299,12 @@ def _k4_scales_mins(b: ir.IRBuilder, p):
     return lanes(b.and_(u0, lo6), sc_hi), lanes(b.and_(u1, lo6), mn_hi)
 
 
-def _unpack_q4_k(b: ir.IRBuilder, p) -> Block:
+def _unpack_q4_k(b: ir.IRBuilder, p, wide: bool = False) -> Block:
     sc, mn = _k4_scales_mins(b, p)
-    us = [_vshr(b, _ld(b, p, 16 + 32 * (s >> 1)), 4 * (s & 1), 15) for s in range(8)]
+    if wide:
+        us = _nib64(b, p, 16, 32) + _nib64(b, p, 80, 32)
+    else:
+        us = [_vshr(b, _ld(b, p, 16 + 32 * (s >> 1)), 4 * (s & 1), 15) for s in range(8)]
     return Block(_f16(b, p, 0), us, sc, 0, b.fneg(_f16(b, p, 2)), mn)
 
 
@@ -314,9 +346,8 @@ def _unpack_q2_k(b: ir.IRBuilder, p) -> Block:
 _T_IQ4NL = _tab16(_iqk.IQ4K[:16], 128)   # kvalues_iq4nl: IQ4_K's first table
 
 
-def _unpack_iq4_xs(b: ir.IRBuilder, p) -> Block:
-    tab = _cat(b, _T_IQ4NL, _T_IQ4NL)
-    us = [_lookup(b, tab, nib) for nib in _nib32_pairs(b, p, 8, 8)]
+def _unpack_iq4_xs(b: ir.IRBuilder, p, wide: bool = False) -> Block:
+    us = [_lookup_pieces(b, ([_T_IQ4NL], 0), nib) for nib in _nibbles16(b, p, 8, wide)]
     lo = _field(b, _bytes32(b, p, 4, 4), [ib >> 1 for ib in range(8)], [4 * (ib & 1) for ib in range(8)], 15)
     hi = b.and_(b.lshr(_splat32(b, _u16(b, p, 2), 8), _cv([2 * ib for ib in range(8)])), _cv([3] * 8))
     sc = b.sub(b.or_(lo, b.shl(hi, _cv([4] * 8))), _cv([32] * 8))
@@ -346,12 +377,15 @@ _T_IQ6 = _tables(_iqk.IQ6K_INT_LEVELS, 64)
 
 
 def _lookup_pieces(b: ir.IRBuilder, T, idx, hi=None):
-    """Levels (+128) of the first table for 32 lanes: idx (0..15) into piece `hi` (per-lane
-    0..3, or None: piece 0)."""
-    res = None
+    """Levels (+128) of the first table for 32 (or 64: BlockDot.wide) lanes: idx (0..15) into
+    piece `hi` (per-lane 0..3, or None: piece 0)."""
+    res, n = None, idx.type.count
     for k, piece in enumerate(T[0]):
-        r = _lookup(b, _cat(b, piece, piece), idx)
-        res = r if res is None else b.select(b.icmp_unsigned("==", hi, _c(k)), r, res)
+        tab = piece
+        while tab.type.count < n:
+            tab = _cat(b, tab, tab)
+        r = _lookup(b, tab, idx)
+        res = r if res is None else b.select(b.icmp_unsigned("==", hi, _c(k, n)), r, res)
     return res
 
 
@@ -390,8 +424,8 @@ def _ls6_16(b: ir.IRBuilder, p):
     return b.sub(b.or_(lo, b.shl(hi, _cv([4] * 16))), _cv([32] * 16))
 
 
-def _unpack_iq4_k(b: ir.IRBuilder, p) -> Block:
-    us = [_lookup_pieces(b, _T_IQ4K, nib) for nib in _nib32_pairs(b, p, 16, 8)]
+def _unpack_iq4_k(b: ir.IRBuilder, p, wide: bool = False) -> Block:
+    us = [_lookup_pieces(b, _T_IQ4K, nib) for nib in _nibbles16(b, p, 16, wide)]
     return Block(_f16(b, p, 0), us, _ls6_16(b, p), _extra_offs(b, _T_IQ4K, _bits16(b, _u16(b, p, 2))))
 
 
@@ -412,8 +446,8 @@ def _unpack_iq6_k(b: ir.IRBuilder, p) -> Block:
                  _extra_offs(b, _T_IQ6, _bits16(b, _u16(b, p, 2))))
 
 
-def _unpack_iq4_ks(b: ir.IRBuilder, p) -> Block:
-    us = [_lookup_pieces(b, _T_IQ4K, nib) for nib in _nib32_pairs(b, p, 8, 8)]
+def _unpack_iq4_ks(b: ir.IRBuilder, p, wide: bool = False) -> Block:
+    us = [_lookup_pieces(b, _T_IQ4K, nib) for nib in _nibbles16(b, p, 8, wide)]
     B = _bytes32(b, p, 0, 8)
     sc = b.sub(b.and_(B, _cv([254] * 8)), _cv([127] * 8))
     return Block(ir.Constant(_F32, 1.0), us, _pairs(b, sc), _pairs(b, _extra_offs(b, _T_IQ4K, b.and_(B, _cv([1] * 8)))))
@@ -859,18 +893,18 @@ BLOCK_DOTS: dict[int, BlockDot] = {
                 tail=BlockDot("IQ1_M_ROWS", 32, 7, _OFF_IQ1, _unpack_iq1_m_rows(1), "f16")),
     10: BlockDot("Q2_K", 256, 84, 0, _unpack_q2_k, act256=True),
     11: BlockDot("Q3_K", 256, 110, 4, _unpack_q3_k, act256=True),
-    12: BlockDot("Q4_K", 256, 144, 0, _unpack_q4_k, scale32=True),
+    12: BlockDot("Q4_K", 256, 144, 0, _unpack_q4_k, scale32=True, wide=True),
     # Q5_K / Q6_K read faster with the hardware prefetcher alone (102400 x 2048, one token, one
     # thread: 7.79 -> 7.51 and 7.40 -> 6.94 ms; Q4_K and IQ4_XS lose 1-4 % without it)
     13: BlockDot("Q5_K", 256, 176, 0, _unpack_q5_k, prefetch=False, scale32=True),
     14: BlockDot("Q6_K", 256, 210, 32, _unpack_q6_k, prefetch=False),
-    23: BlockDot("IQ4_XS", 256, 136, 128, _unpack_iq4_xs, scale32=True, act256=True),
+    23: BlockDot("IQ4_XS", 256, 136, 128, _unpack_iq4_xs, scale32=True, act256=True, wide=True),
     137: BlockDot("IQ2_K", 256, 76, 128, _unpack_iq2_k, act256=True),
     138: BlockDot("IQ3_K", 256, 110, 128, _unpack_iq3_k, act256=True),
-    139: BlockDot("IQ4_K", 256, 144, 128, _unpack_iq4_k, act256=True),
+    139: BlockDot("IQ4_K", 256, 144, 128, _unpack_iq4_k, act256=True, wide=True),
     140: BlockDot("IQ5_K", 256, 176, 128, _unpack_iq5_k, act256=True),
     141: BlockDot("IQ6_K", 256, 212, 128, _unpack_iq6_k, act256=True),
-    144: BlockDot("IQ4_KS", 256, 136, 128, _unpack_iq4_ks, "f32", scale32=True, act256=True),
+    144: BlockDot("IQ4_KS", 256, 136, 128, _unpack_iq4_ks, "f32", scale32=True, act256=True, wide=True),
     145: BlockDot("IQ2_KS", 256, 70, 128, _unpack_iq2_ks, "f16", scale32=True, act256=True),
     152: BlockDot("IQ5_KS", 256, 168, 128, _unpack_iq5_ks, "f32", scale32=True, act256=True),
     156: BlockDot("IQ3_KS", 256, 102, 128, _unpack_iq3_ks, "f16", scale32=True, act256=True),
@@ -988,7 +1022,7 @@ def _blocks_loop(b: ir.IRBuilder, fmt: BlockDot, blocks, sub0, nb, act: Act, nto
         bp = b.gep(blocks, [b.mul(ib, _const_i64(fmt.nbytes))])
         if fmt.prefetch:
             prefetch(b, bp, PREFETCH_BYTES, fmt.nbytes)
-        blk = fmt.unpack(b, bp)
+        blk = fmt.unpack(b, bp, wide=True) if vnni and fmt.wide else fmt.unpack(b, bp)
         prep = _block_prep(b, blk, nsub, vnni)
         k0 = b.add(sub0, b.mul(ib, _const_i64(nsub)))
         with cgutils.for_range(b, ntok) as tl:
@@ -1075,7 +1109,7 @@ def _block_prep(b: ir.IRBuilder, blk: Block, nsub: int, vnni: bool):
         lanes = _quad_lanes(g, nsub, nh, w)
         dsc.append(b.fmul(b.sitofp(_gather(b, scz, lanes), _vec(_F32, 8 * w)), _gather(b, dz, lanes), flags=["fast"]))
     us = blk.us
-    if w == 2:
+    if w == 2 and us[0].type.count == 32:
         zero = ir.Constant(_V32, [0] * 32)
         us = [b.shuffle_vector(us[j], us[j + 1] if j + 1 < nsub else zero, _cv(range(64)))
               for j in range(0, nsub, 2)]
