@@ -157,6 +157,16 @@ def _nibbles16(b: ir.IRBuilder, p, off: int, wide: bool) -> list:
     return _nib64(b, p, off, 16) + _nib64(b, p, off + 64, 16) if wide else _nib32_pairs(b, p, off, 8)
 
 
+def _halves_shr(b: ir.IRBuilder, v, k0: int, k1: int, mask: int):
+    """32 bytes v twice as 64 (BlockDot.wide): the first copy's bytes >> k0, the second's >> k1,
+    each & mask (16-bit lane shifts, vpsrlvw: x86 has no byte shifts; the mask drops the bits
+    a byte takes from its neighbour)."""
+    w = b.bitcast(_cat(b, v, v), _vec(_I16, 32))
+    if k0 or k1:
+        w = b.lshr(w, _cv([k0] * 16 + [k1] * 16, _I16))
+    return b.and_(b.bitcast(w, _V64), _c(mask, 64))
+
+
 def _bitlanes(b: ir.IRBuilder, word, n: int = 32):
     """Bit i of the i32 `word` in byte lane i (0 or 1), i < n."""
     w = b.shuffle_vector(b.insert_element(ir.Constant(_vec(_I32, 1), None), word, ir.Constant(_I32, 0)),
@@ -308,16 +318,27 @@ def _unpack_q4_k(b: ir.IRBuilder, p, wide: bool = False) -> Block:
     return Block(_f16(b, p, 0), us, sc, 0, b.fneg(_f16(b, p, 2)), mn)
 
 
-def _unpack_q5_k(b: ir.IRBuilder, p) -> Block:
+def _unpack_q5_k(b: ir.IRBuilder, p, wide: bool = False) -> Block:
     sc, mn = _k4_scales_mins(b, p)
     qh = _ld(b, p, 16)
-    us = [b.or_(_vshr(b, _ld(b, p, 48 + 32 * (s >> 1)), 4 * (s & 1), 15), _bit_to(b, qh, s, 4))
-          for s in range(8)]
+    if wide:
+        us = [b.or_(nib, b.shl(_halves_shr(b, qh, s, s + 1, 1), _c(4, 64)))
+              for s, nib in zip(range(0, 8, 2), _nib64(b, p, 48, 32) + _nib64(b, p, 112, 32))]
+    else:
+        us = [b.or_(_vshr(b, _ld(b, p, 48 + 32 * (s >> 1)), 4 * (s & 1), 15), _bit_to(b, qh, s, 4))
+              for s in range(8)]
     return Block(_f16(b, p, 0), us, sc, 0, b.fneg(_f16(b, p, 2)), mn)
 
 
-def _unpack_q6_k(b: ir.IRBuilder, p) -> Block:
+def _unpack_q6_k(b: ir.IRBuilder, p, wide: bool = False) -> Block:
     us = []
+    if wide:
+        for n in range(2):      # ql: 64 bytes, low nibbles sub-blocks 4n, 4n + 1, high 4n + 2, 4n + 3
+            ql, qh = _ld(b, p, 64 * n, 64), _ld(b, p, 128 + 32 * n)
+            for half in range(2):
+                hi = _halves_shr(b, qh, 4 * half, 4 * half + 2, 3)
+                us.append(b.or_(_vshr(b, ql, 4 * half, 15, 64), b.shl(hi, _c(4, 64))))
+        return Block(_f16(b, p, 208), us, _bytes32(b, p, 192, 16, signed=True), 32)
     for j in range(8):
         n, quarter = j >> 2, j & 3
         lo = _vshr(b, _ld(b, p, 64 * n + 32 * (quarter & 1)), 4 * (quarter >> 1), 15)
@@ -896,8 +917,8 @@ BLOCK_DOTS: dict[int, BlockDot] = {
     12: BlockDot("Q4_K", 256, 144, 0, _unpack_q4_k, scale32=True, wide=True),
     # Q5_K / Q6_K read faster with the hardware prefetcher alone (102400 x 2048, one token, one
     # thread: 7.79 -> 7.51 and 7.40 -> 6.94 ms; Q4_K and IQ4_XS lose 1-4 % without it)
-    13: BlockDot("Q5_K", 256, 176, 0, _unpack_q5_k, prefetch=False, scale32=True),
-    14: BlockDot("Q6_K", 256, 210, 32, _unpack_q6_k, prefetch=False),
+    13: BlockDot("Q5_K", 256, 176, 0, _unpack_q5_k, prefetch=False, scale32=True, wide=True),
+    14: BlockDot("Q6_K", 256, 210, 32, _unpack_q6_k, prefetch=False, wide=True),
     23: BlockDot("IQ4_XS", 256, 136, 128, _unpack_iq4_xs, scale32=True, act256=True, wide=True),
     137: BlockDot("IQ2_K", 256, 76, 128, _unpack_iq2_k, act256=True),
     138: BlockDot("IQ3_K", 256, 110, 128, _unpack_iq3_k, act256=True),
