@@ -308,7 +308,7 @@ def _emit_group(b: ir.IRBuilder, fmt: R4Dot, grp, act, ntok, cols, vnni: bool):
     nb = b.udiv(cols, _const_i64(256))
     v4f = _vec(_F32, 4)
     zero32 = ir.Constant(_I32, 0)
-    accs, maccs = token_accs(b, _V8F, _V8F)
+    accs, maccs = token_accs(b, _vec(_F32, 16) if vnni else _V8F, _V8F)
     res = b.alloca(ir.ArrayType(v4f, TMAX))
     with cgutils.for_range(b, nb) as loop:
         ib = loop.index
@@ -329,8 +329,11 @@ def _emit_group(b: ir.IRBuilder, fmt: R4Dot, grp, act, ntok, cols, vnni: bool):
             _block_dot4(b, blk, mins, ib, qp, sp, i16p, b16p, d8, b.gep(accs, [zero32, tl.index]),
                         b.gep(maccs, [zero32, tl.index]), vnni)
     with cgutils.for_range(b, ntok) as tl:
-        r8 = b.fadd(b.load(b.gep(accs, [zero32, tl.index])), b.load(b.gep(maccs, [zero32, tl.index])),
-                    flags=["fast"])
+        acc = b.load(b.gep(accs, [zero32, tl.index]))
+        if vnni:            # the two sub-blocks' lanes of the 512-bit sums
+            acc = b.fadd(b.shuffle_vector(acc, acc, _cv(range(8))), b.shuffle_vector(acc, acc, _cv(range(8, 16))),
+                         flags=["fast"])
+        r8 = b.fadd(acc, b.load(b.gep(maccs, [zero32, tl.index])), flags=["fast"])
         lo = b.shuffle_vector(r8, r8, ir.Constant(_vec(_I32, 4), [0, 1, 2, 3]))
         hi = b.shuffle_vector(r8, r8, ir.Constant(_vec(_I32, 4), [4, 5, 6, 7]))
         r = b.fadd(lo, hi, flags=["fast"])
@@ -348,7 +351,9 @@ def _block_dot4(b: ir.IRBuilder, blk: R4Block, mins, ib, qp, sp, i16p, b16p, d8,
     terms, oterms = [], []
     # the block's 16 activation sums in one load (per sub-block inserts measured slower)
     i16 = b.load(b.bitcast(b.gep(i16p, [b.mul(ib, _const_i64(16))]), _vec(_I32, 16).as_pointer()), align=4)
-    for j, sub in enumerate(blk.subs):
+    if vnni:
+        _pairs_dot4(b, blk, ib, qp, sp, i16, d8, accp)
+    for j, sub in enumerate(blk.subs if not vnni else ()):
         k = b.add(b.mul(ib, _const_i64(8)), _const_i64(j))
         a = b.load(b.bitcast(b.gep(qp, [b.mul(k, _const_i64(32))]), _V32.as_pointer()), align=1)
         sa = _splat(b, b.load(b.gep(sp, [k])), _F32, 8)
@@ -360,7 +365,8 @@ def _block_dot4(b: ir.IRBuilder, blk: R4Block, mins, ib, qp, sp, i16p, b16p, d8,
         for u, ao in sub.runs:
             isum = dpbusd(b, isum, u, _act_shuffle(b, a, ao), vnni)
         terms.append(b.fmul(b.sitofp(b.mul(isum, sub.scale), _V8F), sa, flags=["fast"]))
-    b.store(b.fadd(b.load(accp), b.fmul(tree_sum(b, terms), d8, flags=["fast"]), flags=["fast"]), accp)
+    if terms:
+        b.store(b.fadd(b.load(accp), b.fmul(tree_sum(b, terms), d8, flags=["fast"]), flags=["fast"]), accp)
     if mins is not None:
         s16 = b.load(b.bitcast(b.gep(b16p, [b.mul(ib, _const_i64(16))]), _vec(_F32, 16).as_pointer()), align=4)
         a32 = b.fadd(b.shuffle_vector(s16, s16, _cv(range(0, 16, 2))), b.shuffle_vector(s16, s16, _cv(range(1, 16, 2))),
@@ -370,6 +376,35 @@ def _block_dot4(b: ir.IRBuilder, blk: R4Block, mins, ib, qp, sp, i16p, b16p, d8,
                                  flags=["fast"]))
     if oterms:
         b.store(b.fadd(b.load(maccp), tree_sum(b, oterms), flags=["fast"]), maccp)
+
+
+def _pairs_dot4(b: ir.IRBuilder, blk: R4Block, ib, qp, sp, i16, d8, accp) -> None:
+    """_block_dot4's sums with VNNI: sub-blocks two at a time in 512-bit vectors, lanes (sub-block
+    parity, h, k): one vpdpbusd, one scale multiply and one convert per run or pair instead of
+    per sub-block (the generic IR keeps 256-bit vectors)."""
+    v16i, v16f = _vec(_I32, 16), _vec(_F32, 16)
+    terms = []
+    for j in range(0, len(blk.subs), 2):
+        pair = blk.subs[j:j + 2]
+        k = b.add(b.mul(ib, _const_i64(8)), _const_i64(j))
+        a = b.load(b.bitcast(b.gep(qp, [b.mul(k, _const_i64(32))]), _vec(_I8, 64).as_pointer()), align=1)
+        s2 = b.load(b.bitcast(b.gep(sp, [k]), _vec(_F32, 2).as_pointer()), align=4)
+        sa = b.shuffle_vector(s2, s2, _cv([0] * 8 + [1] * 8))
+        offs = [sub.off if not isinstance(sub.off, int) else _c(sub.off, 8, _I32) for sub in pair]
+        if all(isinstance(sub.off, int) and sub.off == 0 for sub in pair):
+            isum = _c(0, 16, _I32)
+        else:
+            off = b.shuffle_vector(offs[0], offs[1], _cv(range(16)))
+            h = [2 * j + v for v in range(4)]
+            isum = b.neg(b.mul(off, b.shuffle_vector(i16, i16, _cv([h[q] for q in range(4) for _ in range(4)]))))
+        for r, (u0, ao) in enumerate(pair[0].runs):
+            u = b.shuffle_vector(u0, pair[1].runs[r][0], _cv(range(64)))
+            mask = [32 * p + ao[m] + i for p in range(2) for m in range(2) for _ in range(4) for i in range(4)]
+            isum = dpbusd(b, isum, u, b.shuffle_vector(a, a, _cv(mask)))
+        scale = b.shuffle_vector(pair[0].scale, pair[1].scale, _cv(range(16)))
+        terms.append(b.fmul(b.sitofp(b.mul(isum, scale), v16f), sa, flags=["fast"]))
+    d16 = b.shuffle_vector(d8, d8, _cv(range(16)))
+    b.store(b.fadd(b.load(accp), b.fmul(tree_sum(b, terms), d16, flags=["fast"]), flags=["fast"]), accp)
 
 
 def _group_dot_intrinsic(vnni: bool):
