@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from numba import njit, prange
 
 
 def yarn_corr_dims(n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: float, beta_slow: float) -> tuple[float, float]:
@@ -36,11 +37,56 @@ def rope_cos_sin(pos: np.ndarray, n_dims: int, freq_base: float, freq_scale: flo
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndarray:
-    """Rotate x of shape (n_tok, n_head, n_dims) in place; cos/sin are (n_tok, n_dims // 2)."""
+    """Rotate x of shape (n_tok, n_head, n_dims) in place; cos/sin are (n_tok, n_dims // 2).
+    The same f32 products and differences as apply_rope_reference, in one compiled pass (the
+    NumPy form's strided copies took ~10 us a call in token generation, ~0.3 ms for a 512-token
+    batch of 16 heads)."""
     from .device import on_device
     if on_device(x):
         from . import cuda_backend
         return cuda_backend.apply_rope(x, cos, sin, neox)
+    if x.dtype != np.float32 or x.ndim != 3 or cos.shape != (x.shape[0], x.shape[2] // 2) or x.shape[2] % 2:
+        return apply_rope_reference(x, cos, sin, neox)
+    c = np.ascontiguousarray(cos, dtype=np.float32)
+    s = np.ascontiguousarray(sin, dtype=np.float32)
+    if x.shape[0] * x.shape[1] >= _ROPE_PARALLEL_ROWS:
+        _rotate_parallel(x, c, s, neox)
+    else:
+        _rotate(x, c, s, neox)
+    return x
+
+
+_ROPE_PARALLEL_ROWS = 1024     # (token, head) rows from which the pass runs in the thread pool
+
+
+def _rotate_rows(x, c, s, neox, t):
+    h2 = x.shape[2] // 2
+    for h in range(x.shape[1]):
+        for i in range(h2):
+            j0, j1 = (i, i + h2) if neox else (2 * i, 2 * i + 1)
+            a = x[t, h, j0]
+            b = x[t, h, j1]
+            x[t, h, j0] = a * c[t, i] - b * s[t, i]
+            x[t, h, j1] = a * s[t, i] + b * c[t, i]
+
+
+_rotate_rows_jit = njit(cache=True, inline="always")(_rotate_rows)
+
+
+@njit(cache=True)
+def _rotate(x, c, s, neox):
+    for t in range(x.shape[0]):
+        _rotate_rows_jit(x, c, s, neox, t)
+
+
+@njit(cache=True, parallel=True)
+def _rotate_parallel(x, c, s, neox):
+    for t in prange(x.shape[0]):
+        _rotate_rows_jit(x, c, s, neox, t)
+
+
+def apply_rope_reference(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndarray:
+    """apply_rope in NumPy (the reference the compiled pass is tested against)."""
     c = cos[:, None, :]
     s = sin[:, None, :]
     if neox:
