@@ -62,9 +62,12 @@ KERNEL_MAX_WORK = 200_000
 # Tiles wholly above the causal diagonal are skipped, so smaller tiles skip more of a prompt's
 # own triangle: 512 queries x 16 heads of 192/128 (decompressed MLA), one / two threads,
 # 4096 x 256 against 8192 x 512: n_kv 512 40.1 -> 32.5 / 21.7 -> 17.6 ms, 1024 80 -> 74 /
-# 54 -> 38 ms, 2048 168 -> 159 / 82 -> 79 ms (128 cells measured the same or slower)
-Q_TILE_ROWS = 4096
-CELL_TILE = 256
+# 54 -> 38 ms, 2048 168 -> 159 / 82 -> 79 ms (128 cells measured the same or slower then).
+# With quant.simd_sgemm's products, 4096 x 256 -> 2048 x 128, two threads, same shapes, the
+# causal prompt at the end of n_kv cells: 512 10.35 -> 8.34 ms, 1024 20.2 -> 18.8, 1536 28.3-29.1
+# -> 27.0-27.3, 2048 38.6-39.2 -> 38.4-39.0, 4096 76.4 -> 75.7
+Q_TILE_ROWS = 2048
+CELL_TILE = 128
 
 # fast-math without nnan/ninf: the kernels compare with -inf (masked cells, empty rows),
 # which LLVM folds away under ninf; reassoc + contract are what vectorize the dots

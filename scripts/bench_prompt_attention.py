@@ -3,7 +3,7 @@
 -mla 2/3 prompt path) with its f32 products through numpy's BLAS and through quant.simd_sgemm,
 in turns on the same inputs (a shared machine's load hits both alike):
 
-    python scripts/bench_prompt_attention.py [--threads 2] [--cells 4096] [--queries 512]
+    python scripts/bench_prompt_attention.py [--threads 2] [--cells 4096] [--queries 512] [--tiles 2048,128]
 
 DeepSeek-V2-Lite-like heads: 16 heads, keys 192, values 128.  Prints the best time of each, then
 numpy's own matmul (OpenBLAS, one thread) on the two products' shapes: run it again with
@@ -32,7 +32,12 @@ def main() -> None:
     ap.add_argument("--cells", type=int, default=4096)
     ap.add_argument("--queries", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tiles", default="", help="Q_TILE_ROWS,CELL_TILE of engine.flash_attn to time instead "
+                    "of its own (e.g. 4096,256 against 2048,128)")
     a = ap.parse_args()
+    if a.tiles:
+        import engine.flash_attn as fa
+        fa.Q_TILE_ROWS, fa.CELL_TILE = (int(v) for v in a.tiles.split(","))
     numba.set_num_threads(a.threads)
     set_blas_threads(1)
     rng = np.random.default_rng(0)
