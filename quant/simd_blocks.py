@@ -12,10 +12,11 @@ so that the block's dot with activation sub-blocks (a_j int8, f32 scale s_j, int
       + dm * sum_j s_j * sum_h min_h * asum_h
 
 The inner sum is one vpdpbusd (AVX512-VNNI: unsigned bytes times signed bytes, 4 products per
-int32 lane; lanes 0..3 hold values 0..15, lanes 4..7 values 16..31) started from the OFF
-correction, or in the generic IR the signed products summed in pairs twice (LLVM selects
-vpmaddwd).  The scales multiply the 8 lanes (per-16 scales: <lo x4, hi x4>), which go to f32
-once per sub-block.  A type's record (`BlockDot`) only says how its bytes become (d, u, scales,
+int32 lane; per sub-block, lanes 0..3 hold values 0..15, lanes 4..7 values 16..31; with VNNI two
+sub-blocks share one 512-bit vpdpbusd), the OFF correction taken off through the activation
+sums, or in the generic IR (256-bit, one sub-block) the signed products summed in pairs twice
+(LLVM selects vpmaddwd).  One unpack-and-add tree gathers the lanes of 4 vectors into one per
+16-value half (_quad_sum), whose f32 scales are applied once per 4 vectors.  A type's record (`BlockDot`) only says how its bytes become (d, u, scales,
 mins): the unpack functions below.  Non-linear level tables (IQ4_NL / IQ4_XS / IQK) are
 in-register lookups: vpshufb on 16-entry tables (two per 32 lanes, one per 16-value half so
 the per-16 "extra" bit can pick the shifted table), selects for 32 / 64-entry tables.
@@ -184,7 +185,7 @@ def _tab16(table: np.ndarray, off: int) -> ir.Constant:
 def _lookup(b: ir.IRBuilder, tab32, idx):
     """Byte lane i of the result = tab32[16 * (i // 16) + idx[i]], idx in 0..15 (32 lanes, or 64
     with a 64-byte table): vpshufb on AVX2 / AVX-512; elsewhere a compare/select per table entry."""
-    if idx.type.count == 64:        # two sub-blocks (BlockDot.unpack_wide: AVX-512 only)
+    if idx.type.count == 64:        # two sub-blocks (BlockDot.wide: AVX-512 only)
         fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(_V64, [_V64, _V64]), "llvm.x86.avx512.pshuf.b.512")
         return b.call(fn, [tab32, idx])
     if HAS_AVX2:

@@ -16,6 +16,8 @@ are lane vectors read straight from the packed per-row fields (field (k, j) sits
     facc       += float(lanes * scale(h, k)) * s_a              (per sub-block)
     acc        += facc * d(k);  macc += float(min(h, k) * asum16(h)) * s_a * dm(k)
 
+With VNNI two sub-blocks share each 512-bit vpdpbusd, scale multiply and convert (_pairs_dot4:
+lanes (sub-block parity, h, k)); the generic IR keeps one sub-block per 256-bit vector.
 Records (R4Dot) name the layout's byte offsets through their unpack functions; types without a
 record here are unpacked to their plain type at load (engine) and use quant.simd_blocks.
 Results equal the plain kernels' up to the order of f32 additions (same integer sums).
