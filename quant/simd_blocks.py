@@ -949,11 +949,12 @@ GEMM_ONLY: dict[int, BlockDot] = {
 # the row template
 # ----------------------------------------------------------------------------------------
 def _sub_isum(b: ir.IRBuilder, u, a, off8, vnni: bool):
-    """Per-lane integer sums of 32 products: <8 x i32>, lane i = values 4i..4i+3.  vnni: of the
-    unsigned levels u (the block removes off * activation sums once, in lane vectors);
+    """Per-lane integer sums of 32 products (VNNI: or 64, two sub-blocks): <8 x i32> (<16 x i32>),
+    lane i = values 4i..4i+3.  vnni: of the unsigned levels u (the block removes off * activation sums once, in lane vectors);
     generic: of the true levels u - off (off8: None for 0, else the 32 byte offsets)."""
-    if vnni:
-        return dpbusd(b, ir.Constant(_vec(_I32, 8), [0] * 8), u, a)
+    if vnni:                       # 32 or 64 levels (two sub-blocks: _width)
+        n = u.type.count // 4
+        return dpbusd(b, ir.Constant(_vec(_I32, n), [0] * n), u, a)
     w = b.sub(u, off8) if off8 is not None else u
     prod = b.mul(b.sext(w, _vec(_I32, 32)), b.sext(a, _vec(_I32, 32)))
     return _pair_sum(b, _pair_sum(b, prod, 32), 16)
@@ -1170,10 +1171,7 @@ def _block_dot(b: ir.IRBuilder, blk: Block, prep, k0, nsub: int, qp, sp, b16p, a
             a = b.load(b.bitcast(b.gep(qp, [b.mul(k, _const_i64(32))]), _vec(_I8, n).as_pointer()), align=1)
             if n < 32 * w:                 # ... its zero levels meet zero bytes
                 a = b.shuffle_vector(a, ir.Constant(_V32, [0] * 32), _cv(range(64)))
-            if w == 1:
-                ps.append(_sub_isum(b, us[j], a, None if off8 is None else off8[j], vnni))
-            else:
-                ps.append(dpbusd(b, zero, us[j // 2], a))
+            ps.append(_sub_isum(b, us[j // w], a, None if off8 is None else off8[j], vnni))
         # the activation scale of each lane's sub-block
         kg = b.add(k0, _const_i64(4 * w * g))
         m = min(4 * w, nsub - 4 * w * g)

@@ -16,8 +16,8 @@ are lane vectors read straight from the packed per-row fields (field (k, j) sits
     facc       += float(lanes * scale(h, k)) * s_a              (per sub-block)
     acc        += facc * d(k);  macc += float(min(h, k) * asum16(h)) * s_a * dm(k)
 
-With VNNI two sub-blocks share each 512-bit vpdpbusd, scale multiply and convert (_pairs_dot4:
-lanes (sub-block parity, h, k)); the generic IR keeps one sub-block per 256-bit vector.
+With VNNI two sub-blocks share each 512-bit vpdpbusd, scale multiply and convert (lanes
+(sub-block parity, h, k): quant.simd_blocks._width); the generic IR keeps one per 256-bit vector.
 Records (R4Dot) name the layout's byte offsets through their unpack functions; types without a
 record here are unpacked to their plain type at load (engine) and use quant.simd_blocks.
 Results equal the plain kernels' up to the order of f32 additions (same integer sums).
@@ -31,11 +31,10 @@ from typing import Callable
 from llvmlite import ir
 from numba.core import cgutils
 
-from .simd import HAS_VNNI, _F32, _I8, _I16, _I32, _vec, _const_i64, _splat, dpbusd
+from .simd import HAS_VNNI, _F32, _I8, _I16, _I32, _vec, _const_i64, dpbusd
 from . import simd_blocks as _blk
 from .simd_blocks import TMAX, _bit_to, _c, _cat, _cv, _gep, _ld, _lookup, dot_intrinsic, token_accs, tree_sum
 
-_V32 = _vec(_I8, 32)
 _V8I = _vec(_I32, 8)
 _V8F = _vec(_F32, 8)
 Q4_PAIRS = ((0, 8), (16, 24), (4, 12), (20, 28))   # quant.interleaved: the 4-bit weave
@@ -297,9 +296,16 @@ R4_DOTS: dict[int, R4Dot] = {
 # the group template
 # ----------------------------------------------------------------------------------------
 def _act_shuffle(b: ir.IRBuilder, a, ao):
-    """Activation bytes for a run: lane (m, k, i) = a[ao[m] + i]."""
-    mask = [ao[m] + i for m in range(2) for k in range(4) for i in range(4)]
-    return b.shuffle_vector(a, a, ir.Constant(_vec(_I32, 32), mask))
+    """Activation bytes for a run of the a.count / 32 sub-blocks in a: lane (p, m, k, i) =
+    a[32 p + ao[m] + i]."""
+    mask = [32 * p + ao[m] + i for p in range(a.type.count // 32) for m in range(2) for k in range(4)
+            for i in range(4)]
+    return b.shuffle_vector(a, a, ir.Constant(_vec(_I32, len(mask)), mask))
+
+
+def _join(b: ir.IRBuilder, vals: list):
+    """Equal lane vectors side by side (one: itself): the w sub-blocks of a vector (_width)."""
+    return vals[0] if len(vals) == 1 else b.shuffle_vector(vals[0], vals[1], _cv(range(2 * vals[0].type.count)))
 
 
 def _emit_group(b: ir.IRBuilder, fmt: R4Dot, grp, act, ntok, cols, vnni: bool):
@@ -310,7 +316,7 @@ def _emit_group(b: ir.IRBuilder, fmt: R4Dot, grp, act, ntok, cols, vnni: bool):
     nb = b.udiv(cols, _const_i64(256))
     v4f = _vec(_F32, 4)
     zero32 = ir.Constant(_I32, 0)
-    accs, maccs = token_accs(b, _vec(_F32, 16) if vnni else _V8F, _V8F)
+    accs, maccs = token_accs(b, _vec(_F32, 8 * _blk._width(vnni)), _V8F)
     res = b.alloca(ir.ArrayType(v4f, TMAX))
     with cgutils.for_range(b, nb) as loop:
         ib = loop.index
@@ -332,7 +338,7 @@ def _emit_group(b: ir.IRBuilder, fmt: R4Dot, grp, act, ntok, cols, vnni: bool):
                         b.gep(maccs, [zero32, tl.index]), vnni)
     with cgutils.for_range(b, ntok) as tl:
         acc = b.load(b.gep(accs, [zero32, tl.index]))
-        if vnni:            # the two sub-blocks' lanes of the 512-bit sums
+        if _blk._width(vnni) == 2:      # the two sub-blocks' lanes of the 512-bit sums
             acc = b.fadd(b.shuffle_vector(acc, acc, _cv(range(8))), b.shuffle_vector(acc, acc, _cv(range(8, 16))),
                          flags=["fast"])
         r8 = b.fadd(acc, b.load(b.gep(maccs, [zero32, tl.index])), flags=["fast"])
@@ -346,29 +352,33 @@ def _emit_group(b: ir.IRBuilder, fmt: R4Dot, grp, act, ntok, cols, vnni: bool):
 
 
 def _block_dot4(b: ir.IRBuilder, blk: R4Block, mins, ib, qp, sp, i16p, b16p, d8, accp, maccp, vnni: bool):
-    """acc (lanes (h, k)) += the unpacked block column ib times one activation row; macc += the
+    """acc (lanes (h, k); with VNNI (sub-block parity, h, k)) += the unpacked block column ib
+    times one activation row; macc += the
     min terms (mins: the min weights per sub-block pair, lanes (sub-block parity, k)).  The level
     offsets are taken off in the integer sums (i16p: the row's int per-16 sums; b16p: the same
     times their scales, f32)."""
     terms, oterms = [], []
     # the block's 16 activation sums in one load (per sub-block inserts measured slower)
     i16 = b.load(b.bitcast(b.gep(i16p, [b.mul(ib, _const_i64(16))]), _vec(_I32, 16).as_pointer()), align=4)
-    if vnni:
-        _pairs_dot4(b, blk, ib, qp, sp, i16, d8, accp)
-    for j, sub in enumerate(blk.subs if not vnni else ()):
+    w = _blk._width(vnni)
+    for j in range(0, len(blk.subs), w):
+        subs = blk.subs[j:j + w]
         k = b.add(b.mul(ib, _const_i64(8)), _const_i64(j))
-        a = b.load(b.bitcast(b.gep(qp, [b.mul(k, _const_i64(32))]), _V32.as_pointer()), align=1)
-        sa = _splat(b, b.load(b.gep(sp, [k])), _F32, 8)
-        if isinstance(sub.off, int) and sub.off == 0:
-            isum = _c(0, 8, _I32)
+        a = b.load(b.bitcast(b.gep(qp, [b.mul(k, _const_i64(32))]), _vec(_I8, 32 * w).as_pointer()), align=1)
+        sv = b.load(b.bitcast(b.gep(sp, [k]), _vec(_F32, w).as_pointer()), align=4)
+        sa = b.shuffle_vector(sv, sv, _cv([p for p in range(w) for _ in range(8)]))
+        if all(isinstance(sub.off, int) and sub.off == 0 for sub in subs):
+            isum = _c(0, 8 * w, _I32)
         else:
-            off = sub.off if not isinstance(sub.off, int) else _c(sub.off, 8, _I32)
-            isum = b.neg(b.mul(off, b.shuffle_vector(i16, i16, ir.Constant(_V8I, [2 * j] * 4 + [2 * j + 1] * 4))))
-        for u, ao in sub.runs:
-            isum = dpbusd(b, isum, u, _act_shuffle(b, a, ao), vnni)
-        terms.append(b.fmul(b.sitofp(b.mul(isum, sub.scale), _V8F), sa, flags=["fast"]))
-    if terms:
-        b.store(b.fadd(b.load(accp), b.fmul(tree_sum(b, terms), d8, flags=["fast"]), flags=["fast"]), accp)
+            off = _join(b, [sub.off if not isinstance(sub.off, int) else _c(sub.off, 8, _I32) for sub in subs])
+            isum = b.neg(b.mul(off, b.shuffle_vector(i16, i16, _cv([2 * j + q for q in range(2 * w) for _ in range(4)]))))
+        for r, (_, ao) in enumerate(subs[0].runs):
+            assert all(sub.runs[r][1] == ao for sub in subs), "a run's activation offsets differ between sub-blocks"
+            isum = dpbusd(b, isum, _join(b, [sub.runs[r][0] for sub in subs]), _act_shuffle(b, a, ao), vnni)
+        terms.append(b.fmul(b.sitofp(b.mul(isum, _join(b, [sub.scale for sub in subs])), _vec(_F32, 8 * w)), sa,
+                            flags=["fast"]))
+    d = _join(b, [d8] * w)
+    b.store(b.fadd(b.load(accp), b.fmul(tree_sum(b, terms), d, flags=["fast"]), flags=["fast"]), accp)
     if mins is not None:
         s16 = b.load(b.bitcast(b.gep(b16p, [b.mul(ib, _const_i64(16))]), _vec(_F32, 16).as_pointer()), align=4)
         a32 = b.fadd(b.shuffle_vector(s16, s16, _cv(range(0, 16, 2))), b.shuffle_vector(s16, s16, _cv(range(1, 16, 2))),
@@ -378,35 +388,6 @@ def _block_dot4(b: ir.IRBuilder, blk: R4Block, mins, ib, qp, sp, i16p, b16p, d8,
                                  flags=["fast"]))
     if oterms:
         b.store(b.fadd(b.load(maccp), tree_sum(b, oterms), flags=["fast"]), maccp)
-
-
-def _pairs_dot4(b: ir.IRBuilder, blk: R4Block, ib, qp, sp, i16, d8, accp) -> None:
-    """_block_dot4's sums with VNNI: sub-blocks two at a time in 512-bit vectors, lanes (sub-block
-    parity, h, k): one vpdpbusd, one scale multiply and one convert per run or pair instead of
-    per sub-block (the generic IR keeps 256-bit vectors)."""
-    v16i, v16f = _vec(_I32, 16), _vec(_F32, 16)
-    terms = []
-    for j in range(0, len(blk.subs), 2):
-        pair = blk.subs[j:j + 2]
-        k = b.add(b.mul(ib, _const_i64(8)), _const_i64(j))
-        a = b.load(b.bitcast(b.gep(qp, [b.mul(k, _const_i64(32))]), _vec(_I8, 64).as_pointer()), align=1)
-        s2 = b.load(b.bitcast(b.gep(sp, [k]), _vec(_F32, 2).as_pointer()), align=4)
-        sa = b.shuffle_vector(s2, s2, _cv([0] * 8 + [1] * 8))
-        offs = [sub.off if not isinstance(sub.off, int) else _c(sub.off, 8, _I32) for sub in pair]
-        if all(isinstance(sub.off, int) and sub.off == 0 for sub in pair):
-            isum = _c(0, 16, _I32)
-        else:
-            off = b.shuffle_vector(offs[0], offs[1], _cv(range(16)))
-            h = [2 * j + v for v in range(4)]
-            isum = b.neg(b.mul(off, b.shuffle_vector(i16, i16, _cv([h[q] for q in range(4) for _ in range(4)]))))
-        for r, (u0, ao) in enumerate(pair[0].runs):
-            u = b.shuffle_vector(u0, pair[1].runs[r][0], _cv(range(64)))
-            mask = [32 * p + ao[m] + i for p in range(2) for m in range(2) for _ in range(4) for i in range(4)]
-            isum = dpbusd(b, isum, u, b.shuffle_vector(a, a, _cv(mask)))
-        scale = b.shuffle_vector(pair[0].scale, pair[1].scale, _cv(range(16)))
-        terms.append(b.fmul(b.sitofp(b.mul(isum, scale), v16f), sa, flags=["fast"]))
-    d16 = b.shuffle_vector(d8, d8, _cv(range(16)))
-    b.store(b.fadd(b.load(accp), b.fmul(tree_sum(b, terms), d16, flags=["fast"]), flags=["fast"]), accp)
 
 
 def _group_dot_intrinsic(vnni: bool):
