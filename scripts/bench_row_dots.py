@@ -45,6 +45,10 @@ def main() -> None:
         for _ in range(reps):
             R.group_dot(qt, buf, 0, stride, out.shape[1] // 4, q, s, bs, b16, q.shape[1], 0, q.shape[0], out, 0)
 
+    if not 1 <= a.tokens <= B.TMAX:
+        sys.exit(f"bench_row_dots.py: --tokens must be 1..{B.TMAX} (the kernels' activation rows a call)")
+    if a.cols % 256 or a.rows % 4:
+        sys.exit("bench_row_dots.py: --cols must be a multiple of 256 and --rows of 4")
     rng = np.random.default_rng(0)
     x = rng.standard_normal((a.tokens, a.cols), dtype=np.float32)
     q, s, bs, b16, _ = _quantize_act(x)
