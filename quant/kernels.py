@@ -840,6 +840,27 @@ def matvec_int(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut,
         _silu_mul_run(c0, c1, gb[g], gb[g + 1], out, outb)
 
 
+@njit(**_iopts)
+def matvec_act(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut, x, sums16, rows, ge, gb,
+               out, outb):
+    """matvec_int for a few activation rows x (f32, x.size small): x quantized here (as
+    quantize_act_q8_serial; per-16 sums when sums16) and row rows[k] of it given to pair k (rows
+    empty: pair k = row k).  One compiled call for a generated token's product instead of
+    quant.matmul's activation arrays, quantizer call and matvec call: in generation the glue
+    runs with caches emptied by the weights streaming past (~30 us a product, measured)."""
+    n = x.shape[0]
+    q = np.empty((n, cols), np.int8)
+    s = np.empty((n, cols // QK), np.float32)
+    bs = np.empty((n, cols // 16 if sums16 else cols // QK), np.int32)
+    b16 = np.empty((n, cols // 16 if sums16 else 0), np.float32)
+    c16 = np.empty((n, 0), np.int32)
+    quantize_act_q8_serial(x, QK, q, s, bs, b16, c16)
+    if rows.shape[0]:
+        q, s, bs, b16 = q[rows], s[rows], bs[rows], b16[rows]
+    matvec_int(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut, q, s, bs, b16, c16, ge, gb,
+               out, outb)
+
+
 @njit(parallel=True, **_opts)
 def matvec_float(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut, x, ge, gb, out, outb):
     """Any type . f32 activations (one row per pair), rows decoded to f32 one at a time."""

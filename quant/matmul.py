@@ -257,6 +257,9 @@ def matmul(w: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarr
 
     if v.qtype == F32:
         G.gemm(x, _f32_matrix(v), target)
+    elif _fused_act(v.qtype, x, n):
+        K.matvec_act(v.tag, v.buf, v.estride, v.stride, v.buf, v.estride, v.stride, False, v.rows, v.cols, K.QK,
+                     K.F16_TO_F32, x, v.qtype not in _Q8_SIMD, _NO_ROWS, _ONE_GROUP, _GB[n], target, target)
     elif n < many_tokens(v.qtype):
         _few_pairs(v, None, _act(v.qtype, x), _ONE_GROUP, np.array([0, n], np.int64), target)
     else:
@@ -268,6 +271,15 @@ def matmul(w: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarr
 
 
 _ONE_GROUP = np.zeros(1, dtype=np.int64)   # ge of a plain matmul: every pair uses expert 0
+_GB = [np.array([0, n], np.int64) for n in range(64)]   # its gb for n tokens
+_NO_ROWS = np.zeros(0, dtype=np.int64)      # matvec_act: pair k takes activation row k
+_FUSED_ACT_MAX = 65536      # activation values quantized on the calling thread (as _quantize_act)
+
+
+def _fused_act(qt: int, x: np.ndarray, n_pairs: int) -> bool:
+    """Whether a product of these activations goes through K.matvec_act (quantization and row
+    dots in one compiled call): an integer type, few pairs (no expert reaches the GEMM), a small x."""
+    return qt in K.INT_DOT_TYPES and n_pairs < min(K.GEMM_MIN, len(_GB)) and x.size < _FUSED_ACT_MAX
 
 
 def _f32_matrix(v: _View) -> np.ndarray:
@@ -446,6 +458,18 @@ def _mul_id(va: _View, vb: _View | None, x: np.ndarray, ids: np.ndarray,
         raise IndexError(f"{e} 0..{lim - 1}") from None
     # every activation row quantized once; the per-16 sums of Q8_0 / Q4_0 only when one expert
     # gets enough pairs for the GEMM
+    if few == P and _fused_act(va.qtype, x, int(counts.max())):   # a generated token's experts, per-head products
+        po = order[:few]
+        rows = _NO_ROWS if rows_identity and few == x.shape[0] else x_rows[po]
+        identity = order_identity
+        res = out if identity else np.empty((few, va.rows), dtype=np.float32)
+        vb_ = va if vb is None else vb
+        K.matvec_act(va.tag, va.buf, va.estride, va.stride, vb_.buf, vb_.estride, vb_.stride, vb is not None,
+                     va.rows, va.cols, K.QK, K.F16_TO_F32, x, va.qtype not in _Q8_SIMD, rows, ge, gb, res,
+                     np.empty_like(res) if vb is not None else res)
+        if not identity:
+            out[po] = res
+        return out
     act_x = () if va.qtype == F32 else _act(va.qtype, x, int(counts.max()))
     if few:
         po = order[:few]                            # the few-pair pairs, grouped by expert

@@ -217,6 +217,37 @@ def test_matmul_paths(qt, n, monkeypatch):
     assert np.array_equal(out, y)
 
 
+@pytest.mark.parametrize("tname", ["Q8_0", "Q4_0", "Q4_K", "Q6_K", "IQ4_XS", "IQ2_K", "Q4_K_R4", "Q8_0_R8"])
+def test_matvec_act_equals_separate_calls(tname):
+    """The one-call path of a few activation rows (K.matvec_act: quantize, gather the pairs' rows,
+    row dots) gives the same bits as quantizing with quant.matmul._act and calling matvec_int:
+    plain, fused up/gate, and pairs whose rows are gathered (a token's experts)."""
+    qt = type_info(tname).id
+    rng = np.random.default_rng(3)
+    n_exp, rows, cols = 3, 48, 512
+    w = M.quantize_tensor(_weights(rng, n_exp * rows, cols), qt).data.reshape(n_exp, rows, -1)
+    gate, up = QTensor(w, qt, (n_exp, rows, cols)), QTensor(w[::-1].copy(), qt, (n_exp, rows, cols))
+    x = rng.standard_normal((2, cols)).astype(np.float32)
+    ids, x_rows = np.array([2, 0, 2, 1, 0], np.int64), np.array([0, 0, 1, 1, 1], np.int64)
+    order, counts, few, ge, gb, _, _ = K.group_pairs(ids, x_rows, n_exp, 2, 1 << 62)
+    assert few == 5 and counts.max() < K.GEMM_MIN
+    act = tuple(a[x_rows[order]] for a in M._act(qt, x, 5))
+    for vb in (None, M._view(up)):
+        va = M._view(gate)
+        b = va if vb is None else vb
+        ref = np.empty((5, rows), np.float32)
+        K.matvec_int(va.tag, va.buf, va.estride, va.stride, b.buf, b.estride, b.stride, vb is not None, rows, cols,
+                     K.QK, K.F16_TO_F32, *act, ge, gb, ref, np.empty_like(ref))
+        got = np.empty((5, rows), np.float32)
+        K.matvec_act(va.tag, va.buf, va.estride, va.stride, b.buf, b.estride, b.stride, vb is not None, rows, cols,
+                     K.QK, K.F16_TO_F32, x, qt not in M._Q8_SIMD, x_rows[order], ge, gb, got, np.empty_like(got))
+        assert np.array_equal(got, ref)
+        if vb is None:
+            ref_gate = ref
+    # and through the public entry point, which now takes that path (results back in pair order)
+    assert np.array_equal(M.matmul_id(gate, x, ids, x_rows)[order], ref_gate)
+
+
 def test_tile_rows_remainder_is_used():
     assert M.tile_rows(256, 77) <= 77
     assert M.tile_rows(4096, 10_000) % 16 == 0
