@@ -93,6 +93,7 @@ _GEMM_WEAVE = _reg.id_table(lambda r: r.gemm, np.int64, -1)      # type id -> si
 _GEMM_SCALE32 = _reg.id_table(lambda r: r.id in _gemm.SCALE32, np.bool_, False)   # tile_gemm's per32 form
 # tile_gemm's act256 form: the type's GEMM activations have one scale per 256 (quant.matmul._act)
 _GEMM_ACT256 = _reg.id_table(lambda r: r.act == _reg.ACT_Q8_256, np.bool_, False)
+_GEMM_MINS32 = _reg.id_table(lambda r: r.id in _gemm.MINS32, np.bool_, False)   # tile_gemm takes per-32 sums
 # type id -> the family decoder _decode_plain_rows calls for it (after the types it decodes inline)
 _DEC_LEGACY, _DEC_KQUANTS, _DEC_IQK, _DEC_IQUANTS, _DEC_KT = 1, 2, 3, 4, 5
 _DECODER = _reg.id_table(lambda r: {"legacy": _DEC_LEGACY, "kquants": _DEC_KQUANTS, "iqk": _DEC_IQK,
@@ -747,7 +748,17 @@ def _gemm_rows(qtype, weave, buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16
 
 
 @njit(**_iopts)
-def _int_run(qtype, buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, bs, b16, c16, out):
+def _sums32(b16):
+    """Per-32 activation sums from per-16 ones (the f32 add the GEMM made per tile before)."""
+    b32 = np.empty((b16.shape[0], b16.shape[1] // 2), np.float32)
+    for t in range(b16.shape[0]):
+        for i in range(b32.shape[1]):
+            b32[t, i] = b16[t, 2 * i] + b16[t, 2 * i + 1]
+    return b32
+
+
+@njit(**_iopts)
+def _int_run(qtype, buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, bs, b16, c16, b32, out):
     """out[k, r] = row r . activation k for rows r0:r1 (from byte ebase on), pairs k0:k1.
     Interleaved types go 4 or 8 rows at a time (r0, r1 are multiples of that for them).
     From GEMM_MIN pairs every type quant.simd_gemm packs (WEAVE) goes through its GEMM; below,
@@ -758,7 +769,8 @@ def _int_run(qtype, buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, bs, b
     # b16 is empty for Q8_0 / Q4_0 activations made for the row dots only (quant.matmul._act)
     if k1 - k0 >= GEMM_MIN and qt < 400 and _GEMM_WEAVE[qt] >= 0 and b16.shape[1] * 16 == cols and \
             c16.shape[1] * 16 == cols and \
-            _gemm_rows(qtype, _GEMM_WEAVE[qt], buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16, c16, out):
+            _gemm_rows(qtype, _GEMM_WEAVE[qt], buf, ebase, stride, r0, r1, k0, k1, cols, q, s,
+                       b32 if _GEMM_MINS32[qt] else b16, c16, out):
         return
     if qt < 400 and _R4_KERNEL[qt]:
         for kt in range(k0, k1, _blocks.TMAX):
@@ -821,23 +833,29 @@ def matvec_int(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut,
     nb = cols // qk
     nrun = (nrows + ROW_RUN - 1) // ROW_RUN
     nch = (nrun + FUSED_RUNS - 1) // FUSED_RUNS if fused else nrun
+    qt = qid(qtype)
+    b32 = _sums32(b16) if qt < 400 and _GEMM_MINS32[qt] and c16.shape[1] else b16    # c16: some expert tiles
     for i in prange(ge.shape[0] * nch):
         g = i // nch
         c = i - g * nch
         if not fused:
             r0 = c * ROW_RUN
             r1 = min(nrows, r0 + ROW_RUN)
-            _int_run(qtype, bufa, ge[g] * esa, sa, r0, r1, gb[g], gb[g + 1], nb, qk, lut, q, s, bs, b16, c16, out)
+            _int_run(qtype, bufa, ge[g] * esa, sa, r0, r1, gb[g], gb[g + 1], nb, qk, lut, q, s, bs, b16, c16, b32,
+                     out)
             continue
         c0 = c * FUSED_RUNS * ROW_RUN
         c1 = min(nrows, c0 + FUSED_RUNS * ROW_RUN)
         for r0 in range(c0, c1, ROW_RUN):
             _int_run(qtype, bufa, ge[g] * esa, sa, r0, min(c1, r0 + ROW_RUN), gb[g], gb[g + 1], nb, qk, lut,
-                     q, s, bs, b16, c16, out)
+                     q, s, bs, b16, c16, b32, out)
         for r0 in range(c0, c1, ROW_RUN):
             _int_run(qtype, bufb, ge[g] * esb, sb, r0, min(c1, r0 + ROW_RUN), gb[g], gb[g + 1], nb, qk, lut,
-                     q, s, bs, b16, c16, outb)
+                     q, s, bs, b16, c16, b32, outb)
         _silu_mul_run(c0, c1, gb[g], gb[g + 1], out, outb)
+
+
+_matvec_int = matvec_int      # matvec_act's own reference: scripts that wrap K.matvec_int do not change it
 
 
 @njit(**_iopts)
@@ -857,7 +875,7 @@ def matvec_act(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut,
     quantize_act_q8_serial(x, QK, q, s, bs, b16, c16)
     if rows.shape[0]:
         q, s, bs, b16 = q[rows], s[rows], bs[rows], b16[rows]
-    matvec_int(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut, q, s, bs, b16, c16, ge, gb,
+    _matvec_int(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut, q, s, bs, b16, c16, ge, gb,
                out, outb)
 
 

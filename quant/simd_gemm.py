@@ -324,6 +324,11 @@ WEAVE: dict[int, int] = {**{t: 0 for t in PLAIN_PACKS}, **{t: 4 for t in R4_DOTS
 # the types whose tiles hold one d * scale and activation-sum weight per 32 values (both halves
 # alike: BlockDot.scale32; the _R8 packs write one per block of 32): tile_gemm's per32 form multiplies them
 SCALE32: frozenset[int] = frozenset([t for t, r in PLAIN_PACKS.items() if r.scale32] + list(R8_PACKS))
+# the SCALE32 types packed PACKED_MINS (levels as stored, offset 0, a min per sub-block: Q4_1, Q5_1,
+# Q4_K, Q5_K; a test checks this against the packing): tile_gemm takes their activation sums per 32
+# values (b16's pairs added once a call, quant.kernels) instead of adding the pair per tile and
+# token: Q4_K / Q5_K 1536 x 2048, n = 48, pack + GEMM, one thread: +4-7 %
+MINS32: frozenset[int] = frozenset(t for t, r in PLAIN_PACKS.items() if r.scale32 and r.off == 0)
 
 
 # ----------------------------------------------------------------------------------------
@@ -411,13 +416,12 @@ def _gemm_body(context, b: ir.IRBuilder, sig, args, vnni: bool, per32: bool, min
                     b.store(b.fadd(b.load(accs[t]), b.fmul(part, sv, flags=["fast"]), flags=["fast"]), accs[t])
                 if mins:
                     acc2 = b.load(macs[t])
-                    fs = [b.load(b.gep(fp[t], [h])) for h in hs]
-                    if per32:       # the 32 values' activation sum, one weight
-                        fv = _splat(b, b.fadd(fs[0], fs[1], flags=["fast"]), _F32, ROWS)
+                    if per32:       # the 32 values' activation sum (b16 holds per-32 sums: MINS32), one weight
+                        fv = _splat(b, b.load(b.gep(fp[t], [si])), _F32, ROWS)
                         acc2 = b.fadd(acc2, b.fmul(wsum[0], fv, flags=["fast"]), flags=["fast"])
                     else:
-                        for k, f in enumerate(fs):
-                            fv = _splat(b, f, _F32, ROWS)
+                        for k, h in enumerate(hs):
+                            fv = _splat(b, b.load(b.gep(fp[t], [h])), _F32, ROWS)
                             acc2 = b.fadd(acc2, b.fmul(wsum[k], fv, flags=["fast"]), flags=["fast"])
                     b.store(acc2, macs[t])
 
@@ -464,7 +468,8 @@ def _gemm_body(context, b: ir.IRBuilder, sig, args, vnni: bool, per32: bool, min
 def _gemm_intrinsic(vnni: bool):
     """tile_gemm(tu, tdsc, tws, nh, q, s, b16, c16, k0, ntok, out, r0, nrows, per32, mins, act256):
     out[k0 + t, r0 + i] = tile row i dotted with activation row k0 + t (q int8, s f32 per 32, b16
-    f32 per 16 sums, c16 int32 -LEVEL_OFF * the per-16 sums of q), t < ntok, i < nrows; nh = cols /
+    f32 per 16 sums, per 32 for per32 mins tiles (MINS32), c16 int32 -LEVEL_OFF * the per-16 sums of
+    q), t < ntok, i < nrows; nh = cols /
     16.  per32: for tiles of SCALE32 types; mins: for tiles packed PACKED_MINS; act256: s has one
     value per 256 (the eight forms are branches of one kernel: constant flags leave LLVM one)."""
     @intrinsic

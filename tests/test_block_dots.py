@@ -220,6 +220,10 @@ def _gemm(generic, qtype, buf, stride, rows, cols, q, s, b16, out, r4, r8, per32
     for t in range(q.shape[0]):
         for i in range(cols // 16):
             c16[t, i] = -128 * np.sum(q[t, 16 * i:16 * i + 16].astype(np.int32))
+    b32 = np.empty((q.shape[0], cols // 32), np.float32)    # per32 mins tiles take per-32 sums
+    for t in range(q.shape[0]):
+        for i in range(cols // 32):
+            b32[t, i] = b16[t, 2 * i] + b16[t, 2 * i + 1]
     for r0 in range(0, rows, 16):
         n = min(16, rows - r0)
         if r8:
@@ -231,14 +235,34 @@ def _gemm(generic, qtype, buf, stride, rows, cols, q, s, b16, out, r4, r8, per32
         if code == SG.NOT_PACKED:
             return False
         m = code == SG.PACKED_MINS
+        bsums = b32 if per32 and m else b16
         if generic:
-            SG.tile_gemm_generic(tu, td, tw, cols // 16, q, s, b16, c16, 0, q.shape[0], out, r0, n, per32, m, act256)
+            SG.tile_gemm_generic(tu, td, tw, cols // 16, q, s, bsums, c16, 0, q.shape[0], out, r0, n, per32, m, act256)
         else:
-            SG.tile_gemm(tu, td, tw, cols // 16, q, s, b16, c16, 0, q.shape[0], out, r0, n, per32, m, act256)
+            SG.tile_gemm(tu, td, tw, cols // 16, q, s, bsums, c16, 0, q.shape[0], out, r0, n, per32, m, act256)
     return True
 
 
 GEMM_TYPES = TYPES + sorted(SB.GEMM_ONLY)
+
+
+@njit(cache=True)
+def _pack_code(qtype, buf, stride, cols):
+    tu = np.empty(16 * cols, np.uint8)
+    td = np.empty(cols, np.float32)
+    tw = np.empty(cols, np.float32)
+    return SG.tile_pack(qtype, buf, 0, stride, 1, cols, tu, td, tw)
+
+
+@pytest.mark.parametrize("qtype", sorted(t for t in SG.SCALE32 if t in SG.PLAIN_PACKS))
+def test_mins32_is_what_the_packing_says(qtype):
+    """quant.kernels hands tile_gemm per-32 activation sums for the types in MINS32: exactly the
+    SCALE32 types whose packing reports mins (PACKED_MINS)."""
+    fmt = SG.PLAIN_PACKS[qtype]
+    raw = _random_row(np.random.default_rng(qtype), qtype, type_info(qtype).row_bytes(fmt.values))
+    code = _pack_code(qtype, raw, raw.size, fmt.values)
+    assert code != SG.NOT_PACKED
+    assert (code == SG.PACKED_MINS) == (qtype in SG.MINS32)
 
 
 @pytest.mark.parametrize("form", ["generic", "vnni"])
