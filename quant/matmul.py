@@ -257,7 +257,7 @@ def matmul(w: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarr
 
     if v.qtype == F32:
         G.gemm(x, _f32_matrix(v), target)
-    elif _fused_act(v.qtype, x, n):
+    elif n < many_tokens(v.qtype) and _fused_act(v.qtype, x, n):
         K.matvec_act(v.tag, v.buf, v.estride, v.stride, v.buf, v.estride, v.stride, False, v.rows, v.cols, K.QK,
                      K.F16_TO_F32, x, v.qtype not in _Q8_SIMD, _NO_ROWS, _ONE_GROUP, _GB[n], target, target)
     elif n < many_tokens(v.qtype):
@@ -278,7 +278,11 @@ _FUSED_ACT_MAX = 65536      # activation values quantized on the calling thread 
 
 def _fused_act(qt: int, x: np.ndarray, n_pairs: int) -> bool:
     """Whether a product of these activations goes through K.matvec_act (quantization and row
-    dots in one compiled call): an integer type, few pairs (no expert reaches the GEMM), a small x."""
+    dots in one compiled call): an integer type, few pairs (no expert reaches the GEMM), a small x.
+    The caller has checked that the row dots are the path for that many pairs (many_tokens: a
+    CPU without VNNI hands Q8_0 from 8 rows, the block types from 96, to the tiles).  The
+    activation arrays matvec_act makes are _act's for these types (no GEMM: per-16 sums except
+    for the Q8_0 / Q4_0 family, no c16)."""
     return qt in K.INT_DOT_TYPES and n_pairs < min(K.GEMM_MIN, len(_GB)) and x.size < _FUSED_ACT_MAX
 
 
@@ -456,8 +460,6 @@ def _mul_id(va: _View, vb: _View | None, x: np.ndarray, ids: np.ndarray,
     except IndexError as e:
         lim = va.n_expert if "expert" in str(e) else x.shape[0]
         raise IndexError(f"{e} 0..{lim - 1}") from None
-    # every activation row quantized once; the per-16 sums of Q8_0 / Q4_0 only when one expert
-    # gets enough pairs for the GEMM
     if few == P and _fused_act(va.qtype, x, int(counts.max())):   # a generated token's experts, per-head products
         po = order[:few]
         rows = _NO_ROWS if rows_identity and few == x.shape[0] else x_rows[po]
@@ -470,6 +472,8 @@ def _mul_id(va: _View, vb: _View | None, x: np.ndarray, ids: np.ndarray,
         if not identity:
             out[po] = res
         return out
+    # every activation row quantized once; the per-16 sums of Q8_0 / Q4_0 only when one expert
+    # gets enough pairs for the GEMM
     act_x = () if va.qtype == F32 else _act(va.qtype, x, int(counts.max()))
     if few:
         po = order[:few]                            # the few-pair pairs, grouped by expert

@@ -248,6 +248,24 @@ def test_matvec_act_equals_separate_calls(tname):
     assert np.array_equal(M.matmul_id(gate, x, ids, x_rows)[order], ref_gate)
 
 
+def test_matmul_path_choice_without_gemm(monkeypatch):
+    """On a CPU without VNNI (no tile GEMM) quant.matmul's choice by row count stands: Q8_0 from
+    8 rows goes to the dequantized tiles, not to the one-call row dots (K.matvec_act)."""
+    monkeypatch.setattr(K, "HAS_GEMM", False)
+    monkeypatch.setattr(K, "GEMM_MIN", 1 << 62)
+    calls = []
+    real_act, real_tiles = K.matvec_act, M._tiles
+    monkeypatch.setattr(K, "matvec_act", lambda *a: (calls.append("act"), real_act(*a))[1])
+    monkeypatch.setattr(M, "_tiles", lambda *a: (calls.append("tiles"), real_tiles(*a))[1])
+    rng = np.random.default_rng(5)
+    w = M.quantize_tensor(_weights(rng, 32, 256), Q8_0)
+    for n, path in ((3, "act"), (M.many_tokens(Q8_0), "tiles"), (10, "tiles")):
+        calls.clear()
+        x = rng.standard_normal((n, 256)).astype(np.float32)
+        _check_matmul(w, x, M.matmul(w, x))
+        assert calls == [path], (n, calls)
+
+
 def test_tile_rows_remainder_is_used():
     assert M.tile_rows(256, 77) <= 77
     assert M.tile_rows(4096, 10_000) % 16 == 0
