@@ -89,9 +89,9 @@ def main() -> None:
         n = len(v) / a.tokens
         print(f"{str(key):32s} calls/decode {n:3.0f}  {t * 1e3:6.3f} ms  {b / 1e6:6.2f} MB  "
               f"{b / t / 1e9:5.1f} GB/s  {t / n * 1e6:6.1f} us/call")
-    print(f"decode of {a.batch} {per_tok * 1e3:.2f} ms (timing wrappers included), matvec_int {total * 1e3:.2f} ms")
+    print(f"decode of {a.batch} {per_tok * 1e3:.2f} ms (timing wrappers included), products {total * 1e3:.2f} ms")
 
-    # everything but the weight products: the same tokens with matvec_int writing constants
+    # everything but the weight products: the same tokens with matvec_int / matvec_act writing constants
     # (no wrappers); the rest of the forward pass (attention, norms, routing, Python) still runs
     def null(*args):
         args[-2][:] = 0.01       # out
@@ -106,7 +106,7 @@ def main() -> None:
     patch({n: null for n in orig})
     rest = timed_tokens()
     patch(orig)
-    print(f"token {plain * 1e3:.2f} ms without wrappers; outside matvec_int {rest * 1e3:.2f} ms "
+    print(f"token {plain * 1e3:.2f} ms without wrappers; outside the products {rest * 1e3:.2f} ms "
           f"({rest / plain:.0%})")
 
 
