@@ -19,6 +19,7 @@ from quant.types import type_info
 from . import gguf_scan
 from .gguf_scan import printable
 
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)      # Linux's value
 _MADV_POPULATE_READ = 22        # Linux >= 5.14; Python's mmap module has no name for it before 3.12
 _MAP_HUGETLB = getattr(mmap, "MAP_HUGETLB", 0x40000)    # Linux's value; older Pythons lack the name
 
@@ -187,11 +188,21 @@ class ModelFile:
         the first tokens fault in the experts they touch one page at a time (the first 128
         generated tokens of the 1B Q8_0 test model ran at 66 t/s, the next 128 at 89-92; with
         the pages mapped at load the first 128 ran at 90.6 and 93.4 t/s in two runs).  MADV_POPULATE_READ where the kernel has it (Linux >= 5.14),
-        else read-ahead (MADV_WILLNEED); silently nothing where neither exists."""
+        else read-ahead (MADV_WILLNEED); silently nothing where neither exists.
+
+        MADV_HUGEPAGE first: pages not yet in the page cache are then read in 2 MiB folios, which
+        the kernel maps with one PMD each (it aligns file mappings to 2 MiB).  One TLB entry per
+        2 MiB instead of 512 let the products stream faster: ds2b-iq4_xs at -t 2, a copy of the
+        file read in 4 KiB pages against one read in 2 MiB folios, three runs each in turns:
+        8.3-10.4 against 7.7-9.0 ms per token.  Pages already cached keep their size."""
         for m in self.maps:
             mm = getattr(m, "_mmap", None)
             if mm is None or not hasattr(mm, "madvise"):
                 continue
+            try:
+                mm.madvise(_MADV_HUGEPAGE)
+            except (OSError, ValueError, OverflowError):
+                pass
             for advice in (_MADV_POPULATE_READ, getattr(mmap, "MADV_WILLNEED", None)):
                 if advice is None:
                     continue

@@ -94,6 +94,10 @@ _GEMM_SCALE32 = _reg.id_table(lambda r: r.id in _gemm.SCALE32, np.bool_, False) 
 # tile_gemm's act256 form: the type's GEMM activations have one scale per 256 (quant.matmul._act)
 _GEMM_ACT256 = _reg.id_table(lambda r: r.act == _reg.ACT_Q8_256, np.bool_, False)
 _GEMM_MINS32 = _reg.id_table(lambda r: r.id in _gemm.MINS32, np.bool_, False)   # tile_gemm takes per-32 sums
+# type id -> its row dot (simd_blocks, VNNI) reads the activations in PLANES_ORDER (row_dot_act)
+_ROW_PLANES = _reg.id_table(lambda r: _simd.HAS_VNNI and r.id in _blocks.BLOCK_DOTS and _blocks.BLOCK_DOTS[r.id].planes,
+                            np.bool_, False)
+_PLANES_ORDER = np.array(_blocks.PLANES_ORDER, np.int64)
 # type id -> the family decoder _decode_plain_rows calls for it (after the types it decodes inline)
 _DEC_LEGACY, _DEC_KQUANTS, _DEC_IQK, _DEC_IQUANTS, _DEC_KT = 1, 2, 3, 4, 5
 _DECODER = _reg.id_table(lambda r: {"legacy": _DEC_LEGACY, "kquants": _DEC_KQUANTS, "iqk": _DEC_IQK,
@@ -758,17 +762,61 @@ def _sums32(b16):
 
 
 @njit(**_iopts)
-def _int_run(qtype, buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, bs, b16, c16, b32, out):
+def _takes_gemm(qt, n, cols, b16, c16):
+    """True when _int_run gives n pairs of type id qt to quant.simd_gemm."""
+    return n >= GEMM_MIN and qt < 400 and _GEMM_WEAVE[qt] >= 0 and b16.shape[1] * 16 == cols and \
+        c16.shape[1] * 16 == cols
+
+
+@njit(**_iopts)
+def _planes_row(src, dst):
+    """One activation row in PLANES_ORDER: each 128 values' 16-value halves reordered."""
+    for c in range(0, src.shape[0], 128):
+        for p in range(8):
+            h = c + 16 * _PLANES_ORDER[p]
+            dst[c + 16 * p:c + 16 * p + 16] = src[h:h + 16]
+
+
+@njit(**_iopts)
+def row_dot_act(qtype, q):
+    """The int8 activations q (rows) as quant.simd_blocks.row_dot reads them for this type: q
+    itself, or for a planes record with VNNI a copy in PLANES_ORDER."""
+    qt = qid(qtype)
+    if not (qt < 400 and _ROW_PLANES[qt]):
+        return q
+    qr = np.empty_like(q)
+    for k in range(q.shape[0]):
+        _planes_row(q[k], qr[k])
+    return qr
+
+
+@njit(**_iopts)
+def _row_dot_act_pairs(qtype, q, gb, cols, b16, c16):
+    """row_dot_act for the pair groups gb that go to the row dots (those that take the GEMM keep q's
+    order and leave their rows of the copy unwritten)."""
+    qt = qid(qtype)
+    if not (qt < 400 and _ROW_PLANES[qt]):
+        return q
+    qr = np.empty_like(q)
+    for g in range(gb.shape[0] - 1):
+        if not _takes_gemm(qt, gb[g + 1] - gb[g], cols, b16, c16):
+            for k in range(gb[g], gb[g + 1]):
+                _planes_row(q[k], qr[k])
+    return qr
+
+
+@njit(**_iopts)
+def _int_run(qtype, buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, bs, b16, c16, b32, out, qr):
     """out[k, r] = row r . activation k for rows r0:r1 (from byte ebase on), pairs k0:k1.
     Interleaved types go 4 or 8 rows at a time (r0, r1 are multiples of that for them).
     From GEMM_MIN pairs every type quant.simd_gemm packs (WEAVE) goes through its GEMM; below,
     quant.simd_blocks / simd_r4 take TMAX activation rows a call (a weight block unpacked once
-    for all of them; the tile of TMAX rows stays in L1 while the run's weight rows pass)."""
+    for all of them; the tile of TMAX rows stays in L1 while the run's weight rows pass).
+    qr: q as simd_blocks' row dots read it (_row_dot_act_pairs)."""
     cols = nb * qk
     qt = qid(qtype)      # a constant when qtype is a tag: LLVM drops the other types' branches
     # b16 is empty for Q8_0 / Q4_0 activations made for the row dots only (quant.matmul._act)
-    if k1 - k0 >= GEMM_MIN and qt < 400 and _GEMM_WEAVE[qt] >= 0 and b16.shape[1] * 16 == cols and \
-            c16.shape[1] * 16 == cols and \
+    if _takes_gemm(qt, k1 - k0, cols, b16, c16) and \
             _gemm_rows(qtype, _GEMM_WEAVE[qt], buf, ebase, stride, r0, r1, k0, k1, cols, q, s,
                        b32 if _GEMM_MINS32[qt] else b16, c16, out):
         return
@@ -798,7 +846,7 @@ def _int_run(qtype, buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, bs, b
         return
     for kt in range(k0, k1, _blocks.TMAX):
         nt = min(_blocks.TMAX, k1 - kt)
-        _blocks.row_dot(qtype, buf, ebase + r0 * stride, stride, r1 - r0, q, s, bs, b16, cols, kt, nt, out, r0)
+        _blocks.row_dot(qtype, buf, ebase + r0 * stride, stride, r1 - r0, qr, s, bs, b16, cols, kt, nt, out, r0)
 
 
 @njit(**_opts)
@@ -835,6 +883,7 @@ def matvec_int(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut,
     nch = (nrun + FUSED_RUNS - 1) // FUSED_RUNS if fused else nrun
     qt = qid(qtype)
     b32 = _sums32(b16) if qt < 400 and _GEMM_MINS32[qt] and c16.shape[1] else b16    # c16: some expert tiles
+    qr = _row_dot_act_pairs(qtype, q, gb, cols, b16, c16)
     for i in prange(ge.shape[0] * nch):
         g = i // nch
         c = i - g * nch
@@ -842,16 +891,16 @@ def matvec_int(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut,
             r0 = c * ROW_RUN
             r1 = min(nrows, r0 + ROW_RUN)
             _int_run(qtype, bufa, ge[g] * esa, sa, r0, r1, gb[g], gb[g + 1], nb, qk, lut, q, s, bs, b16, c16, b32,
-                     out)
+                     out, qr)
             continue
         c0 = c * FUSED_RUNS * ROW_RUN
         c1 = min(nrows, c0 + FUSED_RUNS * ROW_RUN)
         for r0 in range(c0, c1, ROW_RUN):
             _int_run(qtype, bufa, ge[g] * esa, sa, r0, min(c1, r0 + ROW_RUN), gb[g], gb[g + 1], nb, qk, lut,
-                     q, s, bs, b16, c16, b32, out)
+                     q, s, bs, b16, c16, b32, out, qr)
         for r0 in range(c0, c1, ROW_RUN):
             _int_run(qtype, bufb, ge[g] * esb, sb, r0, min(c1, r0 + ROW_RUN), gb[g], gb[g + 1], nb, qk, lut,
-                     q, s, bs, b16, c16, b32, outb)
+                     q, s, bs, b16, c16, b32, outb, qr)
         _silu_mul_run(c0, c1, gb[g], gb[g + 1], out, outb)
 
 

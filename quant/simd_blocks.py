@@ -154,8 +154,15 @@ def _nib64(b: ir.IRBuilder, p, off, group: int) -> list:
 
 def _nibbles16(b: ir.IRBuilder, p, off: int, wide: bool) -> list:
     """The 128 bytes at p + off as 8 sub-blocks' levels (16 bytes each, low nibbles values 0..15):
-    eight vectors of 32, or with `wide` four of 64."""
-    return _nib64(b, p, off, 16) + _nib64(b, p, off + 64, 16) if wide else _nib32_pairs(b, p, off, 8)
+    eight vectors of 32, or with `wide` the four nibble planes of 64 as they lie (BlockDot.planes:
+    the first halves of sub-blocks 0..3, their second halves, the same of 4..7)."""
+    if not wide:
+        return _nib32_pairs(b, p, off, 8)
+    out = []
+    for o in (off, off + 64):
+        v = _ld(b, p, o, 64)
+        out += [_vshr(b, v, 0, 15, 64), _vshr(b, v, 4, 15, 64)]
+    return out
 
 
 def _halves_shr(b: ir.IRBuilder, v, k0: int, k1: int, mask: int):
@@ -214,6 +221,7 @@ class Block:
     off: object = 0
     dm: object = None
     mins: object = None
+    planes: bool = False     # us in BlockDot.planes order (the wide unpack of a planes record)
 
 
 @dataclass(frozen=True)
@@ -240,6 +248,12 @@ class BlockDot:
     # unpack(b, p, wide=True) gives the levels two sub-blocks to a vector (64 bytes: AVX-512),
     # which the VNNI row dots take as they are (else they join the 32-byte ones in pairs)
     wide: bool = False
+    # with wide, unpack gives each 64 bytes' two nibble planes as they lie: one vector the first
+    # 16-value halves of four sub-blocks, the next their second halves, and the VNNI row dot
+    # reads activations stored in that order (PLANES_ORDER; quant.kernels.row_dot_act), instead
+    # of a two-source permute per vector putting the levels in value order: IQ4_XS 2048 x 4096,
+    # one token, one thread, 129 -> 109 us (IQ4_K 135 -> 116); Q4_K's 32-byte groups gained 3 %
+    planes: bool = False
 
     @property
     def meta(self) -> int:
@@ -373,7 +387,7 @@ def _unpack_iq4_xs(b: ir.IRBuilder, p, wide: bool = False) -> Block:
     lo = _field(b, _bytes32(b, p, 4, 4), [ib >> 1 for ib in range(8)], [4 * (ib & 1) for ib in range(8)], 15)
     hi = b.and_(b.lshr(_splat32(b, _u16(b, p, 2), 8), _cv([2 * ib for ib in range(8)])), _cv([3] * 8))
     sc = b.sub(b.or_(lo, b.shl(hi, _cv([4] * 8))), _cv([32] * 8))
-    return Block(_f16(b, p, 0), us, _pairs(b, sc), 128)
+    return Block(_f16(b, p, 0), us, _pairs(b, sc), 128, planes=wide)
 
 
 # ----------------------------------------------------------------------------------------
@@ -448,7 +462,7 @@ def _ls6_16(b: ir.IRBuilder, p):
 
 def _unpack_iq4_k(b: ir.IRBuilder, p, wide: bool = False) -> Block:
     us = [_lookup_pieces(b, _T_IQ4K, nib) for nib in _nibbles16(b, p, 16, wide)]
-    return Block(_f16(b, p, 0), us, _ls6_16(b, p), _extra_offs(b, _T_IQ4K, _bits16(b, _u16(b, p, 2))))
+    return Block(_f16(b, p, 0), us, _ls6_16(b, p), _extra_offs(b, _T_IQ4K, _bits16(b, _u16(b, p, 2))), planes=wide)
 
 
 def _unpack_iq5_k(b: ir.IRBuilder, p) -> Block:
@@ -472,7 +486,8 @@ def _unpack_iq4_ks(b: ir.IRBuilder, p, wide: bool = False) -> Block:
     us = [_lookup_pieces(b, _T_IQ4K, nib) for nib in _nibbles16(b, p, 8, wide)]
     B = _bytes32(b, p, 0, 8)
     sc = b.sub(b.and_(B, _cv([254] * 8)), _cv([127] * 8))
-    return Block(ir.Constant(_F32, 1.0), us, _pairs(b, sc), _pairs(b, _extra_offs(b, _T_IQ4K, b.and_(B, _cv([1] * 8)))))
+    return Block(ir.Constant(_F32, 1.0), us, _pairs(b, sc), _pairs(b, _extra_offs(b, _T_IQ4K, b.and_(B, _cv([1] * 8)))),
+                 planes=wide)
 
 
 def _unpack_iq2_ks(b: ir.IRBuilder, p) -> Block:
@@ -918,15 +933,16 @@ BLOCK_DOTS: dict[int, BlockDot] = {
     12: BlockDot("Q4_K", 256, 144, 0, _unpack_q4_k, scale32=True, wide=True),
     # Q5_K / Q6_K read faster with the hardware prefetcher alone (102400 x 2048, one token, one
     # thread: 7.79 -> 7.51 and 7.40 -> 6.94 ms; Q4_K and IQ4_XS lose 1-4 % without it)
-    13: BlockDot("Q5_K", 256, 176, 0, _unpack_q5_k, prefetch=False, scale32=True, wide=True),
-    14: BlockDot("Q6_K", 256, 210, 32, _unpack_q6_k, prefetch=False, wide=True),
-    23: BlockDot("IQ4_XS", 256, 136, 128, _unpack_iq4_xs, scale32=True, act256=True, wide=True),
+    13: BlockDot("Q5_K", 256, 176, 0, _unpack_q5_k, scale32=True, wide=True),
+    14: BlockDot("Q6_K", 256, 210, 32, _unpack_q6_k, wide=True),
+    23: BlockDot("IQ4_XS", 256, 136, 128, _unpack_iq4_xs, scale32=True, act256=True, wide=True, planes=True),
     137: BlockDot("IQ2_K", 256, 76, 128, _unpack_iq2_k, act256=True),
     138: BlockDot("IQ3_K", 256, 110, 128, _unpack_iq3_k, act256=True),
-    139: BlockDot("IQ4_K", 256, 144, 128, _unpack_iq4_k, act256=True, wide=True),
+    139: BlockDot("IQ4_K", 256, 144, 128, _unpack_iq4_k, act256=True, wide=True, planes=True),
     140: BlockDot("IQ5_K", 256, 176, 128, _unpack_iq5_k, act256=True),
     141: BlockDot("IQ6_K", 256, 212, 128, _unpack_iq6_k, act256=True),
-    144: BlockDot("IQ4_KS", 256, 136, 128, _unpack_iq4_ks, "f32", scale32=True, act256=True, wide=True),
+    144: BlockDot("IQ4_KS", 256, 136, 128, _unpack_iq4_ks, "f32", scale32=True, act256=True, wide=True,
+                  planes=True),
     145: BlockDot("IQ2_KS", 256, 70, 128, _unpack_iq2_ks, "f16", scale32=True, act256=True),
     152: BlockDot("IQ5_KS", 256, 168, 128, _unpack_iq5_ks, "f32", scale32=True, act256=True),
     156: BlockDot("IQ3_KS", 256, 102, 128, _unpack_iq3_ks, "f16", scale32=True, act256=True),
@@ -1068,17 +1084,29 @@ def _width(vnni: bool) -> int:
     return 2 if vnni else 1
 
 
-def _quad_lanes(g: int, nsub: int, nh: int, w: int) -> list:
-    """Lanes of the per-half vectors (natural order: sub-block j's halves at 2j, 2j + 1) in the
-    order of _quad_sum's result for group g (sub-blocks 4wg .. 4wg + 4w - 1, those below nsub;
-    index nh: a zero lane): lane 4m + i holds the 16-value group m of product vector i, which
-    covers sub-blocks 4wg + wi .. 4wg + wi + w - 1."""
+def _lane_half(lane: int, w: int, planes: bool) -> int:
+    """The half (relative to its group of 4w sub-blocks; sub-block j's halves are 2j, 2j + 1) that
+    lane 4m + i of _quad_sum's result sums: group m of product vector i, which covers sub-blocks
+    wi .. wi + w - 1 (value order), or with planes (BlockDot.planes, w == 2) half (i & 1) of
+    sub-block 4 (i >> 1) + m."""
+    m, i = divmod(lane, 4)
+    if planes:
+        return 2 * (4 * (i >> 1) + m) + (i & 1)
+    return 2 * (w * i + (m >> 1)) + (m & 1)
+
+
+def _quad_lanes(g: int, nsub: int, nh: int, w: int, planes: bool = False) -> list:
+    """Lanes of the per-half vectors (natural order) in the order of _quad_sum's result for group
+    g (sub-blocks 4wg .. 4wg + 4w - 1, those below nsub; index nh: a zero lane)."""
     out = []
     for lane in range(8 * w):
-        m, i = divmod(lane, 4)
-        sb = 4 * w * g + w * i + (m >> 1)
-        out.append(2 * sb + (m & 1) if sb < nsub else nh)
+        h = 8 * w * g + _lane_half(lane, w, planes)
+        out.append(h if h < 2 * nsub else nh)
     return out
+
+
+# the activations' order for a planes record, per 128 values: their 16-value halves 0, 2, 4, 6, 1, 3, 5, 7
+PLANES_ORDER = tuple(_lane_half(4 * m + i, 2, True) for i in range(2) for m in range(4))
 
 
 def _quad_sum(b: ir.IRBuilder, ps: list):
@@ -1129,7 +1157,7 @@ def _block_prep(b: ir.IRBuilder, blk: Block, nsub: int, vnni: bool):
     dz = b.shuffle_vector(dh, ir.Constant(_vec(_F32, nh), [0.0] * nh), _cv(range(nh + 1)))
     dsc = []
     for g in range(-(-nsub // (4 * w))):
-        lanes = _quad_lanes(g, nsub, nh, w)
+        lanes = _quad_lanes(g, nsub, nh, w, blk.planes)
         dsc.append(b.fmul(b.sitofp(_gather(b, scz, lanes), _vec(_F32, 8 * w)), _gather(b, dz, lanes), flags=["fast"]))
     us = blk.us
     if w == 2 and us[0].type.count == 32:
@@ -1181,7 +1209,7 @@ def _block_dot(b: ir.IRBuilder, blk: Block, prep, k0, nsub: int, qp, sp, b16p, a
             sv = ir.Constant(_vec(_F32, 4 * w), [0.0] * (4 * w))
             for i in range(m):
                 sv = b.insert_element(sv, b.load(b.gep(sp, [b.add(kg, _const_i64(i))])), ir.Constant(_I32, i))
-        sl = b.shuffle_vector(sv, sv, _cv([w * (lane % 4) + (lane // 4 >> 1) for lane in range(8 * w)]))
+        sl = b.shuffle_vector(sv, sv, _cv([_lane_half(lane, w, blk.planes) >> 1 for lane in range(8 * w)]))
         t = b.fmul(b.sitofp(_quad_sum(b, ps), vf), b.fmul(coef, sl, flags=["fast"]), flags=["fast"])
         acc = b.fadd(acc, t, flags=["fast"])
     b.store(acc, accp)
@@ -1191,7 +1219,10 @@ def _block_dot(b: ir.IRBuilder, blk: Block, prep, k0, nsub: int, qp, sp, b16p, a
         b.store(b.fadd(b.load(saccp), b.fmul(f16, wsum, flags=["fast"]), flags=["fast"]), saccp)
 
 
-PREFETCH_BYTES = 2048
+# 8 KiB ahead, every record: in the model (bench_tg_calls.py, ds2b-q4_k_m, one thread) the Q4_K
+# experts read 25 GB/s at 2048 bytes ahead, 29 at 4096, 31 at 8192; the Q6_K output matrix,
+# without prefetch before, 32 -> 39-40 GB/s (two threads: 48 -> 50-51)
+PREFETCH_BYTES = 8192
 
 
 def prefetch(b: ir.IRBuilder, p, ahead: int, span: int, locality: int = 3) -> None:

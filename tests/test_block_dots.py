@@ -35,8 +35,8 @@ def _rdot(kind, qtype, buf, base, stride, n, q, s, bs, b16, cols, k0, out, r):
     nt = q.shape[0] - k0
     if kind == 0:
         return SB.row_dot_generic(qtype, buf, base, stride, n, q, s, bs, b16, cols, k0, nt, out, r)
-    if kind == 1:
-        return SB.row_dot(qtype, buf, base, stride, n, q, s, bs, b16, cols, k0, nt, out, r)
+    if kind == 1:      # the VNNI row dots of planes records read the activations reordered
+        return SB.row_dot(qtype, buf, base, stride, n, K.row_dot_act(qtype, q), s, bs, b16, cols, k0, nt, out, r)
     if kind == 2:
         return R4.group_dot_generic(qtype, buf, base, stride, n, q, s, bs, b16, cols, k0, nt, out, r)
     return R4.group_dot(qtype, buf, base, stride, n, q, s, bs, b16, cols, k0, nt, out, r)
@@ -166,6 +166,21 @@ def test_row_dot_matches_decoder_on_random_bytes(qtype, form):
     assert checked >= 30
 
 
+def test_planes_activation_order():
+    """The planes records' activations: each 128 values' 16-value halves as the nibble planes of
+    64 stored bytes lie (0, 2, 4, 6 the low nibbles of four sub-blocks, 1, 3, 5, 7 the high ones);
+    row_dot_act copies only for them, and only where the row dot is the VNNI one."""
+    assert SB.PLANES_ORDER == (0, 2, 4, 6, 1, 3, 5, 7)
+    q = np.arange(2 * 256, dtype=np.int64).astype(np.int8).reshape(2, 256)
+    for t, rec in SB.BLOCK_DOTS.items():
+        got = K.row_dot_act(t, q)
+        if rec.planes and SB.HAS_VNNI:
+            want = q.reshape(2, 2, 8, 16)[:, :, list(SB.PLANES_ORDER)].reshape(2, 256)
+            np.testing.assert_array_equal(got, want, err_msg=rec.name)
+        else:
+            assert got is q, rec.name
+
+
 def test_row_dot_refuses_types_without_record():
     rng = np.random.default_rng(0)
     q, s, bs, b16, _ = _act(rng, 256)
@@ -292,7 +307,7 @@ def test_tile_gemm_matches_decoder_on_random_bytes(qtype, form):
         assert np.all(np.abs(out - want) <= 2e-5 * mag + 1e-30), (cols, out, want)
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "IQ2_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_K", "IQ2_K", "Q6_K", "IQ4_KS"])
 def test_matmul_id_and_fused_gate_up(name):
     rng = np.random.default_rng(3)
     t = type_info(name).id
@@ -463,7 +478,7 @@ def test_r8_prompts_take_the_plain_gemm(name):
             np.testing.assert_array_equal(got, matmul(plain, x))
 
 
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q8_0_R8", "Q4_K", "IQ2_K_R4", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q8_0_R8", "Q4_K", "IQ2_K_R4", "Q6_K", "IQ4_XS", "IQ4_K"])
 def test_expert_pairs_mix_gemm_and_row_dots(name):
     """matmul_id / moe_up_gate whose experts get 20 pairs (the GEMM with VNNI) and 3 (row dots)
     in one call, and pairs that reuse one activation row for the same expert (more pairs than
