@@ -52,7 +52,8 @@ from . import ktquants as _kt
 from .legacy import KVALUES_MXFP4 as _KV_MXFP4
 from .simd import _unpack_q4_0 as _simd_unpack_q4_0, _unpack_q8_0 as _simd_unpack_q8_0
 from .typetag import group_of
-from .simd import HAS_VNNI, cpu_features, stack_scope, _F32, _I8, _I16, _I32, _I64, _vec, _const_i64, _pair_sum, _splat, dpbusd
+from .simd import (HAS_VNNI, PREFETCH_BYTES, cpu_features, prefetch, stack_scope, _F32, _I8, _I16, _I32, _I64, _vec,
+                   _const_i64, _pair_sum, _splat, dpbusd)
 
 HAS_AVX2 = "+avx2" in cpu_features()
 _V64 = _vec(_I8, 64)
@@ -1217,23 +1218,6 @@ def _block_dot(b: ir.IRBuilder, blk: Block, prep, k0, nsub: int, qp, sp, b16p, a
         nh = 2 * nsub
         f16 = b.load(b.bitcast(b.gep(b16p, [b.mul(k0, _const_i64(2))]), _vec(_F32, nh).as_pointer()), align=4)
         b.store(b.fadd(b.load(saccp), b.fmul(f16, wsum, flags=["fast"]), flags=["fast"]), saccp)
-
-
-# 8 KiB ahead, every record: in the model (bench_tg_calls.py, ds2b-q4_k_m, one thread) the Q4_K
-# experts read 25 GB/s at 2048 bytes ahead, 29 at 4096, 31 at 8192; the Q6_K output matrix,
-# without prefetch before, 32 -> 39-40 GB/s (two threads: 48 -> 50-51)
-PREFETCH_BYTES = 8192
-
-
-def prefetch(b: ir.IRBuilder, p, ahead: int, span: int, locality: int = 3) -> None:
-    """Software prefetch of the cache lines [p + ahead, p + ahead + span): the hardware
-    prefetcher alone left the compute-heavy row loops reading DRAM at 12-16 GB/s on one
-    thread where Q8_0's light loop reaches 30 (102400 x 2048, cold)."""
-    fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), _I32, _I32, _I32]),
-                                        "llvm.prefetch.p0i8")
-    for o in range(0, span, 64):
-        b.call(fn, [b.bitcast(_gep(b, p, ahead + o), ir.IntType(8).as_pointer()), ir.Constant(_I32, 0),
-                    ir.Constant(_I32, locality), ir.Constant(_I32, 1)])
 
 
 def tree_sum(b: ir.IRBuilder, vals: list):
