@@ -17,8 +17,9 @@ def test_tensors_are_memory_mapped_views(make_model):
 
 
 def test_prefetch_asks_to_populate_every_split_then_falls_back(make_model, monkeypatch):
-    """load_model maps all pages up front (llama.cpp's MAP_POPULATE); a kernel without
-    MADV_POPULATE_READ gets read-ahead instead, and the tensors read the same either way."""
+    """load_model maps all pages up front (llama.cpp's MAP_POPULATE), asking for huge pages first;
+    a kernel without MADV_POPULATE_READ gets read-ahead instead, and the tensors read the same
+    either way."""
     import mmap
 
     from engine import gguf_file
@@ -40,7 +41,7 @@ def test_prefetch_asks_to_populate_every_split_then_falls_back(make_model, monke
     for m in mf.maps:
         monkeypatch.setattr(m, "_mmap", FakeMap(m._mmap))
     mf.prefetch()
-    assert calls == [gguf_file._MADV_POPULATE_READ, mmap.MADV_WILLNEED] * 2
+    assert calls == [gguf_file._MADV_HUGEPAGE, gguf_file._MADV_POPULATE_READ, mmap.MADV_WILLNEED] * 2
     for m, r in zip(mf.maps, real):
         monkeypatch.setattr(m, "_mmap", r)
     mf.prefetch()                        # the real call: populates, or quietly does what it can
