@@ -769,12 +769,13 @@ def _takes_gemm(qt, n, cols, b16, c16):
 
 
 @njit(**_iopts)
-def _planes_row(src, dst):
-    """One activation row in PLANES_ORDER: each 128 values' 16-value halves reordered."""
-    for c in range(0, src.shape[0], 128):
-        for p in range(8):
-            h = c + 16 * _PLANES_ORDER[p]
-            dst[c + 16 * p:c + 16 * p + 16] = src[h:h + 16]
+def _planes_rows(q, k0, k1, qr):
+    """Activation rows k0:k1 of q into qr in PLANES_ORDER: each 128 values' 16-value halves reordered."""
+    for k in range(k0, k1):
+        for c in range(0, q.shape[1], 128):
+            for p in range(8):
+                h = c + 16 * _PLANES_ORDER[p]
+                qr[k, c + 16 * p:c + 16 * p + 16] = q[k, h:h + 16]
 
 
 @njit(**_iopts)
@@ -785,8 +786,7 @@ def row_dot_act(qtype, q):
     if not (qt < 400 and _ROW_PLANES[qt]):
         return q
     qr = np.empty_like(q)
-    for k in range(q.shape[0]):
-        _planes_row(q[k], qr[k])
+    _planes_rows(q, 0, q.shape[0], qr)
     return qr
 
 
@@ -800,8 +800,7 @@ def _row_dot_act_pairs(qtype, q, gb, cols, b16, c16):
     qr = np.empty_like(q)
     for g in range(gb.shape[0] - 1):
         if not _takes_gemm(qt, gb[g + 1] - gb[g], cols, b16, c16):
-            for k in range(gb[g], gb[g + 1]):
-                _planes_row(q[k], qr[k])
+            _planes_rows(q, gb[g], gb[g + 1], qr)
     return qr
 
 

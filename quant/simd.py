@@ -194,9 +194,10 @@ def dpbusd(builder: ir.IRBuilder, acc, u8, s8, vnni: bool = True):
     return builder.add(acc, _pair_sum(builder, _pair_sum(builder, prod, 4 * n), 2 * n))
 
 
-# 8 KiB ahead, every row loop (here and quant.simd_blocks / simd_r4): in the model (bench_tg_calls.py, ds2b-q4_k_m, one thread) the Q4_K
-# experts read 25 GB/s at 2048 bytes ahead, 29 at 4096, 31 at 8192; the Q6_K output matrix,
-# without prefetch before, 32 -> 39-40 GB/s (two threads: 48 -> 50-51)
+# 8 KiB ahead, in every row loop (here and quant.simd_blocks / simd_r4).  In the model
+# (bench_tg_calls.py, ds2b-q4_k_m, one thread) the Q4_K experts read 25 GB/s at 2048 bytes ahead,
+# 29 at 4096, 31 at 8192; the Q6_K output matrix, without prefetch before, 32 -> 39-40 GB/s (two
+# threads: 48 -> 50-51); ds2b-pure-q8_0's output (none before either) 32-34 -> 40 GB/s
 PREFETCH_BYTES = 8192
 
 

@@ -141,10 +141,9 @@ def _nib32_pairs(b: ir.IRBuilder, p, off, n: int) -> list:
 def _nib64(b: ir.IRBuilder, p, off, group: int) -> list:
     """The 64 bytes at p + off as two vectors of 64 levels (BlockDot.wide): their low and high
     nibble planes (one and, one shift, one and), then per vector the planes' groups of `group`
-    bytes interleaved, low first (one two-source permute).  group 16 (IQ4_XS, IQ4_K: a
-    sub-block's low nibbles are its values 0..15, the high ones 16..31): sub-blocks 0, 1 and
-    2, 3 of the four the bytes hold; group 32 (Q4_K: low nibbles one sub-block, high the next):
-    sub-blocks 0, 1 and 2, 3 too."""
+    bytes interleaved, low first (one two-source permute).  group 32 (Q4_K / Q5_K: low nibbles
+    one sub-block, high the next): sub-blocks 0, 1 and 2, 3 of the four the bytes hold (the
+    16-byte groups of IQ4_XS / IQ4_K skip the permute: BlockDot.planes)."""
     v = _ld(b, p, off, 64)
     lo, hi = _vshr(b, v, 0, 15, 64), _vshr(b, v, 4, 15, 64)
     per = 32 // group                      # groups of each plane in one vector
@@ -237,7 +236,6 @@ class BlockDot:
     unpack: Callable
     row_scale: str = ""
     tail: "BlockDot | None" = None     # for the rest of a row that is not whole blocks of this
-    prefetch: bool = True              # software prefetch ahead of the row (see `prefetch`)
     # both 16-value halves of every 32 values share d * scale and the activation-sum weight (one
     # scale per 32): quant.simd_gemm then converts once per 32 values instead of per 16
     scale32: bool = False
@@ -252,8 +250,8 @@ class BlockDot:
     # with wide, unpack gives each 64 bytes' two nibble planes as they lie: one vector the first
     # 16-value halves of four sub-blocks, the next their second halves, and the VNNI row dot
     # reads activations stored in that order (PLANES_ORDER; quant.kernels.row_dot_act), instead
-    # of a two-source permute per vector putting the levels in value order: IQ4_XS 2048 x 4096,
-    # one token, one thread, 129 -> 109 us (IQ4_K 135 -> 116); Q4_K's 32-byte groups gained 3 %
+    # of a two-source permute per vector putting the levels in value order (bench_row_dots.py,
+    # 2048 x 4096, one token, one thread: IQ4_XS 131 -> 115 us, IQ4_K 139 -> 121, IQ4_KS 111 -> 92)
     planes: bool = False
 
     @property
@@ -932,8 +930,6 @@ BLOCK_DOTS: dict[int, BlockDot] = {
     10: BlockDot("Q2_K", 256, 84, 0, _unpack_q2_k, act256=True),
     11: BlockDot("Q3_K", 256, 110, 4, _unpack_q3_k, act256=True),
     12: BlockDot("Q4_K", 256, 144, 0, _unpack_q4_k, scale32=True, wide=True),
-    # Q5_K / Q6_K read faster with the hardware prefetcher alone (102400 x 2048, one token, one
-    # thread: 7.79 -> 7.51 and 7.40 -> 6.94 ms; Q4_K and IQ4_XS lose 1-4 % without it)
     13: BlockDot("Q5_K", 256, 176, 0, _unpack_q5_k, scale32=True, wide=True),
     14: BlockDot("Q6_K", 256, 210, 32, _unpack_q6_k, wide=True),
     23: BlockDot("IQ4_XS", 256, 136, 128, _unpack_iq4_xs, scale32=True, act256=True, wide=True, planes=True),
@@ -1060,8 +1056,7 @@ def _blocks_loop(b: ir.IRBuilder, fmt: BlockDot, blocks, sub0, nb, act: Act, nto
     with cgutils.for_range(b, nb) as loop:
         ib = loop.index
         bp = b.gep(blocks, [b.mul(ib, _const_i64(fmt.nbytes))])
-        if fmt.prefetch:
-            prefetch(b, bp, PREFETCH_BYTES, fmt.nbytes)
+        prefetch(b, bp, PREFETCH_BYTES, fmt.nbytes)
         blk = fmt.unpack(b, bp, wide=True) if vnni and fmt.wide else fmt.unpack(b, bp)
         prep = _block_prep(b, blk, nsub, vnni)
         k0 = b.add(sub0, b.mul(ib, _const_i64(nsub)))

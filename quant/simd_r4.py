@@ -31,7 +31,7 @@ from typing import Callable
 from llvmlite import ir
 from numba.core import cgutils
 
-from .simd import HAS_VNNI, _F32, _I8, _I16, _I32, _vec, _const_i64, dpbusd
+from .simd import HAS_VNNI, PREFETCH_BYTES, _F32, _I8, _I16, _I32, _vec, _const_i64, dpbusd, prefetch
 from . import simd_blocks as _blk
 from .simd_blocks import TMAX, _bit_to, _c, _cat, _cv, _gep, _ld, _lookup, dot_intrinsic, token_accs, tree_sum
 
@@ -321,7 +321,7 @@ def _emit_group(b: ir.IRBuilder, fmt: R4Dot, grp, act, ntok, cols, vnni: bool):
     with cgutils.for_range(b, nb) as loop:
         ib = loop.index
         bp = b.gep(blocks, [b.mul(ib, _const_i64(fmt.nbytes))])
-        _blk.prefetch(b, bp, _blk.PREFETCH_BYTES, fmt.nbytes)
+        prefetch(b, bp, PREFETCH_BYTES, fmt.nbytes)
         blk = fmt.unpack(b, bp)
         d8 = _dup8(b, blk.d)
         # the mins: per pair of sub-blocks (2p, 2p + 1) a <8 x f32> over (sub-block, row) times
