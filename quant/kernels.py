@@ -1,7 +1,7 @@
 """Numba kernels for every compute type: row decoders, activation quantization, and the integer
 matmul loops that call the row dots of quant.simd (Q8_0, Q4_0, _R8), quant.simd_blocks (the
 other block types) and quant.simd_r4 (the _R4 layouts) for a few tokens, and from GEMM_MIN
-tokens on quant.simd_gemm's integer GEMM on 16-row tiles (every simd_blocks / simd_r4 type,
+tokens on quant.simd_gemm's integer GEMM on 32-row tiles (every simd_blocks / simd_r4 type,
 Q8_0, Q4_0 and their _R8 forms; with AVX512-VNNI).
 
 Calling convention shared by every weight kernel (quant.matmul builds these arguments):
@@ -624,13 +624,15 @@ def scatter_rows(src, rows, out):
 # FUSED_RUNS runs of rows: a's, then the same rows of b, then SiLU*mul on them.  a's and b's
 # runs in turn (16 rows of each) measured ~10 % below two separate products (Q4_K, 16384 x 2048
 # each, one token, 1 and 2 threads: 15.9 / 32 against 17.7 / 35 GB/s).
-ROW_RUN = 16
+ROW_RUN = 32
 assert ROW_RUN == _gemm.ROWS
-FUSED_RUNS = 8      # runs per work item of the fused kernels (128 rows of a, then of b)
+FUSED_RUNS = 4      # runs per work item of the fused kernels (128 rows of a, then of b)
 # From this many pairs on, a run of rows of a type quant.simd_gemm packs (WEAVE: the simd_blocks
-# and simd_r4 types, Q8_0, Q4_0 and their _R8 forms) is packed into a 16-row tile and multiplied
+# and simd_r4 types, Q8_0, Q4_0 and their _R8 forms) is packed into a tile and multiplied
 # by quant.simd_gemm (with AVX512-VNNI): one thread, 4096^2, n = 8 /
-# 64 / 512: Q4_K 3.7 / 11.1 / 71 ms against the row dots' 3.3 / 23 / (tiles + BLAS) 137.
+# 64 / 512: Q4_K 3.7 / 11.1 / 71 ms against the row dots' 3.3 / 23 / (tiles + BLAS) 137 (16-row
+# tiles).  Runs are a tile's 32 rows: 1536 x 2048, n = 48, pack + GEMM, one thread, 16 -> 32 rows:
+# IQ4_XS 0.52 -> 0.44 ms, Q6_K 0.69 -> 0.52, Q4_K 0.64 -> 0.55, Q8_0 0.57 -> 0.49.
 HAS_GEMM = _simd.HAS_VNNI          # quant.simd_gemm's tiles need 512-bit vpdpbusd to pay off
 GEMM_MIN = 12 if HAS_GEMM else 1 << 62
 
@@ -736,8 +738,8 @@ def _gemm_rows(qtype, weave, buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16
     plain rows) and pairs k0:k1 through quant.simd_gemm (False: the type has no record there,
     nothing written)."""
     tu = np.empty(_gemm.ROWS * cols, np.uint8)
-    tdsc = np.empty(cols, np.float32)
-    tws = np.empty(cols, np.float32)
+    tdsc = np.empty(cols // 16 * _gemm.ROWS, np.float32)
+    tws = np.empty(cols // 16 * _gemm.ROWS, np.float32)
     if weave == 4:
         code = _gemm.tile_pack_r4(qtype, buf, ebase + r0 * stride, 4 * stride, (r1 - r0) // 4, cols, tu, tdsc, tws)
     elif weave == 8:

@@ -1,20 +1,22 @@
 """Integer GEMM for the block types of quant.simd_blocks: many activation rows (prompts, the
-experts' shares of a prompt) times a tile of 16 weight rows.
+experts' shares of a prompt) times a tile of 32 weight rows.
 
 A row dot unpacks every weight block once per TMAX tokens and pays per block and token for
 its per-sub-block scales (about 46 vector ops per 256 products, quant.simd_blocks).  Here a
-run of 16 weight rows is unpacked once into a woven tile:
+run of 32 weight rows is unpacked once into a woven tile of two sub-tiles of 16 rows (LANES),
+one after the other:
 
     tu    the levels + LEVEL_OFF (128) as unsigned bytes, whatever the type's own offset; per
           16-value half h and quad j of it one 64-byte vector holding the quad's 4 levels of each
-          of the 16 rows, so one vpdpbusd with the activation quad broadcast gives 16 rows'
-          partial sums in 16 lanes;
+          of the sub-tile's 16 rows, so one vpdpbusd with the activation quad broadcast gives 16
+          rows' partial sums in 16 lanes;
     tdsc  f32 d * scale of each row's half (row scale included);
     tws   for types with mins only (whose levels stay as stored): f32 weight of each half's
           activation sum (-d scale OFF + dm min).
 
 and every token then costs per 32 values and 16 rows 8 vpdpbusd (512-bit) with the activation
-quads broadcast from memory, each half's sum started at c16 (-128 * the half's sum of q: the
+quads broadcast once for both sub-tiles (the broadcast-from-memory pattern alone, 8 chains of 8,
+ran at 6.7 G vpdpbusd/s on Zen 5 against 8.2 with each broadcast serving two vectors, 12 chains), each half's sum started at c16 (-128 * the half's sum of q: the
 offset's term in integers, one broadcast), one or two converts and their d * scale, the activation
 scale once, and for mins the activation-sum weights: no horizontal sums, no per-row work.  The
 row dots' records (BLOCK_DOTS, plus GEMM_ONLY for Q8_0 / Q4_0) feed the packing, so every block type gets the
@@ -43,23 +45,50 @@ from .simd_blocks import (BLOCK_DOTS, GEMM_ONLY, BlockDot, _cv, _f16, _f32, _gep
                           prefetch, sum_weights, switch_value, type_switch)
 from .simd_r4 import R4_DOTS, R4Dot, _dup8
 
-ROWS = 16          # weight rows per tile (one 512-bit lane each)
+LANES = 16         # weight rows per 512-bit vector (one lane each)
+ROWS = 32          # weight rows per tile: two vectors of LANES, each activation quad's broadcast serving both
 # the tile's levels are stored + LEVEL_OFF, whatever the type's own offset: the offset's term is then
 # one integer per activation row and 16 values (c16, quant.kernels), started into each half's sum,
 # instead of an f32 weight per half multiplied per token (types with mins keep that for the mins)
 LEVEL_OFF = 128
-# activation rows per pass over the tile (the tile's vectors are loaded once for them); 2-core Zen 5
-# (AVX-512 at full width), one thread, n = 512, 4096^2: 4 -> 8 took Q4_K 41.9 -> 35.7 ms, Q6_K 41.5 ->
-# 30.8, Q8_0 37.1 -> 32.2, IQ4_XS 35.2 -> 31.7; 6 and 12 were slower than 8 (12: register spills)
-TOKENS = 8
-_V16F = _vec(_F32, ROWS)
-_V16I = _vec(_I32, ROWS)
+# activation rows per pass over one sub-tile, over two (the tile's vectors are loaded once for them);
+# 2-core Zen 5 (AVX-512 at full width), one thread, n = 512, 4096^2, one sub-tile: 4 -> 8 took Q4_K
+# 41.9 -> 35.7 ms, Q6_K 41.5 -> 30.8, Q8_0 37.1 -> 32.2, IQ4_XS 35.2 -> 31.7; 6 and 12 were slower than
+# 8 (12: register spills).  Two sub-tiles take 6 (2 x 6 sums and accumulators).  Types with mins
+# (Q4_K, Q5_K, Q4_1, Q5_1: two more f32 ops per vector and token) pass over each sub-tile alone: both
+# at once, 4 or 5 tokens, were 0-14 % slower than 16-row tiles (scripts/bench_tile_gemm.py, n = 48 / 256)
+TOKENS = (8, 6)
+_V16F = _vec(_F32, LANES)
+_V16I = _vec(_I32, LANES)
 _V64B = _vec(_I8, 64)
 
 
 # ----------------------------------------------------------------------------------------
 # packing: weight rows -> tile
 # ----------------------------------------------------------------------------------------
+def _subs(b: ir.IRBuilder, cols):
+    """(elements of a sub-tile in tu as dwords, in tdsc / tws) for rows of cols values.  A tile is
+    ROWS // LANES sub-tiles of LANES rows one after the other, each line of a sub-tile (a quad of tu,
+    a half of tdsc / tws) one vector: the packing writes, and a pass over one sub-tile reads,
+    contiguous memory (lines interleaved across the sub-tiles, 128 bytes apart, left half of L1's sets
+    unused: Q4_K's per-vector passes, n = 256, ran 15 % slower than with 16-row tiles)."""
+    return b.mul(b.udiv(cols, _const_i64(4)), _const_i64(LANES)), b.mul(b.udiv(cols, _const_i64(16)), _const_i64(LANES))
+
+
+def _sub_tiles(b: ir.IRBuilder, nrows, cols, tu, tdsc, tws, unit: int):
+    """Per sub-tile v: (its first tile row, its rows of the nrows packed (0 .. LANES; unit: rows
+    are packed in groups of unit), its tu, tdsc, tws pointers)."""
+    subq, subh = _subs(b, cols)
+    out = []
+    for v in range(ROWS // LANES):
+        left = b.sub(nrows, _const_i64(LANES * v // unit))
+        n = b.select(b.icmp_signed("<", left, _const_i64(0)), _const_i64(0),
+                     b.select(b.icmp_signed(">", left, _const_i64(LANES // unit)), _const_i64(LANES // unit), left))
+        at = [b.gep(p, [b.mul(sub, _const_i64(v))]) for p, sub in ((tu, subq), (tdsc, subh), (tws, subh))]
+        out.append((LANES * v, n, *at))
+    return out
+
+
 def _rebase(b: ir.IRBuilder, u32, off):
     """Levels stored as level + off (4 bytes a lane of <8 x i32>; off an int, or per lane an
     <8 x i32>) -> level + LEVEL_OFF, byte-wise (wrapping adds: the result fits when the level is
@@ -103,7 +132,8 @@ def _transpose4(b: ir.IRBuilder, vs: list, n: int) -> list:
 
 def _pack_blocks(b: ir.IRBuilder, fmt: BlockDot, rows, nrows, boff, nb, h0, tu, tdsc, tws, ahead=None) -> bool:
     """Blocks 0 .. nb - 1 of fmt at byte boff of every row (rows(i) -> (row pointer, row scale))
-    into the tile rows i < nrows, their first half being half h0.  Block-major: the 16 rows of
+    into the rows i < nrows (<= LANES) of a sub-tile, their first half being half h0 (ahead(i): row
+    i's pointer, past the sub-tile's rows too).  Block-major: the 16 rows of
     one block write the same 4 KiB of tile (row-major packing measured 4.6 ms for a 4096^2
     Q4_K tile set, its stores missing L1).  Four rows at a time, transposed in registers: four
     consecutive rows' fields are 16 contiguous bytes of the tile (one store instead of four
@@ -116,7 +146,7 @@ def _pack_blocks(b: ir.IRBuilder, fmt: BlockDot, rows, nrows, boff, nb, h0, tu, 
         ib = loop.index
         hb = b.add(h0, b.mul(ib, _const_i64(nh)))
         if ahead is not None:       # the same block of the next tile's rows, into L2
-            with cgutils.for_range(b, _const_i64(ROWS)) as pl:
+            with cgutils.for_range(b, _const_i64(LANES)) as pl:
                 bo = b.add(_const_i64(boff) if isinstance(boff, int) else boff, b.mul(ib, _const_i64(fmt.nbytes)))
                 prefetch(b, b.gep(ahead(b.add(pl.index, _const_i64(ROWS))), [bo]), 0, fmt.nbytes, locality=2)
         quads = [b.add(b.mul(b.add(hb, _const_i64(2 * j + m // 4)), _const_i64(4)), _const_i64(m % 4))
@@ -125,28 +155,28 @@ def _pack_blocks(b: ir.IRBuilder, fmt: BlockDot, rows, nrows, boff, nb, h0, tu, 
             i0 = b.mul(rl.index, _const_i64(4))
             f = [_row_fields(b, fmt, rows, b.add(i0, _const_i64(k)), boff, ib, nh) for k in range(4)]
             for h, dv in enumerate(_transpose4(b, [x[0] for x in f], nh)):
-                at = b.add(b.mul(b.add(hb, _const_i64(h)), _const_i64(ROWS)), i0)
+                at = b.add(b.mul(b.add(hb, _const_i64(h)), _const_i64(LANES)), i0)
                 b.store(dv, p4(b.gep(tdsc, [at])), align=4)
             if f[0][1] is not None:
                 has_mins = True
                 for h, wv in enumerate(_transpose4(b, [x[1] for x in f], nh)):
-                    at = b.add(b.mul(b.add(hb, _const_i64(h)), _const_i64(ROWS)), i0)
+                    at = b.add(b.mul(b.add(hb, _const_i64(h)), _const_i64(LANES)), i0)
                     b.store(wv, p4(b.gep(tws, [at])), align=4)
             for j in range(nsub):
                 for m, v in enumerate(_transpose4(b, [x[2][j] for x in f], 8)):
-                    b.store(v, p4(b.gep(tu, [b.add(b.mul(quads[8 * j + m], _const_i64(ROWS)), i0)])), align=4)
+                    b.store(v, p4(b.gep(tu, [b.add(b.mul(quads[8 * j + m], _const_i64(LANES)), i0)])), align=4)
         with cgutils.for_range(b, b.urem(nrows, _const_i64(4))) as rl:
             i = b.add(b.mul(b.udiv(nrows, _const_i64(4)), _const_i64(4)), rl.index)
             dsc, ws, us = _row_fields(b, fmt, rows, i, boff, ib, nh)
             for h in range(nh):
-                at = b.add(b.mul(b.add(hb, _const_i64(h)), _const_i64(ROWS)), i)
+                at = b.add(b.mul(b.add(hb, _const_i64(h)), _const_i64(LANES)), i)
                 b.store(b.extract_element(dsc, ir.Constant(_I32, h)), b.gep(tdsc, [at]))
                 if ws is not None:
                     b.store(b.extract_element(ws, ir.Constant(_I32, h)), b.gep(tws, [at]))
             for j, u32 in enumerate(us):
                 for m in range(8):
                     b.store(b.extract_element(u32, ir.Constant(_I32, m)),
-                            b.gep(tu, [b.add(b.mul(quads[8 * j + m], _const_i64(ROWS)), i)]))
+                            b.gep(tu, [b.add(b.mul(quads[8 * j + m], _const_i64(LANES)), i)]))
     return has_mins
 
 
@@ -195,28 +225,33 @@ def _pack_plain(b: ir.IRBuilder, fmt: BlockDot, at, nrows, cols, tu, tdsc, tws) 
               "": lambda: ir.Constant(_F32, 1.0)}[fmt.row_scale]()
         return row, rs
     nb = b.udiv(cols, _const_i64(fmt.values))
-    mins = _pack_blocks(b, fmt, rows, nrows, fmt.meta, nb, _const_i64(0), tu, tdsc, tws, ahead=at)
-    if fmt.tail is not None:
-        t = fmt.tail
-        rest = b.udiv(b.urem(cols, _const_i64(fmt.values)), _const_i64(t.values))
-        tail_mins = _pack_blocks(b, t, rows, nrows, b.add(_const_i64(fmt.meta), b.mul(nb, _const_i64(fmt.nbytes))),
-                                 rest, b.mul(nb, _const_i64(fmt.values // 16)), tu, tdsc, tws)
-        assert tail_mins == mins, fmt.name
+    mins = None
+    for r0, n, stu, stdsc, stws in _sub_tiles(b, nrows, cols, tu, tdsc, tws, 1):      # 16 rows' streams at a time
+        rows_v = lambda i, r0=r0: rows(b.add(i, _const_i64(r0)))       # noqa: E731
+        mins = _pack_blocks(b, fmt, rows_v, n, fmt.meta, nb, _const_i64(0), stu, stdsc, stws,
+                            ahead=lambda i, r0=r0: at(b.add(i, _const_i64(r0))))
+        if fmt.tail is not None:
+            t = fmt.tail
+            rest = b.udiv(b.urem(cols, _const_i64(fmt.values)), _const_i64(t.values))
+            tail_mins = _pack_blocks(b, t, rows_v, n, b.add(_const_i64(fmt.meta), b.mul(nb, _const_i64(fmt.nbytes))),
+                                     rest, b.mul(nb, _const_i64(fmt.values // 16)), stu, stdsc, stws)
+            assert tail_mins == mins, fmt.name
     return mins
 
 
 # tile_pack(qtype, buf, base, stride, nrows, cols, tu, tdsc, tws) -> NOT_PACKED / PACKED /
 # PACKED_MINS: the rows at byte base + i stride of buf, i < nrows (<= ROWS), into tile rows i (tu:
-# uint8 levels + LEVEL_OFF, ROWS * cols bytes; tdsc / tws: f32, cols // 16 * ROWS = cols floats,
-# tws only for PACKED_MINS); rows nrows.. are left as they are.  NOT_PACKED (nothing written) for a
+# uint8 levels + LEVEL_OFF, ROWS * cols bytes; tdsc / tws: f32, cols // 16 * ROWS floats, tws only
+# for PACKED_MINS; _subs gives the layout); each sub-tile's 16 rows packed before the next's (their
+# 16 read streams: all 32 rows at once packed a 2048-column tile in 0.20-0.24 ms, 16 at a time in 0.105); rows nrows.. are left as they are.  NOT_PACKED (nothing written) for a
 # type without a BLOCK_DOTS or GEMM_ONLY (Q8_0, Q4_0) record.
 PLAIN_PACKS = {**BLOCK_DOTS, **GEMM_ONLY}
 tile_pack = _pack_intrinsic(PLAIN_PACKS, "pack", _pack_plain)
 
 
 def _pack_r4_blocks(b: ir.IRBuilder, fmt: R4Dot, groups, ngroups, nb, tu, tdsc, tws, ahead) -> bool:
-    """The _R4 form: blocks 0 .. nb - 1 of every 4-row group g < ngroups (groups(g) -> (block
-    pointer, <4 x f32> row scales)) into tile rows 4 g .. 4 g + 3.  A run's dword lane (m, k)
+    """The _R4 form: blocks 0 .. nb - 1 of every 4-row group g < ngroups (<= LANES / 4; groups(g) ->
+    (block pointer, <4 x f32> row scales)) into rows 4 g .. 4 g + 3 of a sub-tile.  A run's dword lane (m, k)
     already holds row k's 4 levels at offset ao[m] of its sub-block, and the group's 4 rows are
     4 consecutive tile lanes: one 16-byte store per (run, m), no unpacking to the plain rows first (quant.interleaved's table-driven unpack measured
     slower than the _R4 row dots it would feed)."""
@@ -225,7 +260,7 @@ def _pack_r4_blocks(b: ir.IRBuilder, fmt: R4Dot, groups, ngroups, nb, tu, tdsc, 
     with cgutils.for_range(b, nb) as loop:
         ib = loop.index
         hb = b.mul(ib, _const_i64(16))
-        with cgutils.for_range(b, _const_i64(ROWS // 4)) as pl:      # the next tile's block, into L2
+        with cgutils.for_range(b, _const_i64(LANES // 4)) as pl:      # the next tile's block, into L2
             prefetch(b, b.gep(ahead(b.add(pl.index, _const_i64(ROWS // 4))), [b.mul(ib, _const_i64(fmt.nbytes))]), 0,
                      fmt.nbytes, locality=2)
         with cgutils.for_range(b, ngroups) as gl:
@@ -242,7 +277,7 @@ def _pack_r4_blocks(b: ir.IRBuilder, fmt: R4Dot, groups, ngroups, nb, tu, tdsc, 
                 # lanes (h or m, k): the group's 4 rows are 4 consecutive tile lanes, one 16-byte store
                 g4 = b.mul(g, _const_i64(4))
                 for h in range(2):
-                    at = b.add(b.mul(b.add(hb, _const_i64(2 * si + h)), _const_i64(ROWS)), g4)
+                    at = b.add(b.mul(b.add(hb, _const_i64(2 * si + h)), _const_i64(LANES)), g4)
                     lanes = _cv(range(4 * h, 4 * h + 4))
                     b.store(b.shuffle_vector(dsc, dsc, lanes), p4(b.gep(tdsc, [at])), align=4)
                     if ws is not None:
@@ -255,8 +290,8 @@ def _pack_r4_blocks(b: ir.IRBuilder, fmt: R4Dot, groups, ngroups, nb, tu, tdsc, 
                         u32 = _rebase(b, u32, off)
                     for m in range(2):
                         half, quad = 2 * si + ao[m] // 16, (ao[m] % 16) // 4
-                        at = b.add(b.mul(b.add(b.mul(b.add(hb, _const_i64(half)), _const_i64(4)), _const_i64(quad)),
-                                         _const_i64(ROWS)), g4)
+                        line = b.add(b.mul(b.add(hb, _const_i64(half)), _const_i64(4)), _const_i64(quad))
+                        at = b.add(b.mul(line, _const_i64(LANES)), g4)
                         b.store(b.shuffle_vector(u32, u32, _cv(range(4 * m, 4 * m + 4))), p4(b.gep(tu, [at])), align=4)
             has_mins = blk.dm is not None
     return has_mins
@@ -270,7 +305,12 @@ def _pack_r4(b: ir.IRBuilder, fmt: R4Dot, at, ngroups, cols, tu, tdsc, tws) -> b
         if fmt.row_scale == "f32":
             return blocks(g), _ld(b, at(g), 0, 4, _F32)
         return blocks(g), ir.Constant(_vec(_F32, 4), [1.0] * 4)
-    return _pack_r4_blocks(b, fmt, groups, ngroups, b.udiv(cols, _const_i64(256)), tu, tdsc, tws, blocks)
+    mins = None
+    for r0, n, stu, stdsc, stws in _sub_tiles(b, ngroups, cols, tu, tdsc, tws, 4):
+        g0 = _const_i64(r0 // 4)
+        mins = _pack_r4_blocks(b, fmt, lambda g: groups(b.add(g, g0)), n, b.udiv(cols, _const_i64(256)), stu, stdsc,
+                               stws, lambda g: blocks(b.add(g, g0)))
+    return mins
 
 
 # tile_pack_r4(qtype, buf, base, gstride, ngroups, cols, tu, tdsc, tws) -> int: tile_pack for the
@@ -294,22 +334,24 @@ def _pack_r8(b: ir.IRBuilder, fmt: R8Pack, at, ngroups, cols, tu, tdsc, tws) -> 
     """Blocks of every 8-row group g < ngroups into tile rows 8 g .. 8 g + 7: the woven 32-byte
     runs are the tile's layout already (8 rows' quad), so each is one store."""
     p8 = lambda p: b.bitcast(p, _vec(p.type.pointee, 8).as_pointer())   # noqa: E731
-    with cgutils.for_range(b, b.udiv(cols, _const_i64(32))) as loop:
-        ib = loop.index
-        with cgutils.for_range(b, _const_i64(ROWS // 8)) as pl:      # the next tile's block, into L2
-            prefetch(b, b.gep(at(b.add(pl.index, _const_i64(ROWS // 8))), [b.mul(ib, _const_i64(fmt.nbytes))]), 0,
-                     fmt.nbytes, locality=2)
-        with cgutils.for_range(b, ngroups) as gl:
-            bp = b.gep(at(gl.index), [b.mul(ib, _const_i64(fmt.nbytes))])
-            r8 = b.mul(gl.index, _const_i64(8))
-            d, runs = fmt.unpack(b, bp, u8=True)
-            for h in range(2):
-                at_h = b.add(b.mul(b.add(b.mul(ib, _const_i64(2)), _const_i64(h)), _const_i64(ROWS)), r8)
-                b.store(d, p8(b.gep(tdsc, [at_h])), align=4)
-            for v, ao in runs:               # activation offset ao: quad ao // 4 of the block's 8
-                quad = b.add(b.mul(ib, _const_i64(8)), _const_i64(ao // 4))
-                b.store(_rebase(b, b.bitcast(v, _vec(_I32, 8)), fmt.off),
-                        p8(b.gep(tu, [b.add(b.mul(quad, _const_i64(ROWS)), r8)])), align=4)
+    for r0, n, tu, tdsc, tws in _sub_tiles(b, ngroups, cols, tu, tdsc, tws, 8):
+        g0 = _const_i64(r0 // 8)
+        with cgutils.for_range(b, b.udiv(cols, _const_i64(32))) as loop:
+            ib = loop.index
+            with cgutils.for_range(b, _const_i64(LANES // 8)) as pl:      # the next tile's block, into L2
+                prefetch(b, b.gep(at(b.add(b.add(pl.index, g0), _const_i64(ROWS // 8))),
+                                  [b.mul(ib, _const_i64(fmt.nbytes))]), 0, fmt.nbytes, locality=2)
+            with cgutils.for_range(b, n) as gl:
+                bp = b.gep(at(b.add(gl.index, g0)), [b.mul(ib, _const_i64(fmt.nbytes))])
+                r8 = b.mul(gl.index, _const_i64(8))
+                d, runs = fmt.unpack(b, bp, u8=True)
+                for h in range(2):
+                    at_h = b.add(b.mul(b.add(b.mul(ib, _const_i64(2)), _const_i64(h)), _const_i64(LANES)), r8)
+                    b.store(d, p8(b.gep(tdsc, [at_h])), align=4)
+                for v, ao in runs:               # activation offset ao: quad ao // 4 of the block's 8
+                    quad = b.add(b.mul(ib, _const_i64(8)), _const_i64(ao // 4))
+                    b.store(_rebase(b, b.bitcast(v, _vec(_I32, 8)), fmt.off),
+                            p8(b.gep(tu, [b.add(b.mul(quad, _const_i64(LANES)), r8)])), align=4)
     return False
 
 
@@ -334,13 +376,16 @@ MINS32: frozenset[int] = frozenset(t for t, r in PLAIN_PACKS.items() if r.scale3
 # ----------------------------------------------------------------------------------------
 # the GEMM: tile x activation rows
 # ----------------------------------------------------------------------------------------
-def _gemm_body(context, b: ir.IRBuilder, sig, args, vnni: bool, per32: bool, mins: bool, act256: bool) -> None:
-    """One form of the GEMM.  per32: the tile's two halves of every 32 values share their d *
-    scale and activation-sum weight (SCALE32): their integer sums are added, then converted and
-    scaled once.  mins: a PACKED_MINS tile (levels as the type stores them, tws the f32 weights of
-    the activation sums: mins and offset); else the levels carry + LEVEL_OFF and c16 starts each
-    half's sum.  act256: the activations have one scale per 256 values (ik's Q8_K rule, each of
-    its 8 entries of s alike; cols a multiple of 256): it is applied once per 256."""
+def _gemm_body(context, b: ir.IRBuilder, sig, args, vnni: bool, per32: bool, mins: bool, act256: bool,
+               nv: int, v0) -> None:
+    """One form of the GEMM over nv (1 or 2) of the tile's row vectors of LANES rows, from vector v0
+    (an i64: 0 or 1).  per32:
+    the tile's two halves of every 32 values share their d * scale and activation-sum weight
+    (SCALE32): their integer sums are added, then converted and scaled once.  mins: a PACKED_MINS
+    tile (levels as the type stores them, tws the f32 weights of the activation sums: mins and
+    offset); else the levels carry + LEVEL_OFF and c16 starts each half's sum.  act256: the
+    activations have one scale per 256 values (ik's Q8_K rule, each of its 8 entries of s alike;
+    cols a multiple of 256): it is applied once per 256."""
     tu_p = context.make_array(sig.args[0])(context, b, args[0]).data
     tdsc_p = context.make_array(sig.args[1])(context, b, args[1]).data
     tws_p = context.make_array(sig.args[2])(context, b, args[2]).data
@@ -352,7 +397,15 @@ def _gemm_body(context, b: ir.IRBuilder, sig, args, vnni: bool, per32: bool, min
         arrs.append((a.data, st))
     (qd, qst), (sd, sst), (fd, fst), (cd, cst), (od, ost) = arrs
     k0, ntok, r0, nrows = args[8], args[9], args[11], args[12]
-    zf = ir.Constant(_V16F, [0.0] * ROWS)
+    zf = ir.Constant(_V16F, [0.0] * LANES)
+    vr = range(nv)
+    lane0 = b.mul(v0, _const_i64(LANES))
+    subq, subh = _subs(b, b.mul(nh, _const_i64(16)))
+
+    def vec(p, line, sub, vt):
+        """Line `line` of the nv sub-tiles from v0 on (p: elements of tu or tdsc / tws, sub: a sub-tile's), as vt."""
+        return [b.load(b.bitcast(b.gep(p, [b.add(b.mul(line, _const_i64(LANES)), b.mul(b.add(v0, _const_i64(v)), sub))]),
+                                 vt.as_pointer()), align=4) for v in vr]
 
     def chunk(t0, nt: int):
         """Tokens t0 .. t0 + nt - 1 (nt constant) over the whole tile."""
@@ -361,103 +414,104 @@ def _gemm_body(context, b: ir.IRBuilder, sig, args, vnni: bool, per32: bool, min
         sp = [b.gep(sd, [b.mul(t, sst)]) for t in tok]
         fp = [b.gep(fd, [b.mul(t, fst)]) for t in tok]
         cp = [b.gep(cd, [b.mul(t, cst)]) for t in tok]
-        accs = [cgutils.alloca_once_value(b, zf) for _ in range(nt)]
-        macs = [cgutils.alloca_once_value(b, zf) for _ in range(nt if mins else 0)]
-        for a in accs + macs:
+        accs = [[cgutils.alloca_once_value(b, zf) for _ in vr] for _ in range(nt)]
+        macs = [[cgutils.alloca_once_value(b, zf) for _ in vr] for _ in range(nt if mins else 0)]
+        for a in sum(accs + macs, []):
             b.store(zf, a)
-        baccs = [cgutils.alloca_once_value(b, zf) for _ in range(nt if act256 else 0)]
+        baccs = [[cgutils.alloca_once_value(b, zf) for _ in vr] for _ in range(nt if act256 else 0)]
 
         def step(si):
             """The 32 values si: the two halves' products with their d * scale, then (per 32) the
             activation scale once, a 32 fewer than per half; act256: into baccs, scaled per 256."""
             hs = [b.add(b.mul(si, _const_i64(2)), _const_i64(k)) for k in range(2)]
-            ws = [[b.load(b.bitcast(b.gep(tu_p, [b.mul(b.add(b.mul(h, _const_i64(4)), _const_i64(j)),
-                                                       _const_i64(64))]), _V64B.as_pointer()), align=1)
-                   for j in range(4)] for h in hs]
-            dsc = [b.load(b.bitcast(b.gep(tdsc_p, [b.mul(h, _const_i64(ROWS))]), _V16F.as_pointer()), align=4)
-                   for h in hs]
+            tu32 = b.bitcast(tu_p, _I32.as_pointer())        # a quad of LANES rows: LANES dwords
+            ws = [[vec(tu32, b.add(b.mul(h, _const_i64(4)), _const_i64(j)), subq, _V64B) for j in range(4)] for h in hs]
+            dsc = [vec(tdsc_p, h, subh, _V16F) for h in hs]
             if mins:
-                wsum = [b.load(b.bitcast(b.gep(tws_p, [b.mul(h, _const_i64(ROWS))]), _V16F.as_pointer()),
-                               align=4) for h in hs]
+                wsum = [vec(tws_p, h, subh, _V16F) for h in hs]
             for t in range(nt):
                 # one integer sum per half, or per32 one for both (8 dpbusd in one chain: the halves'
                 # vpaddd and one of their two start broadcasts saved, ~8 % of the IQ4_XS GEMM).  The
-                # levels carry + LEVEL_OFF: a sum starts at -LEVEL_OFF * (its values' sum of q)
+                # levels carry + LEVEL_OFF: a sum starts at -LEVEL_OFF * (its values' sum of q); the
+                # activation quad's broadcast serves the nv row vectors
                 isums = []
                 for hgroup in ([hs] if per32 else [[h] for h in hs]):
                     if mins:
-                        isum = ir.Constant(_V16I, [0] * ROWS)
+                        isum = [ir.Constant(_V16I, [0] * LANES)] * nv
                     else:
                         c = b.load(b.gep(cp[t], [hgroup[0]]))
                         for h in hgroup[1:]:
                             c = b.add(c, b.load(b.gep(cp[t], [h])))
-                        isum = _splat(b, c, _I32, ROWS)
+                        isum = [_splat(b, c, _I32, LANES)] * nv
                     for h in hgroup:
                         k = hs.index(h)
                         q16 = b.bitcast(b.gep(qp[t], [b.mul(h, _const_i64(16))]), _I32.as_pointer())
                         for j in range(4):
-                            a = _splat(b, b.load(b.gep(q16, [_const_i64(j)]), align=1), _I32, ROWS)
-                            isum = dpbusd(b, isum, ws[k][j], b.bitcast(a, _V64B), vnni)
+                            a = b.bitcast(_splat(b, b.load(b.gep(q16, [_const_i64(j)]), align=1), _I32, LANES), _V64B)
+                            isum = [dpbusd(b, isum[v], ws[k][j][v], a, vnni) for v in vr]
                     isums.append(isum)
-                if act256:      # each product straight into the 256's sum (an FMA each)
-                    acc = b.load(baccs[t])
-                    for isum, d in zip(isums, dsc):
-                        acc = b.fadd(acc, b.fmul(b.sitofp(isum, _V16F), d, flags=["fast"]), flags=["fast"])
-                    b.store(acc, baccs[t])
-                else:
-                    if per32:
-                        part = b.fmul(b.sitofp(isums[0], _V16F), dsc[0], flags=["fast"])
+                for v in vr:
+                    if act256:      # each product straight into the 256's sum (an FMA each)
+                        acc = b.load(baccs[t][v])
+                        for isum, d in zip(isums, dsc):
+                            acc = b.fadd(acc, b.fmul(b.sitofp(isum[v], _V16F), d[v], flags=["fast"]), flags=["fast"])
+                        b.store(acc, baccs[t][v])
                     else:
                         part = None
-                        for k, isum in enumerate(isums):
-                            x = b.fmul(b.sitofp(isum, _V16F), dsc[k], flags=["fast"])
+                        for isum, d in zip(isums, dsc):
+                            x = b.fmul(b.sitofp(isum[v], _V16F), d[v], flags=["fast"])
                             part = x if part is None else b.fadd(part, x, flags=["fast"])
-                    sv = _splat(b, b.load(b.gep(sp[t], [si])), _F32, ROWS)
-                    b.store(b.fadd(b.load(accs[t]), b.fmul(part, sv, flags=["fast"]), flags=["fast"]), accs[t])
-                if mins:
-                    acc2 = b.load(macs[t])
-                    if per32:       # the 32 values' activation sum (b16 holds per-32 sums: MINS32), one weight
-                        fv = _splat(b, b.load(b.gep(fp[t], [si])), _F32, ROWS)
-                        acc2 = b.fadd(acc2, b.fmul(wsum[0], fv, flags=["fast"]), flags=["fast"])
-                    else:
-                        for k, h in enumerate(hs):
-                            fv = _splat(b, b.load(b.gep(fp[t], [h])), _F32, ROWS)
-                            acc2 = b.fadd(acc2, b.fmul(wsum[k], fv, flags=["fast"]), flags=["fast"])
-                    b.store(acc2, macs[t])
+                        sv = _splat(b, b.load(b.gep(sp[t], [si])), _F32, LANES)
+                        b.store(b.fadd(b.load(accs[t][v]), b.fmul(part, sv, flags=["fast"]), flags=["fast"]),
+                                accs[t][v])
+                    if mins:
+                        acc2 = b.load(macs[t][v])
+                        if per32:       # the 32 values' activation sum (b16 holds per-32 sums: MINS32), one weight
+                            fv = _splat(b, b.load(b.gep(fp[t], [si])), _F32, LANES)
+                            acc2 = b.fadd(acc2, b.fmul(wsum[0][v], fv, flags=["fast"]), flags=["fast"])
+                        else:
+                            for k, h in enumerate(hs):
+                                fv = _splat(b, b.load(b.gep(fp[t], [h])), _F32, LANES)
+                                acc2 = b.fadd(acc2, b.fmul(wsum[k][v], fv, flags=["fast"]), flags=["fast"])
+                        b.store(acc2, macs[t][v])
 
         if act256:      # 8 steps of 32 under one activation scale (its 8 entries of s are equal)
             with cgutils.for_range(b, b.udiv(nh, _const_i64(16))) as bl:
-                for a in baccs:
+                for a in sum(baccs, []):
                     b.store(zf, a)
                 with cgutils.for_range(b, _const_i64(8)) as il:
                     step(b.add(b.mul(bl.index, _const_i64(8)), il.index))
                 for t in range(nt):
-                    sv = _splat(b, b.load(b.gep(sp[t], [b.mul(bl.index, _const_i64(8))])), _F32, ROWS)
-                    b.store(b.fadd(b.load(accs[t]), b.fmul(b.load(baccs[t]), sv, flags=["fast"]), flags=["fast"]),
-                            accs[t])
+                    sv = _splat(b, b.load(b.gep(sp[t], [b.mul(bl.index, _const_i64(8))])), _F32, LANES)
+                    for v in vr:
+                        b.store(b.fadd(b.load(accs[t][v]), b.fmul(b.load(baccs[t][v]), sv, flags=["fast"]),
+                                       flags=["fast"]), accs[t][v])
         else:
             with cgutils.for_range(b, b.udiv(nh, _const_i64(2))) as sl:
                 step(sl.index)
-        full = b.icmp_unsigned("==", nrows, _const_i64(ROWS))
         for t in range(nt):
-            res = b.load(accs[t])
-            if mins:
-                res = b.fadd(res, b.load(macs[t]), flags=["fast"])
-            dst = b.gep(od, [b.add(b.mul(tok[t], ost), r0)])
-            with b.if_else(full) as (then, otherwise):
-                with then:
-                    b.store(res, b.bitcast(dst, _V16F.as_pointer()), align=4)
-                with otherwise:
-                    with cgutils.for_range(b, nrows) as il:
-                        b.store(b.extract_element(res, b.trunc(il.index, _I32)), b.gep(dst, [il.index]))
+            for v in vr:
+                res = b.load(accs[t][v])
+                if mins:
+                    res = b.fadd(res, b.load(macs[t][v]), flags=["fast"])
+                first = b.add(lane0, _const_i64(LANES * v))     # the vector's first tile row
+                dst = b.gep(od, [b.add(b.mul(tok[t], ost), b.add(r0, first))])
+                left = b.sub(nrows, first)      # rows of this vector to store (1 .. LANES)
+                with b.if_else(b.icmp_signed(">=", left, _const_i64(LANES))) as (then, otherwise):
+                    with then:
+                        b.store(res, b.bitcast(dst, _V16F.as_pointer()), align=4)
+                    with otherwise:
+                        with cgutils.for_range(b, left) as il:
+                            b.store(b.extract_element(res, b.trunc(il.index, _I32)), b.gep(dst, [il.index]))
 
-    # chunks of TOKENS, then one of TOKENS // 2 if that many are left, then single tokens (an
+    # chunks of TOKENS[nv], then one of half that if that many are left, then single tokens (an
     # expert's share of a prompt is often a few dozen rows: its remainder is not done one by one)
-    nfull = b.udiv(ntok, _const_i64(TOKENS))
+    full = TOKENS[nv - 1]
+    nfull = b.udiv(ntok, _const_i64(full))
     with cgutils.for_range(b, nfull) as cl:
-        chunk(b.mul(cl.index, _const_i64(TOKENS)), TOKENS)
-    done = b.mul(nfull, _const_i64(TOKENS))
-    half = TOKENS // 2
+        chunk(b.mul(cl.index, _const_i64(full)), full)
+    done = b.mul(nfull, _const_i64(full))
+    half = full // 2
     with b.if_then(b.icmp_unsigned(">=", b.sub(ntok, done), _const_i64(half))):
         chunk(done, half)
     done = b.add(done, b.mul(b.udiv(b.sub(ntok, done), _const_i64(half)), _const_i64(half)))
@@ -469,9 +523,9 @@ def _gemm_intrinsic(vnni: bool):
     """tile_gemm(tu, tdsc, tws, nh, q, s, b16, c16, k0, ntok, out, r0, nrows, per32, mins, act256):
     out[k0 + t, r0 + i] = tile row i dotted with activation row k0 + t (q int8, s f32 per 32, b16
     f32 per 16 sums, per 32 for per32 mins tiles (MINS32), c16 int32 -LEVEL_OFF * the per-16 sums of
-    q), t < ntok, i < nrows; nh = cols /
-    16.  per32: for tiles of SCALE32 types; mins: for tiles packed PACKED_MINS; act256: s has one
-    value per 256 (the eight forms are branches of one kernel: constant flags leave LLVM one)."""
+    q), t < ntok, i < nrows (<= ROWS; one sub-tile's form up to LANES); nh = cols / 16.  per32: for
+    tiles of SCALE32 types; mins: for tiles packed PACKED_MINS; act256: s has one value per 256 (the
+    eight forms are branches of one kernel: constant flags leave LLVM one)."""
     @intrinsic
     def tile_gemm(typingctx, tu, tdsc, tws, nh, q, s, b16, c16, k0, ntok, out, r0, nrows, per32, mins, act256):
         if not all(isinstance(x, types.Array) for x in (tu, tdsc, tws, q, s, b16, c16, out)):
@@ -489,7 +543,17 @@ def _gemm_intrinsic(vnni: bool):
                             c = v if want else b.not_(v)
                             form = c if form is None else b.and_(form, c)
                         with b.if_then(form):
-                            _gemm_body(context, b, sig, args, vnni, p32, m, k)
+                            two = b.icmp_signed(">", args[12], _const_i64(LANES))
+                            if m:       # a pass per row vector (see TOKENS)
+                                for v0 in range(2):
+                                    with b.if_then(two if v0 else ir.Constant(ir.IntType(1), 1)):
+                                        _gemm_body(context, b, sig, args, vnni, p32, m, k, 1, _const_i64(v0))
+                                continue
+                            with b.if_else(two) as (both, first):
+                                with both:
+                                    _gemm_body(context, b, sig, args, vnni, p32, m, k, 2, _const_i64(0))
+                                with first:
+                                    _gemm_body(context, b, sig, args, vnni, p32, m, k, 1, _const_i64(0))
             return context.get_dummy_value()
         return sig, codegen
     return tile_gemm

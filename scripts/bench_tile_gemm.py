@@ -40,20 +40,20 @@ def _load(path: str, i: int):
 
 
 def _runner(mod):
-    pack, gemm = mod.tile_pack, mod.tile_gemm
+    pack, gemm, trows = mod.tile_pack, mod.tile_gemm, mod.ROWS
     mins32 = getattr(mod, "MINS32", frozenset())
 
     @njit(nogil=True)
     def run(qtype, buf, stride, rows, cols, q, s, b16, b32, c16, out, reps, per32, act256, use32):
-        tu = np.empty(16 * cols, np.uint8)
-        tdsc = np.empty(cols, np.float32)
-        tws = np.empty(cols, np.float32)
+        tu = np.empty(trows * cols, np.uint8)
+        tdsc = np.empty(cols // 16 * trows, np.float32)
+        tws = np.empty(cols // 16 * trows, np.float32)
         for _ in range(reps):
-            for r0 in range(0, rows, 16):
-                code = pack(qtype, buf, r0 * stride, stride, 16, cols, tu, tdsc, tws)
+            for r0 in range(0, rows, trows):
+                code = pack(qtype, buf, r0 * stride, stride, trows, cols, tu, tdsc, tws)
                 m = code == G.PACKED_MINS
                 gemm(tu, tdsc, tws, cols // 16, q, s, b32 if use32 and per32 and m else b16, c16, 0, q.shape[0],
-                     out, r0, 16, per32, m, act256)
+                     out, r0, trows, per32, m, act256)
     return run, mins32
 
 

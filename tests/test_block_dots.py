@@ -223,14 +223,14 @@ def test_matmul_few_and_many_tokens_agree(name):
 
 @njit(cache=True)
 def _gemm(generic, qtype, buf, stride, rows, cols, q, s, b16, out, r4, r8, per32, act256):
-    """quant.simd_gemm over every 16-row run (tiles start as NaN: rows past `rows` stay so);
+    """quant.simd_gemm over every SG.ROWS-row run (tiles start as NaN: rows past `rows` stay so);
     r4 / r8: the _R4 / _R8 packing (stride: of one row, groups of 4 / 8 rows); per32: the
     per-32 form (SCALE32 types); act256: activations with one scale per 256; the packing's code
     picks the mins' form.  The flags are always passed (bools): an omitted default is another
     signature, another cold compile."""
-    tu = np.full(16 * cols, 0x7F, np.uint8)
-    td = np.full(cols, np.nan, np.float32)
-    tw = np.full(cols, np.nan, np.float32)
+    tu = np.full(SG.ROWS * cols, 0x7F, np.uint8)
+    td = np.full(cols // 16 * SG.ROWS, np.nan, np.float32)
+    tw = np.full(cols // 16 * SG.ROWS, np.nan, np.float32)
     c16 = np.empty((q.shape[0], cols // 16), np.int32)      # -128 * the per-16 sums of q
     for t in range(q.shape[0]):
         for i in range(cols // 16):
@@ -239,8 +239,8 @@ def _gemm(generic, qtype, buf, stride, rows, cols, q, s, b16, out, r4, r8, per32
     for t in range(q.shape[0]):
         for i in range(cols // 32):
             b32[t, i] = b16[t, 2 * i] + b16[t, 2 * i + 1]
-    for r0 in range(0, rows, 16):
-        n = min(16, rows - r0)
+    for r0 in range(0, rows, SG.ROWS):
+        n = min(SG.ROWS, rows - r0)
         if r8:
             code = SG.tile_pack_r8(qtype, buf, r0 * stride, 8 * stride, n // 8, cols, tu, td, tw)
         elif r4:
@@ -263,9 +263,9 @@ GEMM_TYPES = TYPES + sorted(SB.GEMM_ONLY)
 
 @njit(cache=True)
 def _pack_code(qtype, buf, stride, cols):
-    tu = np.empty(16 * cols, np.uint8)
-    td = np.empty(cols, np.float32)
-    tw = np.empty(cols, np.float32)
+    tu = np.empty(SG.ROWS * cols, np.uint8)
+    td = np.empty(cols // 16 * SG.ROWS, np.float32)
+    tw = np.empty(cols // 16 * SG.ROWS, np.float32)
     return SG.tile_pack(qtype, buf, 0, stride, 1, cols, tu, td, tw)
 
 
@@ -284,7 +284,8 @@ def test_mins32_is_what_the_packing_says(qtype):
 @pytest.mark.parametrize("qtype", GEMM_TYPES, ids=NAMES + [SB.GEMM_ONLY[t].name for t in sorted(SB.GEMM_ONLY)])
 def test_tile_gemm_matches_decoder_on_random_bytes(qtype, form):
     """The GEMM's packing and products, on random rows (every level, scale, sign, extra bit and
-    min): 21 rows (a full and a partial 16-row tile), 15 tokens (a pass of 8, one of 4, 3 single ones),
+    min): 53 rows (a full 32-row tile, then 21 rows: one full and one partial 16-row vector), 15 tokens
+    (two vectors: passes of 6, 6 and 3; one vector: passes of 8, 4 and 3 single ones),
     one block, several, and for the grouped legacy records a row ending in single blocks."""
     _kind(form, False)
     fmt = {**SB.BLOCK_DOTS, **SB.GEMM_ONLY}[qtype]
@@ -292,7 +293,7 @@ def test_tile_gemm_matches_decoder_on_random_bytes(qtype, form):
     for cols in sorted({fmt.values, 3 * fmt.values} | ({fmt.values + 96} if fmt.tail else set())):
         rb = type_info(qtype).row_bytes(cols)
         rows, ys = [], []
-        while len(rows) < 21:
+        while len(rows) < 53:
             raw = _random_row(rng, qtype, rb)
             y = _decode(qtype, raw, cols).astype(np.float64)
             if np.all(np.isfinite(y)) and np.abs(y).max() <= 1e6:    # f16 inf / nan scales
@@ -300,8 +301,8 @@ def test_tile_gemm_matches_decoder_on_random_bytes(qtype, form):
                 ys.append(y)
         buf, y = np.concatenate(rows), np.stack(ys)
         q, s, bs, b16, xa = _act(rng, cols, 15, fmt.act256)
-        out = np.full((15, 21), np.nan, np.float32)
-        assert _gemm(form == "generic", qtype, buf, rb, 21, cols, q, s, b16, out, False, False, qtype in SG.SCALE32,
+        out = np.full((15, 53), np.nan, np.float32)
+        assert _gemm(form == "generic", qtype, buf, rb, 53, cols, q, s, b16, out, False, False, qtype in SG.SCALE32,
                      fmt.act256)
         want, mag = xa @ y.T, np.abs(xa) @ np.abs(y).T
         assert np.all(np.abs(out - want) <= 2e-5 * mag + 1e-30), (cols, out, want)
@@ -405,18 +406,18 @@ def _check_interleaved_gemm(qtype, form, seed, col_list, ngroups):
 @pytest.mark.parametrize("form", ["generic", "vnni"])
 @pytest.mark.parametrize("qtype", R4_TYPES, ids=[R4.R4_DOTS[t].name for t in R4_TYPES])
 def test_tile_gemm_packs_r4_groups(qtype, form):
-    """The _R4 packing: 20 rows (a full tile and one group), one and two block columns."""
+    """The _R4 packing: 36 rows (a full 32-row tile and one group), one and two block columns."""
     _kind(form, True)
-    _check_interleaved_gemm(qtype, form, qtype + 2, (256, 512), 5)
+    _check_interleaved_gemm(qtype, form, qtype + 2, (256, 512), 9)
 
 
 @pytest.mark.parametrize("form", ["generic", "vnni"])
 @pytest.mark.parametrize("name", ["Q8_0_R8", "Q4_0_R8"])
 def test_tile_gemm_packs_r8_groups(name, form):
-    """The _R8 packing: 24 rows (a full tile and one group), one and three blocks."""
+    """The _R8 packing: 40 rows (a full 32-row tile and one group), one and three blocks."""
     _kind(form, False)
     qtype = type_info(name).id
-    _check_interleaved_gemm(qtype, form, qtype, (32, 96), 3)
+    _check_interleaved_gemm(qtype, form, qtype, (32, 96), 5)
 
 
 @pytest.mark.parametrize("form", ["generic", "vnni"])
