@@ -749,7 +749,7 @@ def _gemm_rows(qtype, weave, buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16
     if code == _gemm.NOT_PACKED:
         return False
     _gemm.tile_gemm(tu, tdsc, tws, cols // 16, q, s, b16, c16, k0, k1 - k0, out, r0, r1 - r0,
-                    _GEMM_SCALE32[qid(qtype)], code == _gemm.PACKED_MINS, _GEMM_ACT256[qid(qtype)])
+                    _GEMM_SCALE32[qid(qtype)], code == _gemm.PACKED_MINS, _GEMM_ACT256[qid(qtype)], qtype)
     return True
 
 

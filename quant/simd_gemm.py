@@ -44,6 +44,8 @@ from .simd import (HAS_VNNI, QK, _F32, _I8, _I32, _const_i64, _splat, _unpack_q4
 from .simd_blocks import (BLOCK_DOTS, GEMM_ONLY, BlockDot, _cv, _f16, _f32, _gep, _ld, _per_half, for_type,
                           prefetch, sum_weights, switch_value, type_switch)
 from .simd_r4 import R4_DOTS, R4Dot, _dup8
+from .typetag import group_of
+from .types import type_info
 
 LANES = 16         # weight rows per 512-bit vector (one lane each)
 ROWS = 32          # weight rows per tile: two vectors of LANES, each activation quad's broadcast serving both
@@ -375,6 +377,25 @@ SCALE32: frozenset[int] = frozenset([t for t, r in PLAIN_PACKS.items() if r.scal
 MINS32: frozenset[int] = frozenset(t for t, r in PLAIN_PACKS.items() if r.scale32 and r.off == 0)
 
 
+def _form_of(t: int) -> tuple[bool, bool, bool]:
+    """(per32, mins, act256): the tile_gemm form a WEAVE type takes, from its record (the packing
+    reports mins exactly for levels stored with offset 0; an _R4 type packs as its plain type)."""
+    if t in R8_PACKS:
+        return True, False, False
+    if t in R4_DOTS:
+        plain = BLOCK_DOTS[type_info(type_info(t).base).id]
+        return False, plain.off == 0, plain.act256
+    r = PLAIN_PACKS[t]
+    return r.scale32, r.off == 0, r.act256
+
+
+# type id -> its tile_gemm form: a call with a tag (quant.typetag) compiles only its group's forms
+# (each form is a large unrolled body compiled into every caller; a first cold Q4_K + Q8_0 matmul
+# compiled in 53-55 s with all eight, 38 s with its group's: 16-row tiles with all eight took 38.6); tests check it against quant.kernels'
+# flags and the packing's codes
+FORMS: dict[int, tuple[bool, bool, bool]] = {t: _form_of(t) for t in WEAVE}
+
+
 # ----------------------------------------------------------------------------------------
 # the GEMM: tile x activation rows
 # ----------------------------------------------------------------------------------------
@@ -522,23 +543,29 @@ def _gemm_body(context, b: ir.IRBuilder, sig, args, vnni: bool, per32: bool, min
 
 
 def _gemm_intrinsic(vnni: bool):
-    """tile_gemm(tu, tdsc, tws, nh, q, s, b16, c16, k0, ntok, out, r0, nrows, per32, mins, act256):
+    """tile_gemm(tu, tdsc, tws, nh, q, s, b16, c16, k0, ntok, out, r0, nrows, per32, mins, act256, qtype):
     out[k0 + t, r0 + i] = tile row i dotted with activation row k0 + t (q int8, s f32 per 32, b16
     f32 per 16 sums, per 32 for per32 mins tiles (MINS32), c16 int32 -LEVEL_OFF * the per-16 sums of
     q), t < ntok, i < nrows (<= ROWS; one sub-tile's form up to LANES); nh = cols / 16.  per32: for
     tiles of SCALE32 types; mins: for tiles packed PACKED_MINS; act256: s has one value per 256 (the
-    eight forms are branches of one kernel: constant flags leave LLVM one)."""
+    eight forms are branches of one kernel: constant flags leave LLVM one; qtype, an id or a tag:
+    a tag's call holds only its group's forms, FORMS)."""
     @intrinsic
-    def tile_gemm(typingctx, tu, tdsc, tws, nh, q, s, b16, c16, k0, ntok, out, r0, nrows, per32, mins, act256):
+    def tile_gemm(typingctx, tu, tdsc, tws, nh, q, s, b16, c16, k0, ntok, out, r0, nrows, per32, mins, act256,
+                  qtype):
         if not all(isinstance(x, types.Array) for x in (tu, tdsc, tws, q, s, b16, c16, out)):
             return None
         i64, bl = types.int64, types.boolean
-        sig = types.void(tu, tdsc, tws, i64, q, s, b16, c16, i64, i64, out, i64, i64, bl, bl, bl)
+        recs, qty = for_type(FORMS, qtype)
+        forms = set(recs.values())      # an int qtype: all of them
+        sig = types.void(tu, tdsc, tws, i64, q, s, b16, c16, i64, i64, out, i64, i64, bl, bl, bl, qty)
 
         def codegen(context, b, sig, args):
             for p32 in (False, True):
                 for m in (False, True):
                     for k in (False, True):
+                        if group_of(qtype) is not None and (p32, m, k) not in forms:
+                            continue
                         flags = [(args[13], p32), (args[14], m), (args[15], k)]
                         form = None
                         for v, want in flags:

@@ -42,6 +42,7 @@ def _load(path: str, i: int):
 def _runner(mod):
     pack, gemm, trows = mod.tile_pack, mod.tile_gemm, mod.ROWS
     mins32 = getattr(mod, "MINS32", frozenset())
+    typed = hasattr(mod, "FORMS")       # the GEMM takes the qtype (its forms) since 32-row tiles
 
     @njit(nogil=True)
     def run(qtype, buf, stride, rows, cols, q, s, b16, b32, c16, out, reps, per32, act256, use32):
@@ -52,8 +53,12 @@ def _runner(mod):
             for r0 in range(0, rows, trows):
                 code = pack(qtype, buf, r0 * stride, stride, trows, cols, tu, tdsc, tws)
                 m = code == G.PACKED_MINS
-                gemm(tu, tdsc, tws, cols // 16, q, s, b32 if use32 and per32 and m else b16, c16, 0, q.shape[0],
-                     out, r0, trows, per32, m, act256)
+                bs = b32 if use32 and per32 and m else b16
+                if typed:
+                    gemm(tu, tdsc, tws, cols // 16, q, s, bs, c16, 0, q.shape[0], out, r0, trows, per32, m, act256,
+                         qtype)
+                else:
+                    gemm(tu, tdsc, tws, cols // 16, q, s, bs, c16, 0, q.shape[0], out, r0, trows, per32, m, act256)
     return run, mins32
 
 

@@ -30,6 +30,14 @@ from quant.simd_blocks import _cv  # noqa: E402
 V16I, V64B = _vec(_I32, 16), _vec(_I8, 64)
 
 
+def _lane0_sum(b, accs):
+    """Lane 0 of the accumulators' sum as an i64 (the loops' result, so they are not dropped)."""
+    tot = ir.Constant(V16I, [0] * 16)
+    for a in accs:
+        tot = b.add(tot, b.load(a))
+    return b.sext(b.extract_element(tot, ir.Constant(_I32, 0)), ir.IntType(64))
+
+
 def chains(nchain: int):
     """spin(n, a): n rounds of nchain independent vpdpbusd on two vectors loaded from a."""
     @intrinsic
@@ -44,10 +52,7 @@ def chains(nchain: int):
             with cgutils.for_range(b, args[0]):
                 for a in accs:
                     b.store(dpbusd(b, b.load(a), w, x, True), a)
-            tot = ir.Constant(V16I, [0] * 16)
-            for a in accs:
-                tot = b.add(tot, b.load(a))
-            return b.sext(b.extract_element(tot, ir.Constant(_I32, 0)), ir.IntType(64))
+            return _lane0_sum(b, accs)
         return sig, codegen
     return spin
 
@@ -77,10 +82,7 @@ def pattern(ntok: int, nvec: int):
                         sums = [dpbusd(b, sums[v], ws[v][j], a, True) for v in range(nvec)]
                     for v in range(nvec):
                         b.store(sums[v], accs[t * nvec + v])
-            tot = ir.Constant(V16I, [0] * 16)
-            for a in accs:
-                tot = b.add(tot, b.load(a))
-            return b.sext(b.extract_element(tot, ir.Constant(_I32, 0)), ir.IntType(64))
+            return _lane0_sum(b, accs)
         return sig, codegen
     return spin
 

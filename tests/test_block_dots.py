@@ -252,9 +252,10 @@ def _gemm(generic, qtype, buf, stride, rows, cols, q, s, b16, out, r4, r8, per32
         m = code == SG.PACKED_MINS
         bsums = b32 if per32 and m else b16
         if generic:
-            SG.tile_gemm_generic(tu, td, tw, cols // 16, q, s, bsums, c16, 0, q.shape[0], out, r0, n, per32, m, act256)
+            SG.tile_gemm_generic(tu, td, tw, cols // 16, q, s, bsums, c16, 0, q.shape[0], out, r0, n, per32, m, act256,
+                                 qtype)
         else:
-            SG.tile_gemm(tu, td, tw, cols // 16, q, s, bsums, c16, 0, q.shape[0], out, r0, n, per32, m, act256)
+            SG.tile_gemm(tu, td, tw, cols // 16, q, s, bsums, c16, 0, q.shape[0], out, r0, n, per32, m, act256, qtype)
     return True
 
 
@@ -267,6 +268,33 @@ def _pack_code(qtype, buf, stride, cols):
     td = np.empty(cols // 16 * SG.ROWS, np.float32)
     tw = np.empty(cols // 16 * SG.ROWS, np.float32)
     return SG.tile_pack(qtype, buf, 0, stride, 1, cols, tu, td, tw)
+
+
+@njit(cache=True)
+def _pack_code_r4(qtype, buf, stride, cols):
+    tu = np.empty(SG.ROWS * cols, np.uint8)
+    td = np.empty(cols // 16 * SG.ROWS, np.float32)
+    tw = np.empty(cols // 16 * SG.ROWS, np.float32)
+    return SG.tile_pack_r4(qtype, buf, 0, stride, 1, cols, tu, td, tw)
+
+
+@pytest.mark.parametrize("qtype", sorted(SG.FORMS))
+def test_gemm_forms_are_what_the_kernels_pass(qtype):
+    """SG.FORMS (the forms a tag's tile_gemm holds) against what quant.kernels passes: its per32 and
+    act256 tables, and the packing's own code for mins (a form missing there would leave the
+    outputs unwritten)."""
+    per32, mins, act256 = SG.FORMS[qtype]
+    assert per32 == bool(K._GEMM_SCALE32[qtype]) and act256 == bool(K._GEMM_ACT256[qtype])
+    if qtype in SG.R8_PACKS:
+        assert not mins
+        return
+    r4 = qtype in SG.R4_DOTS
+    cols = 256 if r4 else SG.PLAIN_PACKS[qtype].values
+    rb = type_info(qtype).row_bytes(cols) * (4 if r4 else 1)
+    raw = _random_row(np.random.default_rng(qtype), qtype, rb) if not r4 else np.zeros(rb, np.uint8)
+    code = (_pack_code_r4 if r4 else _pack_code)(qtype, raw, rb, cols)
+    assert code != SG.NOT_PACKED
+    assert (code == SG.PACKED_MINS) == mins
 
 
 @pytest.mark.parametrize("qtype", sorted(t for t in SG.SCALE32 if t in SG.PLAIN_PACKS))
