@@ -391,8 +391,8 @@ def _form_of(t: int) -> tuple[bool, bool, bool]:
 
 # type id -> its tile_gemm form: a call with a tag (quant.typetag) compiles only its group's forms
 # (each form is a large unrolled body compiled into every caller; a first cold Q4_K + Q8_0 matmul
-# compiled in 53-55 s with all eight, 38 s with its group's: 16-row tiles with all eight took 38.6); tests check it against quant.kernels'
-# flags and the packing's codes
+# compiled in 53-55 s with all eight, 38 s with its group's: 16-row tiles with all eight took
+# 38.6); tests check it against quant.kernels' flags and the packing's codes
 FORMS: dict[int, tuple[bool, bool, bool]] = {t: _form_of(t) for t in WEAVE}
 
 
