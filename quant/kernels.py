@@ -799,6 +799,11 @@ def _row_dot_act_pairs(qtype, q, gb, cols, b16, c16):
     qt = qid(qtype)
     if not (qt < 400 and _ROW_PLANES[qt]):
         return q
+    dots = False        # a prompt's products all take the GEMM: no copy then
+    for g in range(gb.shape[0] - 1):
+        dots = dots or not _takes_gemm(qt, gb[g + 1] - gb[g], cols, b16, c16)
+    if not dots:
+        return q
     qr = np.empty_like(q)
     for g in range(gb.shape[0] - 1):
         if not _takes_gemm(qt, gb[g + 1] - gb[g], cols, b16, c16):

@@ -181,6 +181,24 @@ def test_planes_activation_order():
             assert got is q, rec.name
 
 
+@pytest.mark.skipif(not (SB.HAS_VNNI and K.HAS_GEMM), reason="planes order and the GEMM need VNNI")
+def test_planes_copy_only_for_row_dot_groups():
+    """Per-pair form: no copy when every pair group takes the GEMM (a prompt); with one small group
+    the copy holds that group's rows in planes order."""
+    t = type_info("IQ4_XS").id
+    n, cols = 2 * K.GEMM_MIN + 3, 256
+    q = np.arange(n * cols, dtype=np.int64).astype(np.int8).reshape(n, cols)
+    b16 = np.zeros((n, cols // 16), np.float32)
+    c16 = np.zeros((n, cols // 16), np.int32)
+    big = np.array([0, K.GEMM_MIN, 2 * K.GEMM_MIN], np.int64)
+    q2 = np.ascontiguousarray(q[:2 * K.GEMM_MIN])
+    assert K._row_dot_act_pairs(t, q2, big, cols, b16[:len(q2)], c16[:len(q2)]) is q2
+    got = K._row_dot_act_pairs(t, q, np.array([0, K.GEMM_MIN, 2 * K.GEMM_MIN, n], np.int64), cols, b16, c16)
+    tail = q[2 * K.GEMM_MIN:]
+    want = tail.reshape(-1, 2, 8, 16)[:, :, list(SB.PLANES_ORDER)].reshape(tail.shape)
+    np.testing.assert_array_equal(got[2 * K.GEMM_MIN:], want)
+
+
 def test_row_dot_refuses_types_without_record():
     rng = np.random.default_rng(0)
     q, s, bs, b16, _ = _act(rng, 256)
@@ -263,19 +281,14 @@ GEMM_TYPES = TYPES + sorted(SB.GEMM_ONLY)
 
 
 @njit(cache=True)
-def _pack_code(qtype, buf, stride, cols):
+def _pack_code(qtype, buf, stride, cols, r4):
+    """The packing's code for one row (r4: one _R4 group) of cols values."""
     tu = np.empty(SG.ROWS * cols, np.uint8)
     td = np.empty(cols // 16 * SG.ROWS, np.float32)
     tw = np.empty(cols // 16 * SG.ROWS, np.float32)
+    if r4:
+        return SG.tile_pack_r4(qtype, buf, 0, stride, 1, cols, tu, td, tw)
     return SG.tile_pack(qtype, buf, 0, stride, 1, cols, tu, td, tw)
-
-
-@njit(cache=True)
-def _pack_code_r4(qtype, buf, stride, cols):
-    tu = np.empty(SG.ROWS * cols, np.uint8)
-    td = np.empty(cols // 16 * SG.ROWS, np.float32)
-    tw = np.empty(cols // 16 * SG.ROWS, np.float32)
-    return SG.tile_pack_r4(qtype, buf, 0, stride, 1, cols, tu, td, tw)
 
 
 @pytest.mark.parametrize("qtype", sorted(SG.FORMS))
@@ -292,7 +305,7 @@ def test_gemm_forms_are_what_the_kernels_pass(qtype):
     cols = 256 if r4 else SG.PLAIN_PACKS[qtype].values
     rb = type_info(qtype).row_bytes(cols) * (4 if r4 else 1)
     raw = _random_row(np.random.default_rng(qtype), qtype, rb) if not r4 else np.zeros(rb, np.uint8)
-    code = (_pack_code_r4 if r4 else _pack_code)(qtype, raw, rb, cols)
+    code = _pack_code(qtype, raw, rb, cols, r4)
     assert code != SG.NOT_PACKED
     assert (code == SG.PACKED_MINS) == mins
 
@@ -303,7 +316,7 @@ def test_mins32_is_what_the_packing_says(qtype):
     SCALE32 types whose packing reports mins (PACKED_MINS)."""
     fmt = SG.PLAIN_PACKS[qtype]
     raw = _random_row(np.random.default_rng(qtype), qtype, type_info(qtype).row_bytes(fmt.values))
-    code = _pack_code(qtype, raw, raw.size, fmt.values)
+    code = _pack_code(qtype, raw, raw.size, fmt.values, False)
     assert code != SG.NOT_PACKED
     assert (code == SG.PACKED_MINS) == (qtype in SG.MINS32)
 
