@@ -292,7 +292,7 @@ def causal_attention(q: Any, k: Any, v: Any, cell_pos: np.ndarray, q_pos: np.nda
                      window: int = 0, sinks: np.ndarray | None = None) -> DeviceArray:
     """engine.attention.causal_attention (q (T, H, dk), k (n_kv, Hkv, dk), v (n_kv, Hkv, dv)) on the GPU,
     computed by the flash kernel over f32 rows: the same softmax, without a materialized K*Q."""
-    k, v = to_device(k), to_device(v)
+    k, v = to_device(k).contiguous(), to_device(v).contiguous()
     n_kv, hkv, dv = v.shape
     dk = k.shape[-1]
     return flash_attn(q, _F32Rows(k), _F32Rows(v), n_kv, hkv, dk, dv, cell_pos, q_pos, scale, window, sinks)

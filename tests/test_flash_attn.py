@@ -138,3 +138,24 @@ def test_empty_cache_and_bad_path():
     case["n_kv"] = 10
     with pytest.raises(ValueError):
         flash_attn(**case, path="nope")
+
+
+@pytest.mark.parametrize("T", [1, 400])
+def test_rows_with_strided_values(T, monkeypatch):
+    # decompressed MLA heads: values a strided view of the product (n, Hkv, nope + dv); a prompt
+    # goes through HeadRows (head-major values, several cell tiles), a token through the kernel
+    monkeypatch.setattr(fa, "CELL_TILE", 96)
+    rng = np.random.default_rng(6)
+    n, hkv, nope, dv = 601, 4, 24, 32
+    kv = rng.standard_normal((n, hkv, nope + dv), dtype=np.float32)
+    k = np.ascontiguousarray(kv[:, :, :nope].repeat(2, axis=2))          # dk 48
+    v = kv[:, :, nope:]
+    q = rng.standard_normal((T, 2 * hkv, 2 * nope), dtype=np.float32)
+    cell_pos, q_pos = np.arange(n), np.arange(n - T, n)
+    assert use_kernel_path(T, 2 * hkv, 2 * nope, dv) == (T == 1)
+    out = fa.flash_attn_rows(q, k, v, cell_pos, q_pos, 0.3)
+    ref = reference(q, k, np.ascontiguousarray(v), cell_pos, q_pos, 0.3)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    store = RowStore.from_f32(k.reshape(n, -1))
+    with pytest.raises(ValueError):
+        flash_attn(q, store, fa.HeadRows(v), n, hkv, 2 * nope, dv, cell_pos, q_pos, 0.3, path="kernel")

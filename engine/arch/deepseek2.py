@@ -240,7 +240,7 @@ class DeepSeek2Arch:
             k = empty_like_side((n_kv, h1 - h0, dk), kv)
             k[:, :, :nope] = kv[:, :, :nope]
             k[:, :, nope:] = k_pe.reshape(n_kv, 1, rope)
-            v = contiguous(kv[:, :, nope:])
+            v = kv[:, :, nope:]              # (flash_attn_rows makes its one copy)
             out[:, h0:h1] = flash_attn_rows(contiguous(q[:, h0:h1]), k, v, cell_pos[:n_kv], q_pos, self.kq_scale)
         return out
 
