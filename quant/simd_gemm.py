@@ -57,8 +57,9 @@ LEVEL_OFF = 128
 # 2-core Zen 5 (AVX-512 at full width), one thread, n = 512, 4096^2, one sub-tile: 4 -> 8 took Q4_K
 # 41.9 -> 35.7 ms, Q6_K 41.5 -> 30.8, Q8_0 37.1 -> 32.2, IQ4_XS 35.2 -> 31.7; 6 and 12 were slower than
 # 8 (12: register spills).  Two sub-tiles take 6 (2 x 6 sums and accumulators).  Types with mins
-# (Q4_K, Q5_K, Q4_1, Q5_1: two more f32 ops per vector and token) pass over each sub-tile alone: both
-# at once, 4 or 5 tokens, were 0-14 % slower than 16-row tiles (scripts/bench_tile_gemm.py, n = 48 / 256)
+# (Q4_K, Q5_K, Q4_1, Q5_1, Q2_K) add their f32 term after the integer loop (mins_step): inside it, its
+# weights and accumulators spilled the 16 tile vectors, and such tiles were done a sub-tile at a time
+# (scripts/bench_tile_gemm.py, 1536 x 2048, one thread: Q4_K n = 48 0.62 -> 0.57 ms, n = 256 2.95 -> 2.58)
 TOKENS = (8, 6)
 _V16F = _vec(_F32, LANES)
 _V16I = _vec(_I32, LANES)
@@ -438,8 +439,7 @@ def _gemm_body(context, b: ir.IRBuilder, sig, args, vnni: bool, per32: bool, min
         fp = [b.gep(fd, [b.mul(t, fst)]) for t in tok]
         cp = [b.gep(cd, [b.mul(t, cst)]) for t in tok]
         accs = [[cgutils.alloca_once_value(b, zf) for _ in vr] for _ in range(nt)]
-        macs = [[cgutils.alloca_once_value(b, zf) for _ in vr] for _ in range(nt if mins else 0)]
-        for a in sum(accs + macs, []):
+        for a in sum(accs, []):
             b.store(zf, a)
         baccs = [[cgutils.alloca_once_value(b, zf) for _ in vr] for _ in range(nt if act256 else 0)]
 
@@ -450,8 +450,6 @@ def _gemm_body(context, b: ir.IRBuilder, sig, args, vnni: bool, per32: bool, min
             tu32 = b.bitcast(tu_p, _I32.as_pointer())        # a quad of LANES rows: LANES dwords
             ws = [[vec(tu32, b.add(b.mul(h, _const_i64(4)), _const_i64(j)), subq, _V64B) for j in range(4)] for h in hs]
             dsc = [vec(tdsc_p, h, subh, _V16F) for h in hs]
-            if mins:
-                wsum = [vec(tws_p, h, subh, _V16F) for h in hs]
             for t in range(nt):
                 # one integer sum per half, or per32 one for both (8 dpbusd in one chain: the halves'
                 # vpaddd and one of their two start broadcasts saved, ~8 % of the IQ4_XS GEMM).  The
@@ -487,16 +485,16 @@ def _gemm_body(context, b: ir.IRBuilder, sig, args, vnni: bool, per32: bool, min
                         sv = _splat(b, b.load(b.gep(sp[t], [si])), _F32, LANES)
                         b.store(b.fadd(b.load(accs[t][v]), b.fmul(part, sv, flags=["fast"]), flags=["fast"]),
                                 accs[t][v])
-                    if mins:
-                        acc2 = b.load(macs[t][v])
-                        if per32:       # the 32 values' activation sum (b16 holds per-32 sums: MINS32), one weight
-                            fv = _splat(b, b.load(b.gep(fp[t], [si])), _F32, LANES)
-                            acc2 = b.fadd(acc2, b.fmul(wsum[0][v], fv, flags=["fast"]), flags=["fast"])
-                        else:
-                            for k, h in enumerate(hs):
-                                fv = _splat(b, b.load(b.gep(fp[t], [h])), _F32, LANES)
-                                acc2 = b.fadd(acc2, b.fmul(wsum[k][v], fv, flags=["fast"]), flags=["fast"])
-                        b.store(acc2, macs[t][v])
+
+        def mins_step(i):
+            """The mins' (and offset's) f32 term of weight line i: its activation-sum weight times
+            the tokens' activation sums (b16: per 32 for per32 tiles, MINS32, else per 16), after
+            the integer loop, whose 16 live tile vectors leave no registers for it."""
+            w = vec(tws_p, b.mul(i, _const_i64(2)) if per32 else i, subh, _V16F)
+            for t in range(nt):
+                fv = _splat(b, b.load(b.gep(fp[t], [i])), _F32, LANES)
+                for v in vr:
+                    b.store(b.fadd(b.load(accs[t][v]), b.fmul(w[v], fv, flags=["fast"]), flags=["fast"]), accs[t][v])
 
         if act256:      # 8 steps of 32 under one activation scale (its 8 entries of s are equal)
             with cgutils.for_range(b, b.udiv(nh, _const_i64(16))) as bl:
@@ -512,11 +510,12 @@ def _gemm_body(context, b: ir.IRBuilder, sig, args, vnni: bool, per32: bool, min
         else:
             with cgutils.for_range(b, b.udiv(nh, _const_i64(2))) as sl:
                 step(sl.index)
+        if mins:
+            with cgutils.for_range(b, b.udiv(nh, _const_i64(2)) if per32 else nh) as ml:
+                mins_step(ml.index)
         for t in range(nt):
             for v in vr:
                 res = b.load(accs[t][v])
-                if mins:
-                    res = b.fadd(res, b.load(macs[t][v]), flags=["fast"])
                 first = b.add(lane0, _const_i64(LANES * v))     # the vector's first tile row
                 dst = b.gep(od, [b.add(b.mul(tok[t], ost), b.add(r0, first))])
                 left = b.sub(nrows, first)      # rows of this vector to store (1 .. LANES)
@@ -572,17 +571,10 @@ def _gemm_intrinsic(vnni: bool):
                             c = v if want else b.not_(v)
                             form = c if form is None else b.and_(form, c)
                         # one body per form (each is compiled into every caller: a second one per form
-                        # doubled the kernels' cold compile time).  Without mins both sub-tiles at once,
-                        # whatever nrows (a second vector past nrows is computed, never stored); with
-                        # mins a pass per sub-tile (see TOKENS)
+                        # doubled the kernels' cold compile time): both sub-tiles at once, whatever
+                        # nrows (a second vector past nrows is computed, never stored)
                         with b.if_then(form):
-                            if m:
-                                nsub = b.add(_const_i64(1), b.zext(b.icmp_signed(">", args[12], _const_i64(LANES)),
-                                                                   ir.IntType(64)))
-                                with cgutils.for_range(b, nsub) as vl:
-                                    _gemm_body(context, b, sig, args, vnni, p32, m, k, 1, vl.index)
-                            else:
-                                _gemm_body(context, b, sig, args, vnni, p32, m, k, 2, _const_i64(0))
+                            _gemm_body(context, b, sig, args, vnni, p32, m, k, 2, _const_i64(0))
             return context.get_dummy_value()
         return sig, codegen
     return tile_gemm
