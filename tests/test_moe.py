@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.ffn import MoEWeights, ffn_silu, moe_ffn, route
-from engine.hparams import GATING_SIGMOID, GATING_SOFTMAX
+from engine.ffn import MoEWeights, ffn_silu, moe_ffn, route, route_reference
+from engine.hparams import GATING_SIGMOID, GATING_SOFTMAX, GATING_SOFTMAX_WEIGHT
 from quant import matmul as M
 from quant.tensor import QTensor
 from quant.types import BF16, F16, F32, Q4_0, Q8_0
@@ -249,3 +249,25 @@ def test_ser_batch_equals_tokens_one_at_a_time(qt):
     batch = moe_ffn(x, m, 6, GATING_SIGMOID, True, 2.5, ser=ser)
     single = np.concatenate([moe_ffn(x[t:t + 1], m, 6, GATING_SIGMOID, True, 2.5, ser=ser) for t in range(T)])
     np.testing.assert_allclose(batch, single, rtol=1e-5, atol=1e-5 * np.abs(single).max())
+
+
+@pytest.mark.parametrize("gating", [GATING_SOFTMAX, GATING_SIGMOID, GATING_SOFTMAX_WEIGHT])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("ser,norm,scale,by_logits", [((-1, 0.0), True, 2.5, False), ((2, 0.7), True, 1.0, False),
+                                                      ((1, 0.9), False, 1.5, False), ((-1, 0.0), False, 1.0, True)])
+def test_route_compiled_equals_reference(gating, bias, ser, norm, scale, by_logits):
+    rng = np.random.default_rng([gating, bias, ser[0] + 1])
+    lg = rng.standard_normal((40, 64)).astype(np.float32)
+    lg[3, 5:9] = lg[3, 20]                  # ties: the lower id first
+    lg[4, :] = 0.25                         # all tied
+    lg[5, 7] = np.nan                       # a NaN score is never chosen (argsort puts it last)
+    lg = lg[:, ::-1].copy()[:, ::-1]        # (and a strided input is taken as it is)
+    b = rng.standard_normal(64).astype(np.float32) * 0.3 if bias else None
+    ids, w = route(lg, 6, gating, b, norm, scale, *ser, by_logits=by_logits)
+    rid, rw = route_reference(lg, 6, gating, b, norm, scale, *ser, by_logits=by_logits)
+    assert ids.dtype == rid.dtype and w.dtype == rw.dtype == np.float32
+    ok = np.isfinite(rw).all(axis=1)        # a softmax over a NaN logit is NaN in both
+    np.testing.assert_array_equal(ids[ok], rid[ok])
+    np.testing.assert_allclose(w[ok], rw[ok], rtol=2e-6, atol=1e-7)
+    if b is None and ser[0] < 0:
+        assert ids[4].tolist() == list(range(6))
