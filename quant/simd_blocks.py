@@ -894,7 +894,9 @@ def _from_simd(unpack: Callable, off: int) -> Callable:
 def _grouped(one: BlockDot, n: int = 8) -> BlockDot:
     """n consecutive 32-value blocks as one block of the template, each with its own d (and dm):
     a block's fixed costs are paid once per 256 values instead of per 32 (measured at one
-    block per pass: 2.5-6x Q8_0's time at one token); a row's last blocks go through `one`."""
+    block per pass: 2.5-6x Q8_0's time at one token); a row's last blocks go through groups of 4,
+    then `one` (the 128-value rows of DeepSeek's per-head attn_k_b, where a type falls back to
+    Q5_0 / IQ4_NL: 16 heads x 512 x 128 of Q5_0, one token, one thread, 162 -> 102 us; Q8_0 60)."""
     def unpack(b: ir.IRBuilder, p) -> Block:
         parts = [one.unpack(b, _gep(b, p, i * one.nbytes)) for i in range(n)]
         def vec(vals):
@@ -906,8 +908,8 @@ def _grouped(one: BlockDot, n: int = 8) -> BlockDot:
         mins = ones if parts[0].mins is not None else None
         dm = vec([q.dm for q in parts]) if mins is not None else None
         return Block(vec([q.d for q in parts]), [q.us[0] for q in parts], ones, parts[0].off, dm, mins)
-    return BlockDot(one.name, n * one.values, n * one.nbytes, one.off, unpack, one.row_scale, tail=one,
-                    scale32=one.scale32)
+    return BlockDot(one.name, n * one.values, n * one.nbytes, one.off, unpack, one.row_scale,
+                    tail=_grouped(one, n // 2) if n > 4 else one, scale32=one.scale32)
 
 
 # type id -> record (ids: quant.types)
@@ -1020,31 +1022,43 @@ def _emit_row(b: ir.IRBuilder, fmt: BlockDot, row, act: Act, ntok, cols, vnni: b
     """The dots of one row of type fmt at pointer row with ntok (<= TMAX) activation rows:
     returns an alloca of TMAX f32, the first ntok filled.  A record with a `tail` (the legacy
     types' groups of 8 blocks) finishes a row that is not a whole number of groups with it."""
-    blocks = _gep(b, row, fmt.meta)
-    nb = b.udiv(cols, _const_i64(fmt.values))
-    parts = [_blocks_loop(b, fmt, blocks, _const_i64(0), nb, act, ntok, vnni)]
-    if fmt.tail is not None:
-        rest = b.udiv(b.urem(cols, _const_i64(fmt.values)), _const_i64(fmt.tail.values))
-        parts.append(_blocks_loop(b, fmt.tail, b.gep(blocks, [b.mul(nb, _const_i64(fmt.nbytes))]),
-                                  b.mul(nb, _const_i64(fmt.values // 32)), rest, act, ntok, vnni))
+    parts = [_blocks_loop(b, rec, b.gep(row, [boff]), b.udiv(v0, _const_i64(32)), nb, act, ntok, vnni)
+             for rec, nb, v0, boff in row_pieces(b, fmt, cols)]
     res = b.alloca(ir.ArrayType(_F32, TMAX))
     zero32 = ir.Constant(_I32, 0)
     with cgutils.for_range(b, ntok) as tl:
+        # the pieces' product sums share a width: added before one reduction (a row of 128 Q5_0
+        # values is all tail, and its reductions were a third of its time)
+        vals = [tree_sum(b, [b.load(b.gep(accs, [zero32, tl.index])) for accs, _ in parts])]
+        vals += [b.load(b.gep(saccs, [zero32, tl.index])) for _, saccs in parts]
         r = None
-        for accs, saccs in parts:
-            for acc in (accs, saccs):
-                v = b.load(b.gep(acc, [zero32, tl.index]))
-                red = cgutils.get_or_insert_function(b.module, ir.FunctionType(_F32, [_F32, v.type]),
-                                                     f"llvm.vector.reduce.fadd.v{v.type.count}f32")
-                x = b.call(red, [ir.Constant(_F32, 0.0), v])
-                x.fastmath.add("reassoc")
-                r = x if r is None else b.fadd(r, x)
+        for v in vals:
+            red = cgutils.get_or_insert_function(b.module, ir.FunctionType(_F32, [_F32, v.type]),
+                                                 f"llvm.vector.reduce.fadd.v{v.type.count}f32")
+            x = b.call(red, [ir.Constant(_F32, 0.0), v])
+            x.fastmath.add("reassoc")
+            r = x if r is None else b.fadd(r, x)
         if fmt.row_scale == "f32":
             r = b.fmul(r, _f32(b, row, 0))
         elif fmt.row_scale == "f16":
             r = b.fmul(r, _f16(b, row, 0))
         b.store(r, b.gep(res, [zero32, tl.index]))
     return res
+
+
+def row_pieces(b: ir.IRBuilder, fmt: BlockDot, cols) -> list:
+    """A row of cols values as runs of whole blocks: of fmt, then of its tail, its tail's tail...
+    (record, blocks, first value, first byte: after the row's meta bytes), i64 values."""
+    out, v0, boff, rest = [], _const_i64(0), _const_i64(fmt.meta), cols
+    rec = fmt
+    while rec is not None:
+        nb = b.udiv(rest, _const_i64(rec.values))
+        out.append((rec, nb, v0, boff))
+        v0 = b.add(v0, b.mul(nb, _const_i64(rec.values)))
+        boff = b.add(boff, b.mul(nb, _const_i64(rec.nbytes)))
+        rest = b.urem(rest, _const_i64(rec.values))
+        rec = rec.tail
+    return out
 
 
 def _blocks_loop(b: ir.IRBuilder, fmt: BlockDot, blocks, sub0, nb, act: Act, ntok, vnni: bool):

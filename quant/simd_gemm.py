@@ -42,7 +42,7 @@ from numba.extending import intrinsic
 from .simd import (HAS_VNNI, QK, _F32, _I8, _I32, _const_i64, _splat, _unpack_q4_0_r8, _unpack_q8_0_r8, _vec,
                    dpbusd)
 from .simd_blocks import (BLOCK_DOTS, GEMM_ONLY, BlockDot, _cv, _f16, _f32, _gep, _ld, _per_half, for_type,
-                          prefetch, sum_weights, switch_value, type_switch)
+                          prefetch, row_pieces, sum_weights, switch_value, type_switch)
 from .simd_r4 import R4_DOTS, R4Dot, _dup8
 from .typetag import group_of
 from .types import type_info
@@ -229,18 +229,14 @@ def _pack_plain(b: ir.IRBuilder, fmt: BlockDot, at, nrows, cols, tu, tdsc, tws) 
         rs = {"f32": lambda: _f32(b, row, 0), "f16": lambda: _f16(b, row, 0),
               "": lambda: ir.Constant(_F32, 1.0)}[fmt.row_scale]()
         return row, rs
-    nb = b.udiv(cols, _const_i64(fmt.values))
     mins = None
     for r0, n, stu, stdsc, stws in _sub_tiles(b, nrows, cols, tu, tdsc, tws, 1):      # 16 rows' streams at a time
         rows_v = lambda i, r0=r0: rows(b.add(i, r0))       # noqa: E731
-        mins = _pack_blocks(b, fmt, rows_v, n, fmt.meta, nb, _const_i64(0), stu, stdsc, stws,
-                            ahead=lambda i, r0=r0: at(b.add(i, r0)))
-        if fmt.tail is not None:
-            t = fmt.tail
-            rest = b.udiv(b.urem(cols, _const_i64(fmt.values)), _const_i64(t.values))
-            tail_mins = _pack_blocks(b, t, rows_v, n, b.add(_const_i64(fmt.meta), b.mul(nb, _const_i64(fmt.nbytes))),
-                                     rest, b.mul(nb, _const_i64(fmt.values // 16)), stu, stdsc, stws)
-            assert tail_mins == mins, fmt.name
+        for k, (rec, nb, v0, boff) in enumerate(row_pieces(b, fmt, cols)):
+            m = _pack_blocks(b, rec, rows_v, n, boff, nb, b.udiv(v0, _const_i64(16)), stu, stdsc, stws,
+                             ahead=(lambda i, r0=r0: at(b.add(i, r0))) if k == 0 else None)
+            assert mins is None or m == mins, fmt.name
+            mins = m
     return mins
 
 

@@ -149,7 +149,9 @@ def test_row_dot_matches_decoder_on_random_bytes(qtype, form):
     rng = np.random.default_rng(qtype)
     checked = 0
     # one block, several, and for the grouped legacy records a row that ends in single blocks
-    for cols in sorted({fmt.values, 3 * fmt.values, 1024} | ({32, fmt.values + 96} if fmt.tail else set())):
+    # tails: 96 = three single blocks, 160 = a group of 4 and one block, 128 = a group of 4 alone
+    tails = {32, 128, fmt.values + 96, fmt.values + 160} if fmt.tail else set()
+    for cols in sorted({fmt.values, 3 * fmt.values, 1024} | tails):
         rb = type_info(qtype).row_bytes(cols)
         q, s, bs, b16, xa = _act(rng, cols)
         for _ in range(40):
@@ -331,7 +333,7 @@ def test_tile_gemm_matches_decoder_on_random_bytes(qtype, form):
     _kind(form, False)
     fmt = {**SB.BLOCK_DOTS, **SB.GEMM_ONLY}[qtype]
     rng = np.random.default_rng(qtype + 1)
-    for cols in sorted({fmt.values, 3 * fmt.values} | ({fmt.values + 96} if fmt.tail else set())):
+    for cols in sorted({fmt.values, 3 * fmt.values} | ({fmt.values + 96, fmt.values + 160} if fmt.tail else set())):
         rb = type_info(qtype).row_bytes(cols)
         rows, ys = [], []
         while len(rows) < 53:
