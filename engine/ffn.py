@@ -65,6 +65,8 @@ def route(logits: np.ndarray, n_used: int, gating: int, bias: np.ndarray | None,
     route_reference, in one compiled call (the ~15 NumPy calls of a generated token's routing
     took ~48 us a layer in the model, where every call runs with cold caches)."""
     logits = np.ascontiguousarray(logits, dtype=np.float32)
+    if not 0 < n_used <= logits.shape[1]:
+        return route_reference(logits, n_used, gating, bias, norm_w, scale, ser_min, ser_thresh, by_logits)
     T = logits.shape[0]
     ids = np.empty((T, n_used), dtype=np.int64)
     w = np.empty((T, n_used), dtype=np.float32)
