@@ -271,3 +271,9 @@ def test_route_compiled_equals_reference(gating, bias, ser, norm, scale, by_logi
     np.testing.assert_allclose(w[ok], rw[ok], rtol=2e-6, atol=1e-7)
     if b is None and ser[0] < 0:
         assert ids[4].tolist() == list(range(6))
+
+
+def test_route_more_used_than_experts_as_reference():
+    lg = np.random.default_rng(8).standard_normal((3, 4)).astype(np.float32)
+    a, b = route(lg, 6, GATING_SOFTMAX, None, True, 1.0), route_reference(lg, 6, GATING_SOFTMAX, None, True, 1.0)
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and a[0].shape == (3, 4)
