@@ -1046,18 +1046,22 @@ def _emit_row(b: ir.IRBuilder, fmt: BlockDot, row, act: Act, ntok, cols, vnni: b
     return res
 
 
-def row_pieces(b: ir.IRBuilder, fmt: BlockDot, cols) -> list:
+def row_pieces(b: ir.IRBuilder, fmt: BlockDot, cols, every_tail: bool = True) -> list:
     """A row of cols values as runs of whole blocks: of fmt, then of its tail, its tail's tail...
-    (record, blocks, first value, first byte: after the row's meta bytes), i64 values."""
+    (record, blocks, first value, first byte: after the row's meta bytes), i64 values.  Without
+    every_tail only fmt and its last tail (each record's loop is compiled into every caller)."""
+    chain = [fmt]
+    while chain[-1].tail is not None:
+        chain.append(chain[-1].tail)
+    if not every_tail:
+        chain = chain[:1] + chain[1:][-1:]
     out, v0, boff, rest = [], _const_i64(0), _const_i64(fmt.meta), cols
-    rec = fmt
-    while rec is not None:
+    for rec in chain:
         nb = b.udiv(rest, _const_i64(rec.values))
         out.append((rec, nb, v0, boff))
         v0 = b.add(v0, b.mul(nb, _const_i64(rec.values)))
         boff = b.add(boff, b.mul(nb, _const_i64(rec.nbytes)))
         rest = b.urem(rest, _const_i64(rec.values))
-        rec = rec.tail
     return out
 
 

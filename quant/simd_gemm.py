@@ -232,7 +232,8 @@ def _pack_plain(b: ir.IRBuilder, fmt: BlockDot, at, nrows, cols, tu, tdsc, tws) 
     mins = None
     for r0, n, stu, stdsc, stws in _sub_tiles(b, nrows, cols, tu, tdsc, tws, 1):      # 16 rows' streams at a time
         rows_v = lambda i, r0=r0: rows(b.add(i, r0))       # noqa: E731
-        for k, (rec, nb, v0, boff) in enumerate(row_pieces(b, fmt, cols)):
+        # (the groups of 4 serve the short rows of generation: here they only cost compile time)
+        for k, (rec, nb, v0, boff) in enumerate(row_pieces(b, fmt, cols, every_tail=False)):
             m = _pack_blocks(b, rec, rows_v, n, boff, nb, b.udiv(v0, _const_i64(16)), stu, stdsc, stws,
                              ahead=(lambda i, r0=r0: at(b.add(i, r0))) if k == 0 else None)
             assert mins is None or m == mins, fmt.name
