@@ -1021,7 +1021,8 @@ def token_accs(b: ir.IRBuilder, *elems: ir.Type) -> list:
 def _emit_row(b: ir.IRBuilder, fmt: BlockDot, row, act: Act, ntok, cols, vnni: bool):
     """The dots of one row of type fmt at pointer row with ntok (<= TMAX) activation rows:
     returns an alloca of TMAX f32, the first ntok filled.  A record with a `tail` (the legacy
-    types' groups of 8 blocks) finishes a row that is not a whole number of groups with it."""
+    types' groups of 8 blocks) finishes a row that is not a whole number of groups with its tails
+    (row_pieces: groups of 4, then single blocks)."""
     parts = [_blocks_loop(b, rec, b.gep(row, [boff]), b.udiv(v0, _const_i64(32)), nb, act, ntok, vnni)
              for rec, nb, v0, boff in row_pieces(b, fmt, cols)]
     res = b.alloca(ir.ArrayType(_F32, TMAX))
