@@ -44,7 +44,7 @@ def _rdot(kind, qtype, buf, base, stride, n, q, s, bs, b16, cols, k0, out, r):
 
 def _dot(kind, qtype, buf, q, s, bs, b16, cols, out):
     """One row (or group) at byte 0 times all rows of q."""
-    return _rdot(kind, qtype, buf, 0, 0, 1, q, s, bs, b16, cols, 0, out, 0)
+    return _rdot(kind, K.tag(qtype), buf, 0, 0, 1, q, s, bs, b16, cols, 0, out, 0)
 
 
 @njit(cache=True)
@@ -65,8 +65,9 @@ def test_long_loops_keep_the_stack_flat():
     code = ("import sys, numpy as np; sys.path.insert(0, %r)\n"
             "from test_block_dots import _many_calls, _act\n"
             "from quant.types import type_info\n"
+            "from quant.kernels import tag\n"
             "for name, generic in (('Q4_K', True), ('Q4_K_R4', False)):\n"
-            "    t = type_info(name).id; rb = t and type_info(name).row_bytes(256)\n"
+            "    t = tag(type_info(name).id); rb = type_info(name).row_bytes(256)\n"
             "    rng = np.random.default_rng(0); q, s, bs, b16, _ = _act(rng, 256, 8)\n"
             "    buf = np.zeros(4 * rb, np.uint8); out = np.zeros((8, 4), np.float32)\n"
             "    n = 4 if generic else 1\n"
@@ -307,7 +308,7 @@ def test_gemm_forms_are_what_the_kernels_pass(qtype):
     cols = 256 if r4 else SG.PLAIN_PACKS[qtype].values
     rb = type_info(qtype).row_bytes(cols) * (4 if r4 else 1)
     raw = _random_row(np.random.default_rng(qtype), qtype, rb) if not r4 else np.zeros(rb, np.uint8)
-    code = _pack_code(qtype, raw, rb, cols, r4)
+    code = _pack_code(K.tag(qtype), raw, rb, cols, r4)
     assert code != SG.NOT_PACKED
     assert (code == SG.PACKED_MINS) == mins
 
@@ -318,7 +319,7 @@ def test_mins32_is_what_the_packing_says(qtype):
     SCALE32 types whose packing reports mins (PACKED_MINS)."""
     fmt = SG.PLAIN_PACKS[qtype]
     raw = _random_row(np.random.default_rng(qtype), qtype, type_info(qtype).row_bytes(fmt.values))
-    code = _pack_code(qtype, raw, raw.size, fmt.values, False)
+    code = _pack_code(K.tag(qtype), raw, raw.size, fmt.values, False)
     assert code != SG.NOT_PACKED
     assert (code == SG.PACKED_MINS) == (qtype in SG.MINS32)
 
@@ -345,7 +346,7 @@ def test_tile_gemm_matches_decoder_on_random_bytes(qtype, form):
         buf, y = np.concatenate(rows), np.stack(ys)
         q, s, bs, b16, xa = _act(rng, cols, 15, fmt.act256)
         out = np.full((15, 53), np.nan, np.float32)
-        assert _gemm(form == "generic", qtype, buf, rb, 53, cols, q, s, b16, out, False, False, qtype in SG.SCALE32,
+        assert _gemm(form == "generic", K.tag(qtype), buf, rb, 53, cols, q, s, b16, out, False, False, qtype in SG.SCALE32,
                      fmt.act256)
         want, mag = xa @ y.T, np.abs(xa) @ np.abs(y).T
         assert np.all(np.abs(out - want) <= 2e-5 * mag + 1e-30), (cols, out, want)
@@ -440,7 +441,7 @@ def _check_interleaved_gemm(qtype, form, seed, col_list, ngroups):
         q, s, bs, b16, xa = _act(rng, cols, 15, act256)
         rows = il * ngroups
         out = np.full((15, rows), np.nan, np.float32)
-        assert _gemm(form == "generic", qtype, buf, grb // il, rows, cols, q, s, b16, out, il == 4, il == 8,
+        assert _gemm(form == "generic", K.tag(qtype), buf, grb // il, rows, cols, q, s, b16, out, il == 4, il == 8,
                      qtype in SG.SCALE32, act256)
         want, mag = xa @ y.T, np.abs(xa) @ np.abs(y).T
         assert np.all(np.abs(out - want) <= 2e-5 * mag + 1e-30), (cols, out, want)
@@ -501,7 +502,7 @@ def test_row_dots_over_a_run_of_rows(name, form):
 
 
 def _run_dot(kind, qtype, buf, base, stride, n, q, s, bs, b16, cols, out):
-    return _rdot(kind, qtype, buf, base, stride, n, q, s, bs, b16, cols, 1, out, 2)
+    return _rdot(kind, K.tag(qtype), buf, base, stride, n, q, s, bs, b16, cols, 1, out, 2)
 
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_0"])
