@@ -426,8 +426,8 @@ def _lookup_pieces(b: ir.IRBuilder, T, idx, hi=None):
 
 def _extra_offs(b: ir.IRBuilder, T, bits):
     """Level offsets 128 - shift * extra bit, per lane."""
-    n = bits.type.count
-    return b.sub(_cv([128] * n), b.mul(bits, _cv([T[1]] * n)))
+    n = bits.type.count      # bits are 0 / 1: -bits & shift, no vector multiply
+    return b.sub(_cv([128] * n), b.and_(b.sub(_cv([0] * n), bits), _cv([T[1]] * n)))
 
 
 _NIB16 = ([g >> 1 for g in range(16)], [4 * (g & 1) for g in range(16)])   # nibble g of 8 bytes

@@ -103,7 +103,9 @@ def _rebase(b: ir.IRBuilder, u32, off):
             return u32
         rep = ir.Constant(_vec(_I32, 8), [((LEVEL_OFF - off) & 255) * 0x01010101] * 8)
     else:
-        rep = b.mul(b.and_(b.sub(_cv([LEVEL_OFF] * 8), off), _cv([255] * 8)), _cv([0x01010101] * 8))
+        # each lane's low byte repeated through the lane: a byte shuffle, not a vector multiply
+        low = b.bitcast(b.sub(_cv([LEVEL_OFF] * 8), off), _vec(_I8, 32))
+        rep = b.bitcast(b.shuffle_vector(low, low, _cv([4 * (k // 4) for k in range(32)])), _vec(_I32, 8))
     v32 = _vec(_I8, 32)
     return b.bitcast(b.add(b.bitcast(u32, v32), b.bitcast(rep, v32)), _vec(_I32, 8))
 
