@@ -118,3 +118,32 @@ def test_deepseek_attention_on_gpu_experts_on_cpu_matches_cpu(make_model) -> Non
     # router's logits, the normed state for the routed experts, the final state for the CPU output.
     # Not one transfer per product: the attention's five products and the shared expert add none.
     assert (h2d, d2h) == (3, 3), (h2d, d2h)
+
+
+def test_moe_ffn_experts_on_gpu_with_pairs_sorted_by_expert(monkeypatch) -> None:
+    """A batch's MoE on GPU experts: the pairs go to the products sorted by expert (engine.ffn
+    sorts from _SORT_PAIRS pairs), and each result row keeps its pair's weight in the GPU's
+    combine: bit for bit the sums of the pairs in token order, and near the CPU's (whose
+    activations are Q8-rounded)."""
+    import engine.ffn as F
+    from engine.cuda_backend import upload_weights
+    from engine.device import to_host
+    from engine.ffn import MoEWeights, moe_ffn
+    from engine.hparams import GATING_SIGMOID
+    from quant.matmul import quantize_tensor
+    from quant.types import F32, Q8_0
+    rng = np.random.default_rng(4)
+    ne, nd, nf, T = 8, 64, 32, 20
+
+    def q(shape, t, s=1.0):
+        return quantize_tensor((rng.standard_normal(shape) * s).astype(np.float32), t)
+    m = MoEWeights(router=q((ne, nd), F32, 0.5), probs_bias=None, gate=q((ne, nf, nd), Q8_0),
+                   up=q((ne, nf, nd), Q8_0), down=q((ne, nd, nf), Q8_0, 0.5))
+    x = rng.standard_normal((T, nd)).astype(np.float32)
+    assert T * 4 >= F._SORT_PAIRS
+    ref = moe_ffn(x, m, 4, GATING_SIGMOID, True, 2.5)
+    gm, _ = upload_weights(m, lambda t: t.qtype == Q8_0)
+    got = to_host(moe_ffn(x, gm, 4, GATING_SIGMOID, True, 2.5))
+    monkeypatch.setattr(F, "_SORT_PAIRS", 1 << 62)
+    assert np.array_equal(to_host(moe_ffn(x, gm, 4, GATING_SIGMOID, True, 2.5)), got)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=3e-2 * np.abs(ref).max())

@@ -162,6 +162,23 @@ def test_moe_ffn_fused_equals_unfused_and_reference(qt, T, gating, bias):
     np.testing.assert_allclose(a[:20], ref, rtol=1e-3, atol=1e-4 * scale)
 
 
+@pytest.mark.parametrize("qt", [F32, Q8_0, "Q4_K"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_moe_ffn_pairs_sorted_by_expert_change_nothing(qt, fused, monkeypatch):
+    """A prompt's pairs go to the products sorted by expert (no scatter / gather between them):
+    bit for bit the result of the pairs in token order, on the kernel (GEMM) and tile paths."""
+    import engine.ffn as F
+    from quant.types import type_info
+    qt = type_info(qt).id if isinstance(qt, str) else qt
+    rng = np.random.default_rng(11)
+    m = _moe(rng, qt, n_embd=256, n_ff=256)
+    x = rng.standard_normal((200, 256)).astype(np.float32)
+    assert 200 * 4 >= F._SORT_PAIRS
+    sorted_ = moe_ffn(x, m, 4, GATING_SIGMOID, True, 2.5, fused=fused, ser=(2, 0.6))
+    monkeypatch.setattr(F, "_SORT_PAIRS", 1 << 62)
+    assert np.array_equal(moe_ffn(x, m, 4, GATING_SIGMOID, True, 2.5, fused=fused, ser=(2, 0.6)), sorted_)
+
+
 def _logit(p):
     p = np.asarray(p, dtype=np.float64)
     return np.log(p / (1 - p)).astype(np.float32)
