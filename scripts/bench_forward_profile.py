@@ -5,6 +5,7 @@ random tokens (after two untimed ones), as a sweep-bench row at N_KV 0 runs them
 
     python scripts/bench_forward_profile.py --model M [--batch 512] [--threads 2] [--reps 4]
     python scripts/bench_forward_profile.py --model M --tree /path/to/other/checkout
+    python scripts/bench_forward_profile.py --model M --depth 3584     (on top of 3584 cached tokens)
 
 --tree imports ikcli's packages from another checkout (a `git worktree` of an older commit): the
 same wrappers, so two trees' tables compare step by step.  Each wrapper costs ~1 us a call, which
@@ -44,6 +45,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument("--depth", type=int, default=0, help="cached tokens under the timed batch (a sweep-bench row's N_KV)")
     ap.add_argument("--tree", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     a = ap.parse_args()
     sys.path.insert(0, os.path.abspath(a.tree))
@@ -85,14 +87,18 @@ def main() -> None:
         if owner is not None and hasattr(owner, attr):
             wrap(owner, attr, f"{mod_name.split('.')[-1]}.{name}")
 
-    cfg = EngineConfig(a.model, n_ctx=max(1024, 2 * a.batch), n_batch=max(512, a.batch),
+    cfg = EngineConfig(a.model, n_ctx=max(1024, 2 * a.batch, a.depth + a.batch), n_batch=max(512, a.batch),
                        n_ubatch=max(512, a.batch), n_threads=a.threads, mla=3, flash_attn=True)
     ctx = Context(load_model(a.model, quiet_log, mla=3), cfg, quiet_log)
     rng = np.random.default_rng(0)
     n_vocab = ctx.model.hp.n_vocab
 
+    for d0 in range(0, a.depth, 512):      # the cached tokens, in ubatches
+        n = min(512, a.depth - d0)
+        ctx.decode(rng.integers(1, n_vocab, size=n, dtype=np.int32), logits_from=n - 1)
+
     def step() -> None:
-        ctx.clear()
+        ctx.seq_rm(a.depth, -1)
         ctx.decode(rng.integers(1, n_vocab, size=a.batch, dtype=np.int32), logits_from=a.batch - 1)
     step()
     step()
@@ -102,7 +108,7 @@ def main() -> None:
     for _ in range(a.reps):
         step()
     total = (time.perf_counter() - t0) / a.reps
-    print(f"{a.model}: decode of {a.batch} tokens, {a.threads} threads, tree {a.tree}: {total * 1e3:.2f} ms")
+    print(f"{a.model}: decode of {a.batch} tokens on {a.depth}, {a.threads} threads, tree {a.tree}: {total * 1e3:.2f} ms")
     print(f"{'function':38s} {'calls':>6s} {'us/call':>10s} {'ms/decode':>10s}")
     for k in sorted(self_t, key=lambda k: -self_t[k]):
         n = calls[k] / a.reps
