@@ -5,7 +5,7 @@ rows (an expert's share of a prompt is ~48 rows), one thread, in cache, best of 
 > /tmp/old_gemm.py`) both versions run in turns on the same inputs, and their outputs are compared.
 
     python scripts/bench_tile_gemm.py --types IQ4_XS,Q4_K,Q6_K [--rows 1536] [--cols 2048] [-n 48]
-                                      [--against /tmp/old_gemm.py] [--rounds 15] [--pack-only]
+                                      [--against /tmp/old_gemm.py] [--rounds 15] [--pack-only | --gemm-only]
 
 GFLOP/s counts 2 * rows * cols * n per pass (packing included).  Needs AVX512-VNNI for the form the
 engine uses (else both run the generic IR).
@@ -45,13 +45,14 @@ def _runner(mod):
     typed = hasattr(mod, "FORMS")       # the GEMM takes the qtype (its forms) since 32-row tiles
 
     @njit(nogil=True)
-    def run(qtype, buf, stride, rows, cols, q, s, b16, b32, c16, out, reps, per32, act256, use32, multiply):
+    def run(qtype, buf, stride, rows, cols, q, s, b16, b32, c16, out, reps, per32, act256, use32, multiply, repack):
         tu = np.empty(trows * cols, np.uint8)
         tdsc = np.empty(cols // 16 * trows, np.float32)
         tws = np.empty(cols // 16 * trows, np.float32)
         for _ in range(reps):
             for r0 in range(0, rows, trows):
-                code = pack(qtype, buf, r0 * stride, stride, trows, cols, tu, tdsc, tws)
+                if repack or r0 == 0:
+                    code = pack(qtype, buf, r0 * stride, stride, trows, cols, tu, tdsc, tws)
                 m = code == G.PACKED_MINS
                 bs = b32 if use32 and per32 and m else b16
                 if not multiply:
@@ -73,6 +74,7 @@ def main() -> None:
     ap.add_argument("--against", help="another simd_gemm.py to run in turns with this tree's")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--pack-only", action="store_true", help="time the packing alone (no products)")
+    ap.add_argument("--gemm-only", action="store_true", help="time the products alone (the first tile packed once)")
     a = ap.parse_args()
     if a.rows % 16 or a.cols % 256:
         sys.exit("--rows must be a multiple of 16 and --cols of 256")
@@ -93,16 +95,16 @@ def main() -> None:
         outs, best = {}, {}
         for k, (run, mins32) in runners.items():
             outs[k] = np.zeros((n, a.rows), np.float32)
-            run(qt, buf, stride, a.rows, cols, q, s, b16, b32, c16, outs[k], 1, p32, a256, ti.id in mins32, True)
+            run(qt, buf, stride, a.rows, cols, q, s, b16, b32, c16, outs[k], 1, p32, a256, ti.id in mins32, True, True)
             best[k] = float("inf")
         for _ in range(a.rounds):
             for k, (run, mins32) in runners.items():
                 t = time.perf_counter()
                 run(qt, buf, stride, a.rows, cols, q, s, b16, b32, c16, outs[k], 2, p32, a256, ti.id in mins32,
-                    not a.pack_only)
+                    not a.pack_only, not a.gemm_only)
                 best[k] = min(best[k], (time.perf_counter() - t) / 2)
         for k in runners:
-            rate = "packing only" if a.pack_only else f"{2 * a.rows * cols * n / best[k] / 1e9:5.0f} GFLOP/s"
+            rate = "packing only" if a.pack_only else "products only" if a.gemm_only else f"{2 * a.rows * cols * n / best[k] / 1e9:5.0f} GFLOP/s"
             print(f"{name:8s} {a.rows}x{cols} n={n} {k:>16s}: {best[k] * 1e3:7.3f} ms  {rate}")
         if len(outs) == 2:
             o = list(outs.values())
