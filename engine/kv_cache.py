@@ -90,9 +90,7 @@ class RowStore:
             return rows.view(np.float32)
         if out is None:
             out = np.empty((n, self.width), dtype=np.float32)
-        if self.qtype == F16:
-            np.copyto(out, rows.view(np.float16))
-        elif n:
+        if n:   # F16 too: NumPy's f16 -> f32 copy is scalar (4096 DeepSeek latent rows: 5.4 ms, 0.28 here)
             per = self.width // self.unit             # the units of a row lie one after the other
             dequant_rows(self.data.reshape(-1), tag(self.qtype), self.data.shape[1] // per,
                          np.arange(first * per, (first + n) * per, dtype=np.int64), self.unit, QK, F16_TO_F32,

@@ -119,6 +119,35 @@ def take_rows(x, rows: np.ndarray):
     return np.ascontiguousarray(x[rows])
 
 
+def heads_with_shared(x, n_first: int, shared):
+    """(n, H, n_first + m): each head's first n_first values of x (n, H, >= n_first), then the
+    row's shared values (n, m) (DeepSeek's decompressed keys: per-head nope part, the rope part
+    shared by all heads).  On the host one parallel pass (two NumPy assignments, a 50 MB
+    strided copy per layer at 4096 cells, ran on one thread)."""
+    n, H = x.shape[0], x.shape[1]
+    shape = (n, H, n_first + shared.shape[1])
+    if on_device(x) or on_device(shared):
+        out = empty_like_side(shape, x)
+        out[:, :, :n_first] = x[:, :, :n_first]
+        out[:, :, n_first:] = shared.reshape(n, 1, -1)
+        return out
+    out = np.empty(shape, dtype=np.float32)
+    _heads_with_shared(np.ascontiguousarray(x, dtype=np.float32), n_first,
+                       np.ascontiguousarray(shared, dtype=np.float32), out)
+    return out
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _heads_with_shared(x, n_first, shared, out):
+    m = shared.shape[1]
+    for c in prange(out.shape[0]):
+        for h in range(out.shape[1]):
+            for d in range(n_first):
+                out[c, h, d] = x[c, h, d]
+            for d in range(m):
+                out[c, h, n_first + d] = shared[c, d]
+
+
 def all_finite(x) -> bool:
     if on_device(x):
         return _gpu().all_finite(x)

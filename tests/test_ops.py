@@ -65,3 +65,32 @@ def test_parallel_row_gather_and_scatter():
     ref = np.zeros((60, 9), np.float32)
     ref[perm] = src
     assert np.array_equal(out, ref)
+
+
+@pytest.mark.parametrize("first", [0, 3, 128])
+def test_heads_with_shared_equals_numpy(first):
+    """DeepSeek's decompressed keys: each head's first values of x (a strided view too), then the
+    row's shared values."""
+    from engine.ops import heads_with_shared
+    rng = np.random.default_rng(first)
+    x = rng.standard_normal((37, 5, 256)).astype(np.float32)
+    shared = rng.standard_normal((37, 64)).astype(np.float32)
+    for xv in (x, x[:, :, 1:]):
+        got = heads_with_shared(xv, first, shared)
+        want = np.concatenate([xv[:, :, :first], np.broadcast_to(shared[:, None, :], (37, 5, 64))], axis=2)
+        assert got.shape == (37, 5, first + 64) and np.array_equal(got, want)
+
+
+def test_f16_cache_rows_read_as_numpy_converts_them():
+    """RowStore.read of an F16 store (the compiled decoder, not NumPy's scalar f16 copy): the same
+    f32 values, from any first row."""
+    from engine.kv_cache import RowStore
+    from quant.types import F16
+    rng = np.random.default_rng(2)
+    rs = RowStore(40, 96, F16)
+    vals = (rng.standard_normal((40, 96)) * 1e3).astype(np.float16)
+    vals[0, :4] = [np.inf, -np.inf, 6.1e-5, -0.0]
+    rs.data[:] = vals.view(np.uint8).reshape(40, -1)
+    for first, n in ((0, 40), (7, 20), (39, 1)):
+        got = rs.read(n, first=first)
+        assert np.array_equal(got.view(np.uint32), vals[first:first + n].astype(np.float32).view(np.uint32))

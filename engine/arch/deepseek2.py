@@ -30,7 +30,7 @@ from ..gguf_file import ModelFileError
 from ..hparams import HParams, rope_attn_factor, yarn_kq_scale
 from ..kv_cache import KVCache, LayerCache
 from ..linear import matmul, matmul_id
-from ..ops import contiguous, empty_like_side, rms_norm
+from ..ops import contiguous, empty_like_side, heads_with_shared, rms_norm
 from ..rope import apply_rope
 from .common import (Head, RunOptions, UBatch, cached_attention, check_moe_shapes, rope_tables, rotate_key_rows,
                      shift_rope_tables)
@@ -225,7 +225,7 @@ class DeepSeek2Arch:
         from ..flash_attn import flash_attn_rows
         hp = self.hp
         T, H, dk = q.shape
-        dv, lora, rope, nope = hp.n_embd_head_v, hp.kv_lora_rank, hp.n_rot, self.nope
+        dv, lora, nope = hp.n_embd_head_v, hp.kv_lora_rank, self.nope
         cached = lc.k.read(n_kv)
         c_all = contiguous(cached[:, :lora])
         k_pe = contiguous(cached[:, lora:])
@@ -237,9 +237,7 @@ class DeepSeek2Arch:
             h1 = min(H, h0 + hs)
             w_part = wkv_b.row_block(h0 * per, h1 * per)
             kv = matmul(w_part, c_all).reshape(n_kv, h1 - h0, per)
-            k = empty_like_side((n_kv, h1 - h0, dk), kv)
-            k[:, :, :nope] = kv[:, :, :nope]
-            k[:, :, nope:] = k_pe.reshape(n_kv, 1, rope)
+            k = heads_with_shared(kv, nope, k_pe)
             v = kv[:, :, nope:]              # (flash_attn_rows makes its one copy)
             out[:, h0:h1] = flash_attn_rows(contiguous(q[:, h0:h1]), k, v, cell_pos[:n_kv], q_pos, self.kq_scale)
         return out
