@@ -397,8 +397,9 @@ def flash_attn(q: np.ndarray, k: RowStore, v: "RowStore | HeadRows | None", n_kv
     q (T, H, dk) f32 -> (T, H, dv) f32.  k rows hold n_head_kv heads of dk values (head-major),
     v rows n_head_kv heads of dv values; v None: V is the first dv values of each K head
     (MLA latent cache); HeadRows: computed values, head-major (the BLAS path only).  Query head
-    h uses kv head h // (H // n_head_kv).  A query that sees no cell gets zeros.  block: cells per tile of the BLAS path (default CELL_TILE); path:
-    None (choose by size with use_kernel_path), "kernel" or "blas".
+    h uses kv head h // (H // n_head_kv).  A query that sees no cell gets zeros.  block: cells per
+    tile of the BLAS path (default CELL_TILE); path: None (choose by size with use_kernel_path),
+    "kernel" or "blas".
     """
     if k.device != "CPU":               # the cache is in GPU memory: attend there
         from . import cuda_backend

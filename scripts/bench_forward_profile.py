@@ -8,9 +8,10 @@ random tokens (after two untimed ones), as a sweep-bench row at N_KV 0 runs them
     python scripts/bench_forward_profile.py --model M --depth 3584     (on top of 3584 cached tokens)
 
 --tree imports ikcli's packages from another checkout (a `git worktree` of an older commit): the
-same wrappers, so two trees' tables compare step by step.  Each wrapper costs ~1 us a call, which
-the one-token rows show.  Functions are wrapped by name where they are looked up at call time
-(module attributes); a name a tree does not have is skipped.
+same wrappers, so two trees' tables compare step by step.  Functions are replaced by their wrappers
+as module attributes, in WRAP's order, before the engine's modules are imported: a name that a later
+module imports from an earlier one (engine.flash_attn's gemm and gemm_t) is the wrapped one.  A name
+a tree does not have is skipped.  Each wrapper costs ~1 us a call, which the one-token rows show.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ WRAP = [
     ("quant.kernels", "group_pairs"),
     ("quant.matmul", "matmul"), ("quant.matmul", "matmul_id"), ("quant.matmul", "moe_up_gate"),
     ("quant.matmul", "up_gate"), ("quant.matmul", "get_rows"), ("quant.matmul", "_quantize_act"),
-    ("quant.matmul", "_gather"), ("quant.matmul", "_few_pairs"), ("quant.gemm", "gemm"),
+    ("quant.matmul", "_gather"), ("quant.matmul", "_few_pairs"), ("quant.gemm", "gemm"), ("quant.gemm", "gemm_t"),
     ("engine.ffn", "moe_ffn"), ("engine.ffn", "route"), ("engine.ffn", "weighted_row_sums"),
     ("engine.ffn", "ffn_silu"),
     ("engine.flash_attn", "flash_attn"), ("engine.flash_attn", "flash_attn_rows"),

@@ -6,6 +6,11 @@ rows (an expert's share of a prompt is ~48 rows), one thread, in cache, best of 
 
     python scripts/bench_tile_gemm.py --types IQ4_XS,Q4_K,Q6_K [--rows 1536] [--cols 2048] [-n 48]
                                       [--against /tmp/old_gemm.py] [--rounds 15] [--pack-only | --gemm-only]
+                                      [--workers 2]
+
+--workers N runs N threads at once, each packing and multiplying its own copy of the matrix: a
+matrix that fits each core's L2 shows whether the cores slow each other down (past L2 they did,
+10-25 % on the 2-core test VM; in L2 they did not).
 
 GFLOP/s counts 2 * rows * cols * n per pass (packing included).  Needs AVX512-VNNI for the form the
 engine uses (else both run the generic IR).
@@ -21,7 +26,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
-from numba import njit  # noqa: E402
+import numba  # noqa: E402
+from numba import njit, prange  # noqa: E402
 
 import quant.simd_gemm as G  # noqa: E402
 from quant.kernels import _GEMM_ACT256, _GEMM_SCALE32, tag  # noqa: E402
@@ -62,7 +68,13 @@ def _runner(mod):
                          qtype)
                 else:
                     gemm(tu, tdsc, tws, cols // 16, q, s, bs, c16, 0, q.shape[0], out, r0, trows, per32, m, act256)
-    return run, mins32
+    @njit(nogil=True, parallel=True)
+    def workers(nw, qtype, bufs, stride, rows, cols, q, s, b16, b32, c16, outs, reps, per32, act256, use32, multiply,
+                repack):
+        for w in prange(nw):        # each worker its own copy of the matrix
+            run(qtype, bufs[w], stride, rows, cols, q, s, b16, b32, c16, outs[w], reps, per32, act256, use32,
+                multiply, repack)
+    return run, mins32, workers
 
 
 def main() -> None:
@@ -73,13 +85,20 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=48, help="activation rows")
     ap.add_argument("--against", help="another simd_gemm.py to run in turns with this tree's")
     ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--pack-only", action="store_true", help="time the packing alone (no products)")
-    ap.add_argument("--gemm-only", action="store_true", help="time the products alone (the first tile packed once)")
+    only = ap.add_mutually_exclusive_group()
+    only.add_argument("--pack-only", action="store_true", help="time the packing alone (no products)")
+    only.add_argument("--gemm-only", action="store_true", help="time the products alone (the first tile packed once)")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="threads each packing and multiplying its own copy of the matrix at once (time per worker)")
     a = ap.parse_args()
     if a.rows % 16 or a.cols % 256:
         sys.exit("--rows must be a multiple of 16 and --cols of 256")
     mods = {"this tree": G} | ({os.path.basename(a.against): _load(a.against, 0)} if a.against else {})
     runners = {k: _runner(m) for k, m in mods.items()}
+    nw = a.workers
+    if nw < 1:
+        sys.exit("--workers must be at least 1")
+    numba.set_num_threads(min(nw, numba.config.NUMBA_NUM_THREADS))
     rng = np.random.default_rng(0)
     n, cols = a.n, a.cols
     q = rng.integers(-127, 128, (n, cols), dtype=np.int8)
@@ -91,23 +110,28 @@ def main() -> None:
         ti = type_info(name)
         w = quantize_tensor(rng.standard_normal((a.rows, cols), dtype=np.float32), ti.id, None).data
         buf, stride, qt = np.ascontiguousarray(w).reshape(-1), w.shape[1], tag(ti.id)
+        bufs = np.stack([buf] * nw)         # separate memory per worker
         p32, a256 = bool(_GEMM_SCALE32[ti.id]), bool(_GEMM_ACT256[ti.id])
         outs, best = {}, {}
-        for k, (run, mins32) in runners.items():
-            outs[k] = np.zeros((n, a.rows), np.float32)
-            run(qt, buf, stride, a.rows, cols, q, s, b16, b32, c16, outs[k], 1, p32, a256, ti.id in mins32, True, True)
+        for k, (run, mins32, work) in runners.items():
+            outs[k] = np.zeros((nw, n, a.rows), np.float32)
+            work(nw, qt, bufs, stride, a.rows, cols, q, s, b16, b32, c16, outs[k], 1, p32, a256, ti.id in mins32,
+                 True, True)
             best[k] = float("inf")
+        reps = max(2, -(-(8 << 20) // (a.rows * cols)))     # passes per timing: the pool's start-up well below 1 %
         for _ in range(a.rounds):
-            for k, (run, mins32) in runners.items():
+            for k, (run, mins32, work) in runners.items():
                 t = time.perf_counter()
-                run(qt, buf, stride, a.rows, cols, q, s, b16, b32, c16, outs[k], 2, p32, a256, ti.id in mins32,
-                    not a.pack_only, not a.gemm_only)
-                best[k] = min(best[k], (time.perf_counter() - t) / 2)
+                work(nw, qt, bufs, stride, a.rows, cols, q, s, b16, b32, c16, outs[k], reps, p32, a256,
+                     ti.id in mins32, not a.pack_only, not a.gemm_only)
+                best[k] = min(best[k], (time.perf_counter() - t) / reps)
         for k in runners:
-            rate = "packing only" if a.pack_only else "products only" if a.gemm_only else f"{2 * a.rows * cols * n / best[k] / 1e9:5.0f} GFLOP/s"
-            print(f"{name:8s} {a.rows}x{cols} n={n} {k:>16s}: {best[k] * 1e3:7.3f} ms  {rate}")
+            rate = ("packing only" if a.pack_only else "products only" if a.gemm_only
+                    else f"{2 * a.rows * cols * n / best[k] / 1e9:5.0f} GFLOP/s")
+            who = f", {nw} workers (ms each)" if nw > 1 else ""
+            print(f"{name:8s} {a.rows}x{cols} n={n} {k:>16s}: {best[k] * 1e3:7.3f} ms  {rate}{who}")
         if len(outs) == 2:
-            o = list(outs.values())
+            o = [v[0] for v in outs.values()]
             print(f"{'':8s} outputs: {'identical' if np.array_equal(o[0], o[1]) else 'max difference %.3g' % float(np.abs(o[0] - o[1]).max())}")
 
 

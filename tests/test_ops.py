@@ -89,7 +89,7 @@ def test_f16_cache_rows_read_as_numpy_converts_them():
     rng = np.random.default_rng(2)
     rs = RowStore(40, 96, F16)
     vals = (rng.standard_normal((40, 96)) * 1e3).astype(np.float16)
-    vals[0, :4] = [np.inf, -np.inf, 6.1e-5, -0.0]
+    vals[0, :6] = [np.inf, -np.inf, 6.1e-5, -0.0, 3e-6, -6e-8]      # and two subnormals
     rs.data[:] = vals.view(np.uint8).reshape(40, -1)
     for first, n in ((0, 40), (7, 20), (39, 1)):
         got = rs.read(n, first=first)
