@@ -175,12 +175,16 @@ def _halves_shr(b: ir.IRBuilder, v, k0: int, k1: int, mask: int):
     return b.and_(b.bitcast(w, _V64), _c(mask, 64))
 
 
-def _bitlanes(b: ir.IRBuilder, word, n: int = 32):
-    """Bit i of the i32 `word` in byte lane i (0 or 1), i < n."""
-    w = b.shuffle_vector(b.insert_element(ir.Constant(_vec(_I32, 1), None), word, ir.Constant(_I32, 0)),
-                         ir.Constant(_vec(_I32, 1), None), ir.Constant(_vec(_I32, n), [0] * n))
-    sh = b.lshr(w, ir.Constant(_vec(_I32, n), list(range(n))))
-    return b.trunc(b.and_(sh, ir.Constant(_vec(_I32, n), [1] * n)), _vec(_I8, n))
+def _bit_bytes(b: ir.IRBuilder, p, off, val: int):
+    """Bit i of the 4 bytes at p + off (little-endian: byte i // 8, bit i % 8) as `val` or 0 in
+    byte lane i of 32: each byte repeated 8 times (one byte shuffle), tested against its lane's
+    bit.  Broadcasting the word to 32 i32 lanes, shifting, masking and narrowing cost ~8 instructions a
+    block, this ~3 (vpshufb, vptestmb, a masked move): bench_row_dots.py, 2048 x 4096, one
+    token, one thread, Q5_0 ~305 -> ~215 us."""
+    v = _ld(b, p, off, 4)
+    rep = b.shuffle_vector(v, v, _cv([i // 8 for i in range(32)]))
+    hit = b.icmp_unsigned("!=", b.and_(rep, ir.Constant(_V32, [1 << (i % 8) for i in range(32)])), _c(0))
+    return b.select(hit, _c(val), _c(0))
 
 
 def _tab16(table: np.ndarray, off: int) -> ir.Constant:
@@ -253,6 +257,8 @@ class BlockDot:
     # of a two-source permute per vector putting the levels in value order (bench_row_dots.py,
     # 2048 x 4096, one token, one thread: IQ4_XS 131 -> 115 us, IQ4_K 139 -> 121, IQ4_KS 111 -> 92)
     planes: bool = False
+    # the row dots' unpack where it differs from the packing's (quant.simd_gemm): None for unpack
+    dot_unpack: "Callable | None" = None
 
     @property
     def meta(self) -> int:
@@ -551,20 +557,27 @@ def _unpack_q4_1(b: ir.IRBuilder, p) -> Block:
 
 
 def _unpack_q5_0(b: ir.IRBuilder, p) -> Block:
-    u = b.or_(_nib32(b, p, 6), b.shl(_bitlanes(b, _u32(b, p, 2)), _c(4)))
+    u = b.or_(_nib32(b, p, 6), _bit_bytes(b, p, 2, 16))
     return Block(_f16(b, p, 0), [u], _ONE2, 16)
 
 
 def _unpack_q5_1(b: ir.IRBuilder, p) -> Block:
-    u = b.or_(_nib32(b, p, 8), b.shl(_bitlanes(b, _u32(b, p, 4)), _c(4)))
+    u = b.or_(_nib32(b, p, 8), _bit_bytes(b, p, 4, 16))
     return Block(_f16(b, p, 0), [u], _ONE2, 0, _f16(b, p, 2), _ONE2)
 
 
 def _unpack_q6_0(b: ir.IRBuilder, p) -> Block:
+    # value j < 16 takes bits 4 (j // 8) .. +1 of qh[j % 8], value 16 + j the two above them, as
+    # bits 4..5: each half of the lanes is shifted by a constant and the halves blended (a per-byte
+    # variable shift has no x86 instruction)
     qh = _ld(b, p, 2, 8)
-    h16 = b.lshr(b.shuffle_vector(qh, qh, ir.Constant(_vec(_I32, 16), [j % 8 for j in range(16)])),
-                 ir.Constant(_V16, [0] * 8 + [4] * 8))
-    h = _cat(b, b.and_(b.shl(h16, _c(4, 16)), _c(0x30, 16)), b.and_(b.shl(h16, _c(2, 16)), _c(0x30, 16)))
+    t = b.shuffle_vector(qh, qh, _cv([j % 8 for j in range(32)]))
+    m = _c(0x30, 32)
+    up4, same = b.and_(b.shl(t, _c(4)), m), b.and_(t, m)
+    up2, down2 = b.and_(b.shl(t, _c(2)), m), b.and_(b.lshr(t, _c(2)), m)
+    lanes = list(range(8)) + list(range(40, 48)) + list(range(16, 24)) + list(range(56, 64))
+    h = b.shuffle_vector(b.shuffle_vector(up4, up2, _cv(list(range(16)) + list(range(32, 48)))),
+                         b.shuffle_vector(same, down2, _cv(list(range(16)) + list(range(32, 48)))), _cv(lanes))
     return Block(_f16(b, p, 0), [b.or_(_nib32(b, p, 10), h)], _ONE2, 32)
 
 
@@ -891,13 +904,23 @@ def _from_simd(unpack: Callable, off: int) -> Callable:
     return f
 
 
-def _grouped(one: BlockDot, n: int = 8) -> BlockDot:
+def _f16s(b: ir.IRBuilder, p, off: int, stride: int, n: int):
+    """The f16 at p + off + i * stride, i < n, as <n x f32>: one vector conversion (vcvtph2ps)
+    instead of n scalar ones and their inserts."""
+    h = ir.Constant(_vec(_I16, n), None)
+    for i in range(n):
+        x = b.load(b.bitcast(_gep(b, p, off + i * stride), _I16.as_pointer()), align=1)
+        h = b.insert_element(h, x, ir.Constant(_I32, i))
+    return b.fpext(b.bitcast(h, _vec(ir.HalfType(), n)), _vec(_F32, n))
+
+
+def _grouped(one: BlockDot, n: int = 8, f16_d: tuple = ()) -> BlockDot:
     """n consecutive 32-value blocks as one block of the template, each with its own d (and dm):
     a block's fixed costs are paid once per 256 values instead of per 32 (measured at one
     block per pass: 2.5-6x Q8_0's time at one token); a row's last blocks go through groups of 4,
     then `one` (the 128-value rows of DeepSeek's per-head attn_k_b, where a type falls back to
     Q5_0 / IQ4_NL: 16 heads x 512 x 128 of Q5_0, one token, one thread, 162 -> 102 us; Q8_0 60)."""
-    def unpack(b: ir.IRBuilder, p) -> Block:
+    def unpack(b: ir.IRBuilder, p, vec_d: bool = False) -> Block:
         parts = [one.unpack(b, _gep(b, p, i * one.nbytes)) for i in range(n)]
         def vec(vals):
             v = ir.Constant(_vec(_F32, n), None)
@@ -906,19 +929,26 @@ def _grouped(one: BlockDot, n: int = 8) -> BlockDot:
             return v
         ones = _cv([1] * (2 * n))
         mins = ones if parts[0].mins is not None else None
-        dm = vec([q.dm for q in parts]) if mins is not None else None
-        return Block(vec([q.d for q in parts]), [q.us[0] for q in parts], ones, parts[0].off, dm, mins)
+        d = _f16s(b, p, f16_d[0], one.nbytes, n) if vec_d else vec([q.d for q in parts])
+        dm = None if mins is None else _f16s(b, p, f16_d[1], one.nbytes, n) if vec_d else vec([q.dm for q in parts])
+        return Block(d, [q.us[0] for q in parts], ones, parts[0].off, dm, mins)
+    # f16_d: the byte offsets of d (and dm) when the type stores them as f16.  The row dots then
+    # convert the n of them as one vector (bench_row_dots.py, 2048 x 4096, one token, one thread:
+    # Q4_1 203 -> 173 us, Q5_1 254 -> 227, Q5_0 214 -> 195, IQ4_NL 170 -> 162); the GEMM's
+    # packing keeps the scalar conversions (with the vector one: Q4_1 0.142 -> 0.155 ms,
+    # bench_tile_gemm.py --pack-only)
+    dot = (lambda b, p: unpack(b, p, True)) if f16_d else None
     return BlockDot(one.name, n * one.values, n * one.nbytes, one.off, unpack, one.row_scale,
-                    tail=_grouped(one, n // 2) if n > 4 else one, scale32=one.scale32)
+                    tail=_grouped(one, n // 2, f16_d) if n > 4 else one, scale32=one.scale32, dot_unpack=dot)
 
 
 # type id -> record (ids: quant.types)
 BLOCK_DOTS: dict[int, BlockDot] = {
-    3: _grouped(BlockDot("Q4_1", 32, 20, 0, _unpack_q4_1, scale32=True)),
-    6: _grouped(BlockDot("Q5_0", 32, 22, 16, _unpack_q5_0, scale32=True)),
-    7: _grouped(BlockDot("Q5_1", 32, 24, 0, _unpack_q5_1, scale32=True)),
-    20: _grouped(BlockDot("IQ4_NL", 32, 18, 128, _unpack_iq4_nl, scale32=True)),
-    133: _grouped(BlockDot("Q6_0", 32, 26, 32, _unpack_q6_0, scale32=True)),
+    3: _grouped(BlockDot("Q4_1", 32, 20, 0, _unpack_q4_1, scale32=True), f16_d=(0, 2)),
+    6: _grouped(BlockDot("Q5_0", 32, 22, 16, _unpack_q5_0, scale32=True), f16_d=(0,)),
+    7: _grouped(BlockDot("Q5_1", 32, 24, 0, _unpack_q5_1, scale32=True), f16_d=(0, 2)),
+    20: _grouped(BlockDot("IQ4_NL", 32, 18, 128, _unpack_iq4_nl, scale32=True), f16_d=(0,)),
+    133: _grouped(BlockDot("Q6_0", 32, 26, 32, _unpack_q6_0, scale32=True), f16_d=(0,)),
     39: _grouped(BlockDot("MXFP4", 32, 17, 128, _unpack_mxfp4, scale32=True)),
     16: BlockDot("IQ2_XXS", 256, 66, _OFF_GRID, _unpack_iq2_xxs, scale32=True, act256=True),
     17: BlockDot("IQ2_XS", 256, 74, _OFF_GRID, _unpack_iq2_xs, act256=True),
@@ -1076,7 +1106,7 @@ def _blocks_loop(b: ir.IRBuilder, fmt: BlockDot, blocks, sub0, nb, act: Act, nto
         ib = loop.index
         bp = b.gep(blocks, [b.mul(ib, _const_i64(fmt.nbytes))])
         prefetch(b, bp, PREFETCH_BYTES, fmt.nbytes)
-        blk = fmt.unpack(b, bp, wide=True) if vnni and fmt.wide else fmt.unpack(b, bp)
+        blk = fmt.unpack(b, bp, wide=True) if vnni and fmt.wide else (fmt.dot_unpack or fmt.unpack)(b, bp)
         prep = _block_prep(b, blk, nsub, vnni)
         k0 = b.add(sub0, b.mul(ib, _const_i64(nsub)))
         with cgutils.for_range(b, ntok) as tl:
