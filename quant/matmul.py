@@ -55,7 +55,7 @@ from .blas_threads import get_blas_threads, set_blas_threads
 from . import reference
 from .tensor import QTensor, f32_qtensor
 from . import registry
-from .types import BF16, F16, F32, type_info
+from .types import BF16, F16, F32, interleaved_form, type_info
 from .typetag import QType
 from .kernels import tag
 
@@ -125,14 +125,48 @@ class _View(NamedTuple):
 
 
 def _view(w: QTensor) -> _View:
-    """A 2-D (rows, row_bytes) or 3-D (expert, rows, row_bytes) tensor as one byte buffer, not
-    copied unless a row is not one contiguous run of bytes, or a spacing is negative or
-    misaligned for the type's elements.  Kept on the QTensor: token generation calls ~100
-    matmuls per token and building the view cost ~20 us each (2.5 ms a token on the 1B model)."""
+    """A 2-D (rows, row_bytes) or 3-D (expert, rows, row_bytes) tensor as the products take it: one
+    byte buffer, not copied unless a row is not one contiguous run of bytes, or a spacing is
+    negative or misaligned for the type's elements, or the rows are short (_short_rows_form).
+    Kept on the QTensor: token generation calls ~100 matmuls per token and building the view
+    cost ~20 us each (2.5 ms a token on the 1B model)."""
     v = w.__dict__.get("_kernel_view")
     if v is None or v[0] is not w.data:
-        v = (w.data, _make_view(w))
+        v = (w.data, _short_rows_form(_make_view(w)))
         w.__dict__["_kernel_view"] = v
+    return v[1]
+
+
+# Q8_0 / Q4_0 matrices whose rows hold at most this many values are multiplied in their _R8 form,
+# repacked once into the view (a copy in memory: DeepSeek's per-head attn_k_b, 128 values a row,
+# and attn_v_b, 512).  The plain row dots pay a reduction and a store per row, which short rows
+# do not amortize; the _R8 kernels finish 8 rows together.  scripts/bench_matmul.py, one token,
+# one thread: Q8_0 8192 x 128 43 against Q8_0_R8 87 GFLOP/s, Q4_0 42 / 96, Q8_0 2048 x 512
+# 64 / 112.  Only with VNNI, where this was measured.
+SHORT_ROWS = 512
+_SHORT_R8 = {t: f.id for t in _Q8_SIMD if (f := interleaved_form(t)) is not None and f.interleave == 8
+             and has_interleaved_kernel(f.id)}      # plain type id -> its _R8 type id
+
+
+def _short_rows_form(v: _View) -> _View:
+    r8 = _SHORT_R8.get(v.qtype)
+    if r8 is None or not K.HAS_GEMM or v.cols > SHORT_ROWS or v.rows % 8 or v.rows == 0:
+        return v
+    from .interleaved import repack
+    n = v.n_expert * v.rows
+    rows = np.lib.stride_tricks.as_strided(v.buf, shape=(v.n_expert, v.rows, v.row_bytes),
+                                           strides=(v.estride, v.stride, 1)).reshape(n, v.row_bytes)
+    raw = repack(rows, v.qtype, n, v.cols, r8)
+    shape = (v.n_expert, v.rows, v.cols) if v.n_expert > 1 else (v.rows, v.cols)
+    return _make_view(QTensor(raw.reshape(*shape[:-1], raw.shape[-1]), r8, shape))
+
+
+def _plain_view(w: QTensor) -> _View:
+    """The view of w in its own layout (what get_rows reads), kept on the QTensor as _view's."""
+    v = w.__dict__.get("_plain_view")
+    if v is None or v[0] is not w.data:
+        v = (w.data, _make_view(w))
+        w.__dict__["_plain_view"] = v
     return v[1]
 
 
@@ -203,7 +237,7 @@ def _rows_view(w: QTensor) -> tuple[np.ndarray, int, int, int, int]:
     """(buf, stride, rows, cols, qtype) of a 2-D weight tensor in the kernels' calling convention
     (qtype: the view's, the plain type for an unpacked _R4/_R8 tensor)."""
     _need_2d(w)
-    v = _view(w)
+    v = _plain_view(w)
     return v.buf, v.stride, v.rows, v.cols, v.qtype
 
 

@@ -182,7 +182,7 @@ def test_matmul_runs_every_r_type_like_its_plain_type(name):
     from quant.tensor import QTensor
     ti = type_info(name)
     rng = np.random.default_rng(ti.id)
-    E, rows, cols = 2, 16, 512
+    E, rows, cols = 2, 16, 768      # past quant.matmul.SHORT_ROWS: the plain Q8_0 / Q4_0 rows stay plain
     x = rng.standard_normal((E * rows, cols)).astype(np.float32)
     raw = reference.quantize(x, ti.id).reshape(E, rows, -1)
     pt = il.plain_type(ti.id)
@@ -198,3 +198,44 @@ def test_matmul_runs_every_r_type_like_its_plain_type(name):
         ids = rng.integers(0, E, n)
         want = M.matmul_id(wp, a, ids, np.arange(n))
         assert np.allclose(M.matmul_id(wr, a, ids, np.arange(n)), want, rtol=0, atol=2e-5 * scale)
+
+
+@pytest.mark.parametrize("qt", ["Q8_0", "Q4_0"])
+def test_short_rows_are_multiplied_in_r8_form(qt, monkeypatch):
+    """Q8_0 / Q4_0 matrices of rows <= quant.matmul.SHORT_ROWS values (DeepSeek's per-head attn_k_b /
+    attn_v_b) go to the products in their _R8 form (with VNNI): the view holds the repacked bytes,
+    2-D and 3-D (per head) alike; products equal the plain kernels' within f32 rounding and the
+    dequantized reference within the activations' quantization; get_rows still reads the plain
+    rows; row counts that are not a multiple of 8 and longer rows stay plain."""
+    from quant import kernels as K
+    from quant import matmul as M
+    from quant.tensor import QTensor
+    tid = type_info(qt).id
+    r8 = interleaved_form(tid).id
+    rng = np.random.default_rng(tid)
+    cases = [((16, 128), True), ((4, 16, 64), True), ((3, 8, 512), True), ((12, 128), False),
+             ((16, M.SHORT_ROWS + 32), False)]
+    for shape, short in cases:
+        x = rng.standard_normal(shape).astype(np.float32)
+        raw = reference.quantize(x.reshape(-1, shape[-1]), tid)
+        w = QTensor(raw.reshape(*shape[:-1], -1), tid, shape)
+        assert M._view(w).qtype == (r8 if short and K.HAS_GEMM else tid), shape
+        monkeypatch.setattr(M, "_SHORT_R8", {})
+        plain = QTensor(raw.reshape(*shape[:-1], -1), tid, shape)     # a fresh view: the plain kernels
+        assert M._view(plain).qtype == tid
+        monkeypatch.undo()
+        deq = M.dequantize(plain).reshape(-1, shape[-2], shape[-1])
+        for n in (1, 5, 40):
+            a = rng.standard_normal((n, shape[-1])).astype(np.float32)
+            if len(shape) == 2:
+                got, want, ref = M.matmul(w, a), M.matmul(plain, a), a @ deq[0].T
+            else:
+                ids = rng.integers(0, shape[0], n)
+                got, want = M.matmul_id(w, a, ids, np.arange(n)), M.matmul_id(plain, a, ids, np.arange(n))
+                ref = np.einsum("nc,nrc->nr", a, deq[ids])
+            scale = float(np.abs(ref).max())
+            assert np.allclose(got, want, rtol=0, atol=2e-5 * scale), (shape, n)
+            assert np.allclose(got, ref, rtol=0, atol=2e-2 * scale), (shape, n)
+        if len(shape) == 2:
+            ids = np.array([3, 0, 15 if shape[0] > 15 else 1])
+            assert np.array_equal(M.get_rows(w, ids), deq[0][ids])

@@ -80,9 +80,10 @@ def test_matmul_id_and_moe_up_gate_match_numpy(qt, case):
 
 @pytest.mark.parametrize("qt", [F16, Q8_0, Q4_0])
 def test_matmul_id_interleaved_experts_read_in_place(qt):
-    """Expert tensors whose rows are stored (rows, expert, bytes): no copy, same results."""
+    """Expert tensors whose rows are stored (rows, expert, bytes): no copy, same results (rows
+    longer than quant.matmul.SHORT_ROWS: shorter Q8_0 / Q4_0 rows are repacked by design)."""
     rng = np.random.default_rng(2)
-    E, N, K = 4, 24, 64
+    E, N, K = 4, 24, M.SHORT_ROWS + 64
     w = _qt(rng, (E, N, K), qt)
     big = np.ascontiguousarray(w.data.transpose(1, 0, 2))
     big.flags.writeable = False
