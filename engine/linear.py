@@ -3,7 +3,7 @@
 A product runs where its weight lives: quant.matmul on the CPU, engine.cuda_backend for a weight
 placed on the GPU (-ngl / -ot ...=CUDA0); a GPU activation reaching a CPU weight comes down first.
 
-Thin wrappers of quant.matmul's matmul, matmul_id, moe_up_gate and up_gate: the architectures
+Thin wrappers of quant.matmul's matmul, matmul_id, matmul_heads, moe_up_gate and up_gate: the architectures
 import them from here, so a tool can watch every product of a weight tensor with its
 activations (llama-imatrix's eval callback) without the architectures knowing.  With no
 observer set a call costs one extra Python call and one `if`.
@@ -72,6 +72,16 @@ def matmul_id(w: QTensor, x: np.ndarray, ids: np.ndarray, x_rows: np.ndarray) ->
     if w.device != "CPU":
         return _gpu().matmul_id(w, x, ids, x_rows)
     return _mm.matmul_id(w, to_host(x), ids, x_rows)
+
+
+def matmul_heads(w: QTensor, x: np.ndarray) -> np.ndarray:
+    """y[t, h] = W[h] x[t, h] for W (H, N, K) and x (T, H, K).  Observers and the GPU see it as the
+    mul_mat_id it is in pairs: head h of token t is pair (h, row t * H + h)."""
+    T, H, K = x.shape
+    if _observer is not None or w.device != "CPU":
+        ids = np.tile(np.arange(H, dtype=np.int64), T)
+        return matmul_id(w, x.reshape(T * H, K), ids, np.arange(T * H, dtype=np.int64)).reshape(T, H, -1)
+    return _mm.matmul_heads(w, to_host(x))
 
 
 def moe_up_gate(gate: QTensor, up: QTensor, x: np.ndarray, ids: np.ndarray, x_rows: np.ndarray) -> np.ndarray:

@@ -449,6 +449,29 @@ def matmul_id(w: QTensor, x: np.ndarray, ids: np.ndarray, x_rows: np.ndarray) ->
     return _mul_id(_view(w), None, x, ids, x_rows)
 
 
+def matmul_heads(w: QTensor, x: np.ndarray) -> np.ndarray:
+    """y[t, h] = W[h] @ x[t, h] for W (H, rows, cols) and x (T, H, cols): a product batched over
+    heads (DeepSeek's absorbed attn_k_b / attn_v_b); returns (T, H, rows) f32.  One token goes
+    to the pair kernels directly, head h as pair h (matmul_id's plan for that case, without its
+    grouping pass and gathers: ~14 us a call in token generation); more tokens are matmul_id's
+    pairs (h, row t * H + h)."""
+    v = _view(w)
+    T, H, cols = x.shape
+    if v.n_expert != H:
+        raise ValueError(f"{H} heads of activations for a weight of {v.n_expert} heads")
+    x2 = _as_act(x.reshape(T * H, cols), v.cols)
+    if T == 1 and H < len(_RANGES) and v.qtype in K.INT_DOT_TYPES and _fused_act(v.qtype, x2, 1):
+        out = np.empty((H, v.rows), dtype=np.float32)
+        K.matvec_act(v.tag, v.buf, v.estride, v.stride, v.buf, v.estride, v.stride, False, v.rows, v.cols, K.QK,
+                     K.F16_TO_F32, x2, v.qtype not in _Q8_SIMD, _NO_ROWS, _RANGES[H], _RANGES[H + 1], out, out)
+        return out.reshape(1, H, v.rows)
+    ids = np.tile(_RANGES[H] if H < len(_RANGES) else np.arange(H, dtype=np.int64), T)
+    return _mul_id(v, None, x2, ids, np.arange(T * H, dtype=np.int64)).reshape(T, H, v.rows)
+
+
+_RANGES = [np.arange(n, dtype=np.int64) for n in range(257)]   # ge / gb of matmul_heads' one-token plan
+
+
 def moe_up_gate(gate: QTensor, up: QTensor, x: np.ndarray, ids: np.ndarray,
                 x_rows: np.ndarray) -> np.ndarray:
     """silu(gate[ids[p]] @ x[x_rows[p]]) * (up[ids[p]] @ x[x_rows[p]]) for every pair p, in one

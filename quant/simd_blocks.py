@@ -904,14 +904,23 @@ def _from_simd(unpack: Callable, off: int) -> Callable:
     return f
 
 
+_HAS_F16C = "+f16c" in cpu_features()
+
+
 def _f16s(b: ir.IRBuilder, p, off: int, stride: int, n: int):
-    """The f16 at p + off + i * stride, i < n, as <n x f32>: one vector conversion (vcvtph2ps)
-    instead of n scalar ones and their inserts."""
-    h = ir.Constant(_vec(_I16, n), None)
+    """The f16 at p + off + i * stride, i < n <= 8, as <n x f32>: one vector conversion (vcvtph2ps,
+    F16C) instead of n scalar ones and their inserts.  Through the x86 intrinsic: the same
+    conversion written as `fpext <8 x half>` compiled and ran, but its kernels crashed when numba
+    loaded them back from its cache (the Q8_0_R8 products of quant.kernels.matvec_act: a
+    segmentation fault in a second process)."""
+    h = ir.Constant(_vec(_I16, 8), [0] * 8)
     for i in range(n):
         x = b.load(b.bitcast(_gep(b, p, off + i * stride), _I16.as_pointer()), align=1)
         h = b.insert_element(h, x, ir.Constant(_I32, i))
-    return b.fpext(b.bitcast(h, _vec(ir.HalfType(), n)), _vec(_F32, n))
+    fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(_vec(_F32, 8), [_vec(_I16, 8)]),
+                                        "llvm.x86.vcvtph2ps.256")
+    r = b.call(fn, [h])
+    return r if n == 8 else b.shuffle_vector(r, r, _cv(list(range(n))))
 
 
 def _grouped(one: BlockDot, n: int = 8, f16_d: tuple = ()) -> BlockDot:
@@ -937,7 +946,7 @@ def _grouped(one: BlockDot, n: int = 8, f16_d: tuple = ()) -> BlockDot:
     # Q4_1 203 -> 173 us, Q5_1 254 -> 227, Q5_0 214 -> 195, IQ4_NL 170 -> 162); the GEMM's
     # packing keeps the scalar conversions (with the vector one: Q4_1 0.142 -> 0.155 ms,
     # bench_tile_gemm.py --pack-only)
-    dot = (lambda b, p: unpack(b, p, True)) if f16_d else None
+    dot = (lambda b, p: unpack(b, p, True)) if f16_d and _HAS_F16C else None
     return BlockDot(one.name, n * one.values, n * one.nbytes, one.off, unpack, one.row_scale,
                     tail=_grouped(one, n // 2, f16_d) if n > 4 else one, scale32=one.scale32, dot_unpack=dot)
 

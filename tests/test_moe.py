@@ -295,3 +295,27 @@ def test_route_more_used_than_experts_as_reference():
     lg = np.random.default_rng(8).standard_normal((3, 4)).astype(np.float32)
     a, b = route(lg, 6, GATING_SOFTMAX, None, True, 1.0), route_reference(lg, 6, GATING_SOFTMAX, None, True, 1.0)
     assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and a[0].shape == (3, 4)
+
+
+@pytest.mark.parametrize("qt", [Q8_0, Q4_0, F16, F32])
+def test_matmul_heads_one_token_plan_matches_matmul_id(qt):
+    """quant.matmul.matmul_heads (DeepSeek's per-head products): one token goes straight to the pair
+    kernels, more tokens through matmul_id; both give matmul_id's values bit for bit (the same
+    kernel calls), for short rows (the _R8 form) and long ones; engine.linear's wrapper shows an
+    observer the mul_mat_id pairs."""
+    from engine import linear
+    rng = np.random.default_rng(7)
+    for H, N, K in ((16, 32, 128), (3, 8, M.SHORT_ROWS + 64)):
+        w = _qt(rng, (H, N, K), qt)
+        for T in (1, 2, 5):
+            x = rng.standard_normal((T, H, K)).astype(np.float32)
+            ids = np.tile(np.arange(H), T)
+            want = M.matmul_id(w, x.reshape(T * H, K), ids, np.arange(T * H)).reshape(T, H, N)
+            assert np.array_equal(M.matmul_heads(w, x), want), (H, T)
+            assert np.array_equal(linear.matmul_heads(w, x), want)
+    seen = []
+    with linear.observing(lambda op, ws, xx, i, r: seen.append((op, i.tolist(), r.tolist()))):
+        linear.matmul_heads(w, rng.standard_normal((2, H, K)).astype(np.float32))
+    assert seen == [("mul_mat_id", [0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 4, 5])]
+    with pytest.raises(ValueError):
+        M.matmul_heads(w, np.zeros((1, H + 1, K), np.float32))

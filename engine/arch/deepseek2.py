@@ -29,7 +29,7 @@ from ..ffn import MoEWeights, ffn_silu, moe_ffn
 from ..gguf_file import ModelFileError
 from ..hparams import HParams, rope_attn_factor, yarn_kq_scale
 from ..kv_cache import KVCache, LayerCache
-from ..linear import matmul, matmul_id
+from ..linear import matmul, matmul_heads
 from ..ops import contiguous, empty_like_side, heads_with_shared, rms_norm
 from ..rope import apply_rope
 from .common import (Head, RunOptions, UBatch, cached_attention, check_moe_shapes, rope_tables, rotate_key_rows,
@@ -50,9 +50,7 @@ def rebuild_kv_b(k_b: np.ndarray, v_b: np.ndarray, n_head: int, nope: int, n_v: 
 
 def per_head(w: QTensor, x: np.ndarray) -> np.ndarray:
     """y[t, h] = W[h] x[t, h] for W (H, N, K) and x (T, H, K): one batched call over all heads."""
-    T, H, K = x.shape
-    ids = np.tile(np.arange(H, dtype=np.int64), T)
-    return matmul_id(w, x.reshape(T * H, K), ids, np.arange(T * H, dtype=np.int64)).reshape(T, H, -1)
+    return matmul_heads(w, x)
 
 
 class DeepSeek2Arch:

@@ -1,0 +1,54 @@
+"""Kernels loaded back from numba's on-disk cache run as the freshly compiled ones did.
+
+numba writes every compiled kernel to quant/__pycache__ and a later process loads it instead of
+compiling.  A kernel can compile and run in the process that built it and still fail when loaded
+back: the legacy types' row dots once converted their f16 scales as `fpext <8 x half>`, and the
+Q8_0_R8 products of the next process died with a segmentation fault.  Here this process computes
+a few products (compiling, or loading what an earlier run cached), then a fresh interpreter
+computes them again from the cache, and both must agree bit for bit."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# the types whose code changed shape in the past (Q8_0_R8: quant.simd's 8-row kernels; Q5_0: a
+# legacy grouped row dot with the vector f16 conversion); one token and three (the pair kernels)
+SCRIPT = """
+import sys
+import numpy as np
+sys.path.insert(0, {root!r})
+from quant import matmul as M
+from quant.interleaved import repack
+from quant.tensor import QTensor
+rng = np.random.default_rng(11)
+out = []
+for name, qt in (("Q8_0_R8", 8), ("Q5_0", 6)):
+    w = M.quantize_tensor(rng.standard_normal((64, 1024)).astype(np.float32), qt)
+    if name.endswith("_R8"):
+        w = QTensor(repack(w.data, qt, 64, 1024), 208, (64, 1024))
+    for n in (1, 3):
+        x = rng.standard_normal((n, 1024)).astype(np.float32)
+        out.append(M.matmul(w, x))
+np.save(sys.argv[1], np.concatenate([o.reshape(-1) for o in out]))
+"""
+
+
+def test_cached_kernels_run_in_a_new_process(tmp_path):
+    script = tmp_path / "products.py"
+    script.write_text(SCRIPT.format(root=str(ROOT)))
+    here, there = tmp_path / "here.npy", tmp_path / "there.npy"
+    ns: dict = {}
+    sys.argv, argv = ["products.py", str(here)], sys.argv
+    try:
+        exec(compile(script.read_text(), str(script), "exec"), ns)
+    finally:
+        sys.argv = argv
+    proc = subprocess.run([sys.executable, str(script), str(there)], cwd=str(ROOT), capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert np.array_equal(np.load(here), np.load(there))
