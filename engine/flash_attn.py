@@ -505,18 +505,18 @@ def _flash_kernel(q, k, v, n_kv, hkv, dk, dv, cell_pos, q_pos, q_lo, scale, sink
     T, H, _ = q.shape
     G = H // hkv
     R = T * G
-    # rows of kv head g: (t, i) -> t * G + i, pre-scaled into the log2 domain
-    qg = np.ascontiguousarray((q.reshape(T, hkv, G, dk) * np.float32(scale * LOG2E)).transpose(1, 0, 2, 3)
-                              .reshape(hkv, R, dk), dtype=np.float32)
-    rpos = np.repeat(q_pos, G) if G > 1 else q_pos
     # chosen by the rows one token gives a kv head (G), not by T * G: a token's result must not
     # depend on how many others share its batch (the server's slots decode side by side)
     if USE_BF16 and q_lo is None and sink2 is None and _bf16_ok(G, dk, dv):   # bf16: neither
         nch = -(-R // _FB.LANES)
         nsplit = _n_splits(-(-nch // _FB.CHUNKS_PER_ITEM), n_kv)
-        out = _FB.flash_kernel_bf16(qg, rpos, k, v, n_kv, dk, dv, cell_pos, nsplit, F16_TO_F32,
-                                    _head_bytes(k, hkv), _head_bytes(k if v is None else v, hkv))
+        out = _FB.flash_kernel_bf16(np.ascontiguousarray(q), scale * LOG2E, q_pos, hkv, k, v, n_kv, dk, dv, cell_pos,
+                                    nsplit, F16_TO_F32, _head_bytes(k, hkv), _head_bytes(k if v is None else v, hkv))
         return out.reshape(hkv, T, G, dv).transpose(1, 0, 2, 3).reshape(T, H, dv)
+    # rows of kv head g: (t, i) -> t * G + i, pre-scaled into the log2 domain
+    qg = np.ascontiguousarray((q.reshape(T, hkv, G, dk) * np.float32(scale * LOG2E)).transpose(1, 0, 2, 3)
+                              .reshape(hkv, R, dk), dtype=np.float32)
+    rpos = np.repeat(q_pos, G) if G > 1 else q_pos
     rlo = np.repeat(np.full_like(q_pos, NO_WINDOW) if q_lo is None else q_lo, G)
     nsplit = _n_splits(-(-R // ROW_BLOCK), n_kv)
     acc = np.empty((hkv, nsplit, R, dv), dtype=np.float32)

@@ -479,18 +479,19 @@ def _attend_range_bf16(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_i
 
 
 @njit(parallel=True, **_opts)
-def _fa_kernel_bf16(qg, rpos, kbuf, kqt, kstride, khead, vbuf, vqt, vstride, vhead, v_is_k, n_kv, dv, cell_pos,
-                    nsplit, lut, refine, out):
+def _fa_kernel_bf16(q, scale2, q_pos, hkv, kbuf, kqt, kstride, khead, vbuf, vqt, vstride, vhead, v_is_k, n_kv, dv,
+                    cell_pos, nsplit, lut, refine, out):
     """The whole call in one compiled function: pack the query rows, one work item per (group of
     CHUNKS_PER_ITEM row chunks, range of cells), merge the ranges into out (Hkv, R, dv).  Packing,
     attending and merging as three calls cost ~25 us of dispatch and allocation a call, half of
     a 64-cell generation step."""
-    hkv, R, dk = qg.shape
+    T, H, dk = q.shape
+    R = T * (H // hkv)
     nch = (R + LANES - 1) // LANES
     qpad = np.empty((hkv, nch * LANES, dk), dtype=np.float32)
     qp = np.empty((hkv, nch, dk * LANES), dtype=np.uint16)
     rp = np.empty(nch * LANES, dtype=np.int64)
-    _pack_q(qg, rpos, qpad, qp, rp)
+    _pack_q(q, scale2, q_pos, qpad, qp, rp)
     acc = np.empty((hkv, nsplit, nch, dv * LANES), dtype=np.float32)
     m = np.empty((hkv, nsplit, nch * LANES), dtype=np.float32)
     l = np.zeros((hkv, nsplit, nch * LANES), dtype=np.float32)
@@ -510,15 +511,22 @@ def _fa_kernel_bf16(qg, rpos, kbuf, kqt, kstride, khead, vbuf, vqt, vstride, vhe
 
 
 @njit(**_opts)
-def _pack_q(qg, rpos, qpad, qp, rp):
-    """Query rows padded to chunks of 16 (zeros, position NO_POS: they see nothing): f32 in
-    qpad, and as bf16 pairs in qp[g, ch, (j * 16 + r) * 2 + e] = q[ch * 16 + r, 2j + e].
-    One pass in numba: the NumPy version (pad, round, transpose) cost ~30 us a call."""
-    hkv, R, dk = qg.shape
+def _pack_q(q, scale2, q_pos, qpad, qp, rp):
+    """The query rows of each kv head g, row t * G + i = head g * G + i of token t (G query heads
+    per kv head) times scale2, padded to chunks of 16 (zeros, position NO_POS: they see nothing):
+    f32 in qpad, and as bf16 pairs in qp[g, ch, (j * 16 + r) * 2 + e] = row ch * 16 + r, value
+    2j + e.  One pass in numba: the NumPy version (scale, transpose, pad, round) cost ~30 us a
+    call, its scale and transpose alone ~10 us in generation."""
+    T, H, dk = q.shape
+    hkv = qpad.shape[0]
+    G = H // hkv
     qpad[:] = 0.0
-    qpad[:, :R] = qg
     rp[:] = NO_POS
-    rp[:R] = rpos
+    for t in range(T):
+        for i in range(G):
+            rp[t * G + i] = q_pos[t]
+            for g in range(hkv):
+                qpad[g, t * G + i] = q[t, g * G + i] * scale2
     b = qpad.view(np.uint32)
     for g in range(hkv):
         for ch in range(qp.shape[1]):
@@ -546,13 +554,15 @@ def supports(n_rows: int, dk: int, dv: int) -> bool:
     return 4 * n_rows >= 3 * nch * LANES
 
 
-def flash_kernel_bf16(qg: np.ndarray, rpos: np.ndarray, k, v, n_kv: int, dk: int, dv: int,
+def flash_kernel_bf16(q: np.ndarray, scale2: float, q_pos: np.ndarray, hkv: int, k, v, n_kv: int, dk: int, dv: int,
                       cell_pos: np.ndarray, nsplit: int, lut: np.ndarray, khead: int, vhead: int) -> np.ndarray:
-    """qg (Hkv, R, dk) f32 query rows already in the log2 domain, rpos (R,) their positions ->
-    (Hkv, R, dv) f32.  k / v: RowStores (v None: V is the first dv values of each K head)."""
-    hkv, R, _ = qg.shape
+    """q (T, H, dk) f32 query heads (C order), scale2 the score scale in the log2 domain, q_pos (T,)
+    their positions, hkv kv heads -> (Hkv, T * G, dv) f32, row t * G + i of kv head g = query head
+    g * G + i of token t.  k / v: RowStores (v None: V is the first dv values of each K head)."""
+    T, H, _ = q.shape
     vs = k if v is None else v
-    out = np.empty((hkv, R, dv), dtype=np.float32)
-    _fa_kernel_bf16(qg, rpos, k.data.reshape(-1), k.qtype, k.data.shape[1], khead, vs.data.reshape(-1), vs.qtype,
-                    vs.data.shape[1], vhead, v is None, n_kv, dv, cell_pos, nsplit, lut, np.float32(REFINE_LOG2), out)
+    out = np.empty((hkv, T * (H // hkv), dv), dtype=np.float32)
+    _fa_kernel_bf16(q, np.float32(scale2), q_pos, hkv, k.data.reshape(-1), k.qtype, k.data.shape[1], khead,
+                    vs.data.reshape(-1), vs.qtype, vs.data.shape[1], vhead, v is None, n_kv, dv, cell_pos, nsplit, lut,
+                    np.float32(REFINE_LOG2), out)
     return out

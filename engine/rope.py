@@ -1,6 +1,7 @@
 """Rotary position embeddings with YaRN, as GGML computes them (NORM = adjacent pairs, NEOX = halves)."""
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -19,21 +20,39 @@ def rope_cos_sin(pos: np.ndarray, n_dims: int, freq_base: float, freq_scale: flo
                  attn_factor: float, n_ctx_orig: int, beta_fast: float, beta_slow: float,
                  freq_factors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin tables of shape (len(pos), n_dims // 2), magnitude-scaled as in YaRN."""
+    ff = None if freq_factors is None else np.asarray(freq_factors, dtype=np.float64)[: n_dims // 2].tobytes()
+    inv, ramp, keep, mscale = _rope_consts(n_dims, freq_base, freq_scale, ext_factor, attn_factor, n_ctx_orig,
+                                           beta_fast, beta_slow, ff)
+    theta_extrap = pos.astype(np.float64)[:, None] * inv[None, :]
+    theta = freq_scale * theta_extrap
+    if ramp is not None:
+        theta = theta * keep + theta_extrap * ramp
+    return (np.cos(theta) * mscale).astype(np.float32), (np.sin(theta) * mscale).astype(np.float32)
+
+
+@functools.lru_cache(maxsize=64)
+def _rope_consts(n_dims: int, freq_base: float, freq_scale: float, ext_factor: float, attn_factor: float,
+                 n_ctx_orig: int, beta_fast: float, beta_slow: float, ff: bytes | None):
+    """What rope_cos_sin's tables take from the model alone, made once (every decode asks for its
+    positions' tables: ~10 NumPy calls a token less): the inverse frequencies, YaRN's ramp and
+    1 - ramp (None without YaRN), the magnitude."""
     i0 = np.arange(0, n_dims, 2, dtype=np.float64)
     theta_scale = freq_base ** (-2.0 / n_dims)
     inv = theta_scale ** (i0 / 2)
-    if freq_factors is not None:
-        inv = inv / freq_factors.astype(np.float64)[: n_dims // 2]
-    theta_extrap = pos.astype(np.float64)[:, None] * inv[None, :]
-    theta = freq_scale * theta_extrap
+    if ff is not None:
+        inv = inv / np.frombuffer(ff, dtype=np.float64)
     mscale = attn_factor
+    ramp = keep = None
     if ext_factor != 0.0:
         lo, hi = yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow)
         y = (np.floor(i0 / 2) - lo) / max(0.001, hi - lo)
         ramp = (1.0 - np.clip(y, 0.0, 1.0)) * ext_factor
-        theta = theta * (1 - ramp) + theta_extrap * ramp
+        keep = 1 - ramp
         mscale = mscale * (1.0 + 0.1 * math.log(1.0 / freq_scale))
-    return (np.cos(theta) * mscale).astype(np.float32), (np.sin(theta) * mscale).astype(np.float32)
+    for a in (inv, ramp, keep):     # shared by every call: read-only
+        if a is not None:
+            a.flags.writeable = False
+    return inv, ramp, keep, mscale
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndarray:

@@ -124,25 +124,28 @@ class _View(NamedTuple):
     tag: QType      # what the kernels get: compiled for this type only (quant.typetag)
 
 
-def _view(w: QTensor) -> _View:
-    """A 2-D (rows, row_bytes) or 3-D (expert, rows, row_bytes) tensor as the products take it: one
-    byte buffer, not copied unless a row is not one contiguous run of bytes, or a spacing is
-    negative or misaligned for the type's elements, or the rows are short (_short_rows_form).
-    Kept on the QTensor: token generation calls ~100 matmuls per token and building the view
-    cost ~20 us each (2.5 ms a token on the 1B model)."""
-    v = w.__dict__.get("_kernel_view")
+def _view(w: QTensor, few: bool = False) -> _View:
+    """A 2-D (rows, row_bytes) or 3-D (expert, rows, row_bytes) tensor as one byte buffer, not
+    copied unless a row is not one contiguous run of bytes, or a spacing is negative or
+    misaligned for the type's elements.  few: the form for products of a few activation rows
+    (_short_rows_form).  Kept on the QTensor: token generation calls ~100 matmuls per token and
+    building the view cost ~20 us each (2.5 ms a token on the 1B model)."""
+    key = "_few_view" if few else "_kernel_view"
+    v = w.__dict__.get(key)
     if v is None or v[0] is not w.data:
-        v = (w.data, _short_rows_form(_make_view(w)))
-        w.__dict__["_kernel_view"] = v
+        v = (w.data, _short_rows_form(_view(w)) if few else _make_view(w))
+        w.__dict__[key] = v
     return v[1]
 
 
-# Q8_0 / Q4_0 matrices whose rows hold at most this many values are multiplied in their _R8 form,
-# repacked once into the view (a copy in memory: DeepSeek's per-head attn_k_b, 128 values a row,
-# and attn_v_b, 512).  The plain row dots pay a reduction and a store per row, which short rows
-# do not amortize; the _R8 kernels finish 8 rows together.  scripts/bench_matmul.py, one token,
-# one thread: Q8_0 8192 x 128 43 against Q8_0_R8 87 GFLOP/s, Q4_0 42 / 96, Q8_0 2048 x 512
-# 64 / 112.  Only with VNNI, where this was measured.
+# Products of a few activation rows (generation) multiply Q8_0 / Q4_0 matrices whose rows hold at
+# most this many values in their _R8 form, repacked once into the tensor's few-row view (a copy
+# in memory: DeepSeek's per-head attn_k_b, 128 values a row, and attn_v_b, 512).  The plain row
+# dots pay a reduction and a store per row, which short rows do not amortize; the _R8 kernels
+# finish 8 rows together.  scripts/bench_matmul.py, one token, one thread: Q8_0 8192 x 128 43
+# against Q8_0_R8 87 GFLOP/s, Q4_0 42 / 96, Q8_0 2048 x 512 64 / 112.  Only with VNNI, where this
+# was measured.  Many-row products keep the plain view: the GEMM is as fast on it, and the
+# tensors made per call (row_block's, in prompt attention) are not repacked each time.
 SHORT_ROWS = 512
 _SHORT_R8 = {t: f.id for t in _Q8_SIMD if (f := interleaved_form(t)) is not None and f.interleave == 8
              and has_interleaved_kernel(f.id)}      # plain type id -> its _R8 type id
@@ -159,15 +162,6 @@ def _short_rows_form(v: _View) -> _View:
     raw = repack(rows, v.qtype, n, v.cols, r8)
     shape = (v.n_expert, v.rows, v.cols) if v.n_expert > 1 else (v.rows, v.cols)
     return _make_view(QTensor(raw.reshape(*shape[:-1], raw.shape[-1]), r8, shape))
-
-
-def _plain_view(w: QTensor) -> _View:
-    """The view of w in its own layout (what get_rows reads), kept on the QTensor as _view's."""
-    v = w.__dict__.get("_plain_view")
-    if v is None or v[0] is not w.data:
-        v = (w.data, _make_view(w))
-        w.__dict__["_plain_view"] = v
-    return v[1]
 
 
 def _make_view(w: QTensor) -> _View:
@@ -237,7 +231,7 @@ def _rows_view(w: QTensor) -> tuple[np.ndarray, int, int, int, int]:
     """(buf, stride, rows, cols, qtype) of a 2-D weight tensor in the kernels' calling convention
     (qtype: the view's, the plain type for an unpacked _R4/_R8 tensor)."""
     _need_2d(w)
-    v = _plain_view(w)
+    v = _view(w)
     return v.buf, v.stride, v.rows, v.cols, v.qtype
 
 
@@ -278,7 +272,7 @@ def tile_rows(cols: int, rows: int) -> int:
 def matmul(w: QTensor, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """x @ W.T for x of shape (n, cols): returns (n, rows) f32 (written into `out` if given)."""
     _need_2d(w)
-    v = _view(w)
+    v = _view(w, len(x) < K.GEMM_MIN)
     x = _as_act(x, v.cols)
     n = x.shape[0]
     if out is None:
@@ -446,7 +440,7 @@ def matmul_id(w: QTensor, x: np.ndarray, ids: np.ndarray, x_rows: np.ndarray) ->
     w: (n_expert, rows, cols) (a 2-D tensor counts as one expert); x: (n_x, cols) f32;
     returns (P, rows) f32.  Only experts that appear in ids are read.
     """
-    return _mul_id(_view(w), None, x, ids, x_rows)
+    return _mul_id(w, None, x, ids, x_rows)
 
 
 def matmul_heads(w: QTensor, x: np.ndarray) -> np.ndarray:
@@ -455,8 +449,8 @@ def matmul_heads(w: QTensor, x: np.ndarray) -> np.ndarray:
     to the pair kernels directly, head h as pair h (matmul_id's plan for that case, without its
     grouping pass and gathers: ~14 us a call in token generation); more tokens are matmul_id's
     pairs (h, row t * H + h)."""
-    v = _view(w)
     T, H, cols = x.shape
+    v = _view(w, T == 1)
     if v.n_expert != H:
         raise ValueError(f"{H} heads of activations for a weight of {v.n_expert} heads")
     x2 = _as_act(x.reshape(T * H, cols), v.cols)
@@ -466,7 +460,7 @@ def matmul_heads(w: QTensor, x: np.ndarray) -> np.ndarray:
                      K.F16_TO_F32, x2, v.qtype not in _Q8_SIMD, _NO_ROWS, _RANGES[H], _RANGES[H + 1], out, out)
         return out.reshape(1, H, v.rows)
     ids = np.tile(_RANGES[H] if H < len(_RANGES) else np.arange(H, dtype=np.int64), T)
-    return _mul_id(v, None, x2, ids, np.arange(T * H, dtype=np.int64)).reshape(T, H, v.rows)
+    return _mul_id(w, None, x2, ids, np.arange(T * H, dtype=np.int64)).reshape(T, H, v.rows)
 
 
 _RANGES = [np.arange(n, dtype=np.int64) for n in range(257)]   # ge / gb of matmul_heads' one-token plan
@@ -485,10 +479,10 @@ def moe_up_gate(gate: QTensor, up: QTensor, x: np.ndarray, ids: np.ndarray,
     """
     vg, vu = _view(gate), _view(up)
     if vg.qtype != vu.qtype:
-        return _silu_mul(_mul_id(vg, None, x, ids, x_rows), _mul_id(vu, None, x, ids, x_rows))
+        return _silu_mul(_mul_id(gate, None, x, ids, x_rows), _mul_id(up, None, x, ids, x_rows))
     if (vg.n_expert, vg.rows, vg.cols) != (vu.n_expert, vu.rows, vu.cols):
         raise ValueError(f"gate {gate.shape} and up {up.shape} differ in shape")
-    return _mul_id(vg, vu, x, ids, x_rows)
+    return _mul_id(gate, up, x, ids, x_rows)
 
 
 def up_gate(gate: QTensor, up: QTensor, x: np.ndarray) -> np.ndarray:
@@ -498,9 +492,12 @@ def up_gate(gate: QTensor, up: QTensor, x: np.ndarray) -> np.ndarray:
     return moe_up_gate(gate, up, x, np.zeros(n, np.int64), np.arange(n, dtype=np.int64))
 
 
-def _mul_id(va: _View, vb: _View | None, x: np.ndarray, ids: np.ndarray,
+def _mul_id(wa: QTensor, wb: QTensor | None, x: np.ndarray, ids: np.ndarray,
             x_rows: np.ndarray) -> np.ndarray:
-    """matmul_id (vb None) or the fused up/gate product (vb: up) for pairs (ids, x_rows)."""
+    """matmul_id (wb None) or the fused up/gate product (wb: up) for pairs (ids, x_rows).  The
+    experts below GEMM_MIN pairs read the tensors' few-row views (_short_rows_form), the others
+    the plain ones."""
+    va, vb = _view(wa), None if wb is None else _view(wb)
     x = _as_act(x, va.cols)
     ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
     x_rows = np.ascontiguousarray(x_rows, dtype=np.int64).reshape(-1)
@@ -522,10 +519,11 @@ def _mul_id(va: _View, vb: _View | None, x: np.ndarray, ids: np.ndarray,
         rows = _NO_ROWS if rows_identity and few == x.shape[0] else x_rows[po]
         identity = order_identity
         res = out if identity else np.empty((few, va.rows), dtype=np.float32)
-        vb_ = va if vb is None else vb
-        K.matvec_act(va.tag, va.buf, va.estride, va.stride, vb_.buf, vb_.estride, vb_.stride, vb is not None,
-                     va.rows, va.cols, K.QK, K.F16_TO_F32, x, va.qtype not in _Q8_SIMD, rows, ge, gb, res,
-                     np.empty_like(res) if vb is not None else res)
+        fa = _view(wa, True)
+        fb = fa if wb is None else _view(wb, True)
+        K.matvec_act(fa.tag, fa.buf, fa.estride, fa.stride, fb.buf, fb.estride, fb.stride, wb is not None,
+                     fa.rows, fa.cols, K.QK, K.F16_TO_F32, x, fa.qtype not in _Q8_SIMD, rows, ge, gb, res,
+                     np.empty_like(res) if wb is not None else res)
         if not identity:
             out[po] = res
         return out
@@ -539,7 +537,7 @@ def _mul_id(va: _View, vb: _View | None, x: np.ndarray, ids: np.ndarray,
             act = tuple(_gather(a, x_rows[po]) for a in act)   # one row per pair
         identity = few == P and order_identity
         res = out if identity else np.empty((few, va.rows), dtype=np.float32)
-        _few_pairs(va, vb, act, ge, gb, res)
+        _few_pairs(_view(wa, True), None if wb is None else _view(wb, True), act, ge, gb, res)
         if not identity:
             if res.size >= _PARALLEL_COPY:
                 K.scatter_rows(res, po, out)

@@ -203,10 +203,11 @@ def test_matmul_runs_every_r_type_like_its_plain_type(name):
 @pytest.mark.parametrize("qt", ["Q8_0", "Q4_0"])
 def test_short_rows_are_multiplied_in_r8_form(qt, monkeypatch):
     """Q8_0 / Q4_0 matrices of rows <= quant.matmul.SHORT_ROWS values (DeepSeek's per-head attn_k_b /
-    attn_v_b) go to the products in their _R8 form (with VNNI): the view holds the repacked bytes,
-    2-D and 3-D (per head) alike; products equal the plain kernels' within f32 rounding and the
-    dequantized reference within the activations' quantization; get_rows still reads the plain
-    rows; row counts that are not a multiple of 8 and longer rows stay plain."""
+    attn_v_b) go to products of a few rows in their _R8 form (with VNNI): the few-row view holds
+    the repacked bytes, 2-D and 3-D (per head) alike, and products of many rows keep the plain
+    layout; products equal the plain kernels' within f32 rounding and the dequantized reference
+    within the activations' quantization; get_rows still reads the plain rows; row counts that
+    are not a multiple of 8 and longer rows stay plain."""
     from quant import kernels as K
     from quant import matmul as M
     from quant.tensor import QTensor
@@ -219,10 +220,11 @@ def test_short_rows_are_multiplied_in_r8_form(qt, monkeypatch):
         x = rng.standard_normal(shape).astype(np.float32)
         raw = reference.quantize(x.reshape(-1, shape[-1]), tid)
         w = QTensor(raw.reshape(*shape[:-1], -1), tid, shape)
-        assert M._view(w).qtype == (r8 if short and K.HAS_GEMM else tid), shape
+        assert M._view(w, few=True).qtype == (r8 if short and K.HAS_GEMM else tid), shape
+        assert M._view(w).qtype == tid          # many rows: the plain layout (the GEMM's)
         monkeypatch.setattr(M, "_SHORT_R8", {})
         plain = QTensor(raw.reshape(*shape[:-1], -1), tid, shape)     # a fresh view: the plain kernels
-        assert M._view(plain).qtype == tid
+        assert M._view(plain, few=True).qtype == tid
         monkeypatch.undo()
         deq = M.dequantize(plain).reshape(-1, shape[-2], shape[-1])
         for n in (1, 5, 40):

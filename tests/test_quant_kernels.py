@@ -232,8 +232,8 @@ def test_matvec_act_equals_separate_calls(tname):
     order, counts, few, ge, gb, _, _ = K.group_pairs(ids, x_rows, n_exp, 2, 1 << 62)
     assert few == 5 and counts.max() < K.GEMM_MIN
     act = tuple(a[x_rows[order]] for a in M._act(qt, x, 5))
-    for vb in (None, M._view(up)):
-        va = M._view(gate)
+    for vb in (None, M._view(up, few=True)):       # the views products of a few rows read
+        va = M._view(gate, few=True)
         b = va if vb is None else vb
         ref = np.empty((5, rows), np.float32)
         K.matvec_int(va.tag, va.buf, va.estride, va.stride, b.buf, b.estride, b.stride, vb is not None, rows, cols,

@@ -96,3 +96,38 @@ def test_compiled_rotation_matches_numpy_bit_for_bit():
             apply_rope(a[..., :n], cos, sin, neox)          # a view of the first n dims, in place
             apply_rope_reference(b[..., :n], cos, sin, neox)
             assert a.tobytes() == b.tobytes()
+
+
+def _tables_uncached(pos, n_dims, freq_base, freq_scale, ext_factor, attn_factor, n_ctx_orig, beta_fast,
+                     beta_slow, freq_factors=None):
+    """rope_cos_sin's formula with nothing kept between calls (its state before the constants
+    were cached)."""
+    i0 = np.arange(0, n_dims, 2, dtype=np.float64)
+    inv = (freq_base ** (-2.0 / n_dims)) ** (i0 / 2)
+    if freq_factors is not None:
+        inv = inv / freq_factors.astype(np.float64)[: n_dims // 2]
+    theta_extrap = pos.astype(np.float64)[:, None] * inv[None, :]
+    theta = freq_scale * theta_extrap
+    mscale = attn_factor
+    if ext_factor != 0.0:
+        lo, hi = yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow)
+        ramp = (1.0 - np.clip((np.floor(i0 / 2) - lo) / max(0.001, hi - lo), 0.0, 1.0)) * ext_factor
+        theta = theta * (1 - ramp) + theta_extrap * ramp
+        mscale = mscale * (1.0 + 0.1 * math.log(1.0 / freq_scale))
+    return (np.cos(theta) * mscale).astype(np.float32), (np.sin(theta) * mscale).astype(np.float32)
+
+
+def test_cached_constants_give_the_same_tables():
+    """rope_cos_sin keeps each model's frequencies and YaRN ramp between calls: the tables stay
+    bit for bit what the formula gives, call after call, with and without YaRN and freq factors,
+    and the kept arrays cannot be written."""
+    ff = np.array([1.0, 2.0, 4.0, 8.0, 1.5, 1.0, 3.0, 2.5], dtype=np.float32)
+    cases = [(16, 10000.0, 1.0, 0.0, 1.0, 4096, 32.0, 1.0, None), (64, 10000.0, 0.25, 1.0, 1.2, 4096, 32.0, 1.0, None),
+             (16, 500000.0, 1.0, 0.0, 1.0, 8192, 32.0, 1.0, ff), (64, 10000.0, 0.025, 1.0, 1.0, 4096, 32.0, 1.0, None)]
+    for args in cases:
+        for pos in (np.array([0]), np.array([3, 4, 5, 4095, 70000])):
+            got, want = rope_cos_sin(pos, *args), _tables_uncached(pos, *args)
+            assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), args
+    from engine.rope import _rope_consts
+    inv = _rope_consts(16, 10000.0, 1.0, 0.0, 1.0, 4096, 32.0, 1.0, None)[0]
+    assert not inv.flags.writeable
