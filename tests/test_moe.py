@@ -319,3 +319,17 @@ def test_matmul_heads_one_token_plan_matches_matmul_id(qt):
     assert seen == [("mul_mat_id", [0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 4, 5])]
     with pytest.raises(ValueError):
         M.matmul_heads(w, np.zeros((1, H + 1, K), np.float32))
+
+
+@pytest.mark.parametrize("qt", [Q8_0, Q4_0, F16])
+def test_up_gate_few_rows_plan_matches_moe_up_gate(qt):
+    """quant.matmul.up_gate (a dense SiLU MLP's first half): a few rows go to the pair kernels
+    directly, with moe_up_gate's values bit for bit (the same kernel call); many rows and other
+    types take moe_up_gate itself."""
+    rng = np.random.default_rng(9)
+    for N, K in ((48, 256), (24, M.SHORT_ROWS)):
+        gate, up = _qt(rng, (N, K), qt), _qt(rng, (N, K), qt)
+        for n in (1, 3, 11, 40):
+            x = rng.standard_normal((n, K)).astype(np.float32)
+            want = M.moe_up_gate(gate, up, x, np.zeros(n, np.int64), np.arange(n))
+            assert np.array_equal(M.up_gate(gate, up, x), want), (N, K, n)
