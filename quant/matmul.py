@@ -507,8 +507,8 @@ def up_gate(gate: QTensor, up: QTensor, x: np.ndarray) -> np.ndarray:
 def _mul_id(wa: QTensor, wb: QTensor | None, x: np.ndarray, ids: np.ndarray,
             x_rows: np.ndarray) -> np.ndarray:
     """matmul_id (wb None) or the fused up/gate product (wb: up) for pairs (ids, x_rows).  The
-    experts below GEMM_MIN pairs read the tensors' few-row views (_short_rows_form), the others
-    the plain ones."""
+    pair kernels read the tensors' few-row views (_short_rows_form; with VNNI every pair goes to
+    them, the GEMM of an expert's many pairs included), the tile path the plain ones."""
     va, vb = _view(wa), None if wb is None else _view(wb)
     x = _as_act(x, va.cols)
     ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
