@@ -21,7 +21,9 @@ per token, the tile path ~13 ms + ~0.35 ms per token.
 
 Weights may be non-contiguous views (one expert of a 3-D memory-mapped tensor, rows
 spaced further apart than their length): only the byte span from the first to the last
-row is viewed, never copied, as long as each row is one contiguous run of bytes.
+row is viewed, never copied, as long as each row is one contiguous run of bytes.  One
+exception: products of a few rows take Q8_0 / Q4_0 matrices of short rows (<= SHORT_ROWS
+values) in their _R8 form, repacked once into a copy kept on the tensor (_short_rows_form).
 
 Threads: everything runs in numba's pool.  The tile path's BLAS calls are made by the pool's
 threads themselves (quant.gemm, one serial OpenBLAS call per thread) where numpy's BLAS allows
@@ -39,7 +41,9 @@ in one call for all pairs.  Pairs are grouped by expert; an expert with fewer th
 many_tokens(type) pairs goes to one integer/float kernel call shared by all such experts
 (the weight row base depends on the pair's expert), the others go expert by expert through
 the tile + BLAS path.  Activation rows are quantized once, whatever the number of pairs
-and tensors using them.  up_gate(gate, up, x) is the same fused op for 2-D (dense) weights.
+and tensors using them.  up_gate(gate, up, x) is the same fused op for 2-D (dense) weights;
+matmul_heads(w, x) is a product batched over heads (w (H, rows, cols), x (T, H, cols)), the
+pairs (h, t * H + h) of matmul_id.
 """
 from __future__ import annotations
 
