@@ -909,10 +909,11 @@ _HAS_F16C = "+f16c" in cpu_features()
 
 def _f16s(b: ir.IRBuilder, p, off: int, stride: int, n: int):
     """The f16 at p + off + i * stride, i < n <= 8, as <n x f32>: one vector conversion (vcvtph2ps,
-    F16C) instead of n scalar ones and their inserts.  Through the x86 intrinsic: the same
-    conversion written as `fpext <8 x half>` compiled and ran, but its kernels crashed when numba
-    loaded them back from its cache (the Q8_0_R8 products of quant.kernels.matvec_act: a
-    segmentation fault in a second process)."""
+    F16C) instead of n scalar ones and their inserts.  Through the x86 intrinsic, which keeps
+    half-precision vectors out of the IR: while this was written as `fpext <n x half>`, a process
+    loading numba's cached kernels crashed (a segmentation fault in quant.kernels.matvec_act's
+    Q8_0_R8 products, after partial cache deletions; not reproduced after a full reset, so not
+    pinned on that form; tests/test_kernel_cache.py runs cached products in a second process)."""
     h = ir.Constant(_vec(_I16, 8), [0] * 8)
     for i in range(n):
         x = b.load(b.bitcast(_gep(b, p, off + i * stride), _I16.as_pointer()), align=1)
