@@ -96,9 +96,9 @@ def main() -> None:
     mods = {"this tree": G} | ({os.path.basename(a.against): _load(a.against, 0)} if a.against else {})
     runners = {k: _runner(m) for k, m in mods.items()}
     nw = a.workers
-    if nw < 1:
-        sys.exit("--workers must be at least 1")
-    numba.set_num_threads(min(nw, numba.config.NUMBA_NUM_THREADS))
+    if not 1 <= nw <= numba.config.NUMBA_NUM_THREADS:
+        sys.exit(f"--workers must be 1..{numba.config.NUMBA_NUM_THREADS} (numba's threads: each worker runs on its own)")
+    numba.set_num_threads(nw)
     rng = np.random.default_rng(0)
     n, cols = a.n, a.cols
     q = rng.integers(-127, 128, (n, cols), dtype=np.int8)

@@ -2,10 +2,11 @@
 
 numba writes every compiled kernel to quant/__pycache__ and a later process loads it instead of
 compiling.  A kernel can compile and run in the process that built it and still fail when loaded
-back: the legacy types' row dots once converted their f16 scales as `fpext <8 x half>`, and the
-Q8_0_R8 products of the next process died with a segmentation fault.  Here this process computes
-a few products (compiling, or loading what an earlier run cached), then a fresh interpreter
-computes them again from the cache, and both must agree bit for bit."""
+back: once, during development, a process loading the cached Q8_0_R8 products of
+quant.kernels.matvec_act died with a segmentation fault (after partial cache deletions; not
+reproduced after a full reset, so this test is a guard, not a reproduction).  Here this process
+computes a few products (compiling, or loading what an earlier run cached), then a fresh
+interpreter computes them again from the cache, and both must agree bit for bit."""
 from __future__ import annotations
 
 import subprocess
@@ -16,8 +17,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# the types whose code changed shape in the past (Q8_0_R8: quant.simd's 8-row kernels; Q5_0: a
-# legacy grouped row dot with the vector f16 conversion); one token and three (the pair kernels)
+# Q8_0_R8 (quant.simd's 8-row kernels: the crash above) and Q5_0 (a legacy grouped row dot with
+# the vector f16 conversion); one token and three (the pair kernels)
 SCRIPT = """
 import sys
 import numpy as np
