@@ -493,7 +493,7 @@ _qopts = dict(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz"})
 def _quantize_row_q8(xr, qk, qr, sr, br):
     """One row: the rule of the Q8_2 activation blocks ik_llama.cpp multiplies Q8_0 / Q4_0
     weights with: d = amax/127 rounded to bfloat16 (nearest even), q = x/d rounded to nearest
-    even and saturated to int8.  Matching it keeps perplexities within noise of the C++ tool.
+    even and saturated to -127..127 (never binding).  Matching it keeps perplexities within noise of the C++ tool.
     br: each block's sum of q (the VNNI kernels' offset correction, quant.simd).  qk must be QK:
     the loops use the constant, f32 bounds and the bf16 rounding on the bits (9216 values, one
     call: 14.8 -> 7.8 us); the block's max and rounding are quant.simd's 32-lane vector intrinsics."""
@@ -522,7 +522,7 @@ def _quantize_row_q8_k(xr, qr, sr, br):
             amax = max(amax, _amax32(xr, o + 32 * k))
         d = amax / np.float32(127.0)
         inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-        for k in range(8):       # |x * inv| <= 127 (the saturation at -128 never binds)
+        for k in range(8):       # |x * inv| <= 127 (the saturation never binds)
             sr[8 * b + k] = d
             br[8 * b + k] = _q8_block32(xr, o + 32 * k, inv, qr)
 

@@ -72,6 +72,9 @@ def cpu_features() -> set[str]:
 # features too, so a cached VNNI kernel is never loaded on a CPU without them.  (No switch to
 # turn it off: the cache would not see it.  The generic forms stay importable for tests.)
 HAS_VNNI = {"+avx512vnni", "+avx512vl", "+avx512bw", "+avx512f"} <= cpu_features()
+# Without VNNI, AVX2's vpmaddubsw / vpmaddwd / vpsignb (signed_pairs): LLVM lowered the generic
+# IR's widened int32 products to 4 widenings and 2 multiplies per 16 bytes
+HAS_AVX2 = "+avx2" in cpu_features()
 
 
 @contextmanager
@@ -155,8 +158,13 @@ def _generic_block(unpack, lanes: int):
         isum = None
         for w, off in parts:
             a = _load_vec(builder, builder.gep(act, [_const_i64(off)]), _I8, 2 * lanes)
-            prod = builder.mul(builder.sext(w, _vec(_I32, 2 * lanes)), builder.sext(a, _vec(_I32, 2 * lanes)))
-            pairs = _pair_sum(builder, prod, 2 * lanes)
+            if HAS_AVX2:        # sums of 4 in the first half of the lanes (one scale: only the total counts)
+                q = signed_quads(builder, w, a)
+                pairs = builder.shuffle_vector(q, ir.Constant(q.type, [0] * (lanes // 2)),
+                                               ir.Constant(_vec(_I32, lanes), list(range(lanes))))
+            else:
+                prod = builder.mul(builder.sext(w, _vec(_I32, 2 * lanes)), builder.sext(a, _vec(_I32, 2 * lanes)))
+                pairs = _pair_sum(builder, prod, 2 * lanes)
             isum = pairs if isum is None else builder.add(isum, pairs)
         return d, isum
     return block_isum
@@ -180,16 +188,72 @@ def _vnni_block(unpack, shift: int):
     return block_isum
 
 
+def _call(builder: ir.IRBuilder, name: str, ret: ir.Type, *args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, list(args))
+
+
+def _halves(builder: ir.IRBuilder, v, f):
+    """f applied to each 32-byte half of a 64-byte vector (AVX2's width), results joined."""
+    n = v[0].type.count
+    if n <= 32:
+        return f(*v)
+    parts = [f(*[builder.shuffle_vector(x, x, ir.Constant(_vec(_I32, n // 2), list(range(h, h + n // 2))))
+                 for x in v]) for h in (0, n // 2)]
+    m = parts[0].type.count
+    return builder.shuffle_vector(parts[0], parts[1], ir.Constant(_vec(_I32, 2 * m), list(range(2 * m))))
+
+
+def signed_pairs(builder: ir.IRBuilder, w, a):
+    """AVX2 (SSSE3 for 16 bytes): per int16 lane the sum of 2 consecutive products w x a of int8
+    vectors of 16 or 32 bytes, exact for w in [-128, 127] and a in [-127, 127] (the activations'
+    range): vpmaddubsw of |w| as unsigned bytes and a with w's sign (vpsignb), whose pairs stay
+    within 2 * 128 * 127 < 2**15 (no saturation)."""
+    n = w.type.count
+    v8, v16 = _vec(_I8, n), _vec(_I16, n // 2)
+    sign, madd = (("llvm.x86.avx2.psign.b", "llvm.x86.avx2.pmadd.ub.sw") if n == 32 else
+                  ("llvm.x86.ssse3.psign.b.128", "llvm.x86.ssse3.pmadd.ub.sw.128"))
+    return _call(builder, madd, v16, _call(builder, sign, v8, w, w), _call(builder, sign, v8, a, w))
+
+
+def _quads(builder: ir.IRBuilder, p16):
+    """int16 pair sums -> int32 sums of 4 (vpmaddwd with ones)."""
+    n = p16.type.count
+    name = "llvm.x86.avx2.pmadd.wd" if n == 16 else "llvm.x86.sse2.pmadd.wd"
+    return _call(builder, name, _vec(_I32, n // 2), p16, ir.Constant(_vec(_I16, n), [1] * n))
+
+
+def signed_quads(builder: ir.IRBuilder, w, a):
+    """Per int32 lane the sum of 4 consecutive products w x a of int8 vectors (16, 32 or 64 bytes;
+    ranges as signed_pairs), with AVX2 where the CPU has it, else widened products."""
+    if HAS_AVX2:
+        return _halves(builder, (w, a), lambda x, y: _quads(builder, signed_pairs(builder, x, y)))
+    n = w.type.count
+    prod = builder.mul(builder.sext(w, _vec(_I32, n)), builder.sext(a, _vec(_I32, n)))
+    return _pair_sum(builder, _pair_sum(builder, prod, n), n // 2)
+
+
 def dpbusd(builder: ir.IRBuilder, acc, u8, s8, vnni: bool = True):
     """acc (8 or 16 x i32) + per lane the sum of its 4 products u8 (unsigned bytes) x s8 (signed
-    bytes), no saturation: vpdpbusd (256 / 512-bit) with vnni, else widened products and two
-    pairwise adds (what LLVM lowers for any target)."""
+    bytes, -127..127), no saturation: vpdpbusd (256 / 512-bit) with vnni; else with AVX2 the levels
+    u8 - 128 (a sign flip) through signed_quads plus 128 * the activations' sums (vpmaddubsw of
+    128s: exact), or widened products and two pairwise adds (what LLVM lowers for any target)."""
     n = acc.type.count
     if vnni:
         vi = _vec(_I32, n)
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vi, [vi, vi, vi]),
                                             f"llvm.x86.avx512.vpdpbusd.{32 * n}")
         return builder.call(fn, [acc, builder.bitcast(u8, vi), builder.bitcast(s8, vi)])
+    if HAS_AVX2:
+        u8, s8 = (builder.bitcast(x, _vec(_I8, 4 * n)) for x in (u8, s8))
+        m = 4 * n
+        top = ir.Constant(_vec(_I8, m), [-128] * m)
+
+        def asum128(y):     # 128 * the 4-byte sums of y
+            name = "llvm.x86.avx2.pmadd.ub.sw"
+            return _quads(builder, _call(builder, name, _vec(_I16, 16), ir.Constant(_vec(_I8, 32), [-128] * 32), y))
+        lev = signed_quads(builder, builder.xor(u8, top), s8)
+        return builder.add(acc, builder.add(lev, _halves(builder, (s8,), asum128)))
     prod = builder.mul(builder.zext(u8, _vec(_I32, 4 * n)), builder.sext(s8, _vec(_I32, 4 * n)))
     return builder.add(acc, _pair_sum(builder, _pair_sum(builder, prod, 4 * n), 2 * n))
 
@@ -325,10 +389,14 @@ def _generic_group(unpack):
         for w, off in runs:
             a4 = builder.bitcast(_act4(builder, act, off), _vec(_I8, 4))
             a = builder.shuffle_vector(a4, a4, ir.Constant(_vec(_I32, 32), [i % 4 for i in range(32)]))
+            if HAS_AVX2:        # lane k: row k's 4 products
+                q = signed_quads(builder, w, a)
+                isum = q if isum is None else builder.add(isum, q)
+                continue
             prod = builder.mul(builder.sext(w, _vec(_I32, 32)), builder.sext(a, _vec(_I32, 32)))
             pairs = _pair_sum(builder, prod, 32)                    # vpmaddwd
             isum = pairs if isum is None else builder.add(isum, pairs)
-        return d8, _pair_sum(builder, isum, 16)                     # 8 lanes: one per row
+        return d8, isum if HAS_AVX2 else _pair_sum(builder, isum, 16)     # 8 lanes: one per row
     return block_rows
 
 
@@ -446,8 +514,9 @@ def isum16(typingctx, qr, o):
 
 @intrinsic
 def q8_block32(typingctx, xr, o, inv, qr):
-    """qr[o:o + 32] = xr[o:o + 32] * inv rounded to nearest even and saturated to int8; returns
-    the int32 sum of those 32 values."""
+    """qr[o:o + 32] = xr[o:o + 32] * inv rounded to nearest even and saturated to -127..127; returns
+    the int32 sum of those 32 values.  (The callers' inv keeps |x * inv| < 127.5, so the bound
+    never binds; it is the activations' range every kernel relies on: AVX2's signed_pairs.)"""
     if not _c_arrays(xr, qr):
         return None
 
@@ -455,7 +524,7 @@ def q8_block32(typingctx, xr, o, inv, qr):
         vf, vi = _vec(_F32, 32), _vec(_I32, 32)
         x = _vload(context, b, sig.args[0], args[0], args[1], _F32, 32, 4)
         r = _vcall(b, "llvm.rint.v32f32", vf, b.fmul(x, _splat(b, args[2], _F32, 32)))
-        lo, hi = ir.Constant(vf, [-128.0] * 32), ir.Constant(vf, [127.0] * 32)
+        lo, hi = ir.Constant(vf, [-127.0] * 32), ir.Constant(vf, [127.0] * 32)
         qi = b.fptosi(b.select(b.fcmp_ordered(">", r, hi), hi, b.select(b.fcmp_ordered("<", r, lo), lo, r)), vi)
         qdata = context.make_array(sig.args[3])(context, b, args[3]).data
         b.store(b.trunc(qi, _vec(_I8, 32)), b.bitcast(b.gep(qdata, [args[1]]), _vec(_I8, 32).as_pointer()), align=1)

@@ -52,7 +52,7 @@ from . import ktquants as _kt
 from .legacy import KVALUES_MXFP4 as _KV_MXFP4
 from .simd import _unpack_q4_0 as _simd_unpack_q4_0, _unpack_q8_0 as _simd_unpack_q8_0
 from .typetag import group_of
-from .simd import (HAS_VNNI, PREFETCH_BYTES, cpu_features, prefetch, stack_scope, _F32, _I8, _I16, _I32, _I64, _vec,
+from .simd import (HAS_VNNI, PREFETCH_BYTES, cpu_features, prefetch, signed_quads, stack_scope, _F32, _I8, _I16, _I32, _I64, _vec,
                    _const_i64, _pair_sum, _splat, dpbusd)
 
 HAS_AVX2 = "+avx2" in cpu_features()
@@ -1011,8 +1011,7 @@ def _sub_isum(b: ir.IRBuilder, u, a, off8, vnni: bool):
         n = u.type.count // 4
         return dpbusd(b, ir.Constant(_vec(_I32, n), [0] * n), u, a)
     w = b.sub(u, off8) if off8 is not None else u
-    prod = b.mul(b.sext(w, _vec(_I32, 32)), b.sext(a, _vec(_I32, 32)))
-    return _pair_sum(b, _pair_sum(b, prod, 32), 16)
+    return signed_quads(b, w, a)
 
 
 TMAX = 8   # activation rows per call: every weight block is unpacked once for all of them

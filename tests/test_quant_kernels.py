@@ -406,8 +406,8 @@ def test_simd_vnni_and_generic_agree(qt, form):
     sc = np.empty((n, cols // 32), np.float32)
     bs = np.empty((n, cols // 32), np.int32)
     K.quantize_act_q8(x, K.QK, q, sc, bs)
-    q[2, :32] = -128                                            # saturated low end (ties of -128.5)
-    bs[2, 0] = -128 * 32
+    q[2, :32] = -127                    # the low end (the quantizer saturates at -127: AVX2's signed pairs)
+    bs[2, 0] = -127 * 32
     W = _ref_matrix(w).astype(np.float64)
     # per-block integer sums times both scales, summed in f64
     ref = (q.reshape(n, -1, 32).astype(np.float64) * sc[:, :, None]).reshape(n, cols) @ W.T
