@@ -633,8 +633,11 @@ FUSED_RUNS = 4      # runs per work item of the fused kernels (128 rows of a, th
 # 64 / 512: Q4_K 3.7 / 11.1 / 71 ms against the row dots' 3.3 / 23 / (tiles + BLAS) 137 (16-row
 # tiles).  Runs are a tile's 32 rows: 1536 x 2048, n = 48, pack + GEMM, one thread, 16 -> 32 rows:
 # IQ4_XS 0.52 -> 0.44 ms, Q6_K 0.69 -> 0.52, Q4_K 0.64 -> 0.55, Q8_0 0.57 -> 0.49.
-HAS_GEMM = _simd.HAS_VNNI          # quant.simd_gemm's tiles need 512-bit vpdpbusd to pay off
+# Without VNNI, AVX2's form of the GEMM (quant.simd_gemm.tile_gemm_avx2): Zen 3, one thread, 4096^2,
+# n = 512, against the f32 tiles + BLAS it replaces: see the README (AVX2)
+HAS_GEMM = _simd.HAS_VNNI or _simd.HAS_AVX2
 GEMM_MIN = 12 if HAS_GEMM else 1 << 62
+HAS_SHORT_R8 = _simd.HAS_VNNI      # quant.matmul's short rows in _R8 form: measured with VNNI only
 
 
 @njit(cache=True, nogil=True)

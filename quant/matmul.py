@@ -157,7 +157,7 @@ _SHORT_R8 = {t: f.id for t in _Q8_SIMD if (f := interleaved_form(t)) is not None
 
 def _short_rows_form(v: _View) -> _View:
     r8 = _SHORT_R8.get(v.qtype)
-    if r8 is None or not K.HAS_GEMM or v.cols > SHORT_ROWS or v.rows % 8 or v.rows == 0:
+    if r8 is None or not K.HAS_SHORT_R8 or v.cols > SHORT_ROWS or v.rows % 8 or v.rows == 0:
         return v
     from .interleaved import repack
     n = v.n_expert * v.rows

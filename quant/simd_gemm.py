@@ -39,8 +39,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .simd import (HAS_VNNI, QK, _F32, _I8, _I32, _const_i64, _splat, _unpack_q4_0_r8, _unpack_q8_0_r8, _vec,
-                   dpbusd)
+from .simd import (HAS_AVX2, HAS_VNNI, QK, _F32, _I8, _I16, _I32, _call, _const_i64, _quads, _splat, _unpack_q4_0_r8,
+                   _unpack_q8_0_r8, _vec, dpbusd)
 from .simd_blocks import (BLOCK_DOTS, GEMM_ONLY, BlockDot, _cv, _f16, _f32, _gep, _ld, _per_half, for_type,
                           prefetch, row_pieces, sum_weights, switch_value, type_switch)
 from .simd_r4 import R4_DOTS, R4Dot, _dup8
@@ -61,6 +61,8 @@ LEVEL_OFF = 128
 # weights and accumulators spilled the 16 tile vectors, and such tiles were done a sub-tile at a time
 # (scripts/bench_tile_gemm.py, 1536 x 2048, one thread: Q4_K n = 48 0.62 -> 0.57 ms, n = 256 2.95 -> 2.58)
 TOKENS = (8, 6)
+# AVX2 (16 ymm registers, a sub-tile at a time): activation rows per pass
+TOKENS_AVX2 = (4, 4)
 _V16F = _vec(_F32, LANES)
 _V16I = _vec(_I32, LANES)
 _V64B = _vec(_I8, 64)
@@ -399,8 +401,27 @@ FORMS: dict[int, tuple[bool, bool, bool]] = {t: _form_of(t) for t in WEAVE}
 # ----------------------------------------------------------------------------------------
 # the GEMM: tile x activation rows
 # ----------------------------------------------------------------------------------------
+def _avx2_dot(b: ir.IRBuilder, acc, w, a, mins: bool):
+    """acc + the 4-value sums of the tile line w (64 bytes: levels + LEVEL_OFF, or for mins tiles
+    the stored levels, 0..127) times the activation quad a broadcast (64 bytes), with AVX2 (no
+    VNNI): for levels as stored one vpmaddubsw + vpmaddwd per 32 bytes (no pair reaches 2**15);
+    else (w given as (signed level, |level|), made once for every token of a chunk) the sign moved
+    onto the activations (signed_pairs): the true levels' sum, so that sum starts at 0, not c16."""
+    def half(h, x):
+        sl = lambda v: b.shuffle_vector(v, v, _cv(range(32 * h, 32 * h + 32)))  # noqa: E731
+        if mins:
+            p16 = _call(b, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16), sl(x), sl(a))
+        else:
+            lev, mag = x
+            sa = _call(b, "llvm.x86.avx2.psign.b", _vec(_I8, 32), sl(a), sl(lev))
+            p16 = _call(b, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16), sl(mag), sa)
+        return _quads(b, p16)
+    q = [half(h, w) for h in range(2)]
+    return b.add(acc, b.shuffle_vector(q[0], q[1], _cv(range(16))))
+
+
 def _gemm_body(context, b: ir.IRBuilder, sig, args, vnni: bool, per32: bool, mins: bool, act256: bool,
-               nv: int, v0) -> None:
+               nv: int, v0, avx2: bool = False) -> None:
     """One form of the GEMM over nv (1 or 2) of the tile's row vectors of LANES rows, from vector v0
     (an i64: 0 or 1).  per32:
     the tile's two halves of every 32 values share their d * scale and activation-sum weight
@@ -449,6 +470,11 @@ def _gemm_body(context, b: ir.IRBuilder, sig, args, vnni: bool, per32: bool, min
             tu32 = b.bitcast(tu_p, _I32.as_pointer())        # a quad of LANES rows: LANES dwords
             ws = [[vec(tu32, b.add(b.mul(h, _const_i64(4)), _const_i64(j)), subq, _V64B) for j in range(4)] for h in hs]
             dsc = [vec(tdsc_p, h, subh, _V16F) for h in hs]
+            if avx2 and not mins:       # (signed level, |level|) of each line, for all the chunk's tokens
+                top = ir.Constant(_V64B, [-128] * 64)
+                lv = [[[b.xor(x, top) for x in wv] for wv in wh] for wh in ws]
+                ws = [[[(x, _call(b, "llvm.abs.v64i8", _V64B, x, ir.Constant(ir.IntType(1), 0))) for x in wv]
+                       for wv in wh] for wh in lv]
             for t in range(nt):
                 # one integer sum per half, or per32 one for both (8 dpbusd in one chain: the halves'
                 # vpaddd and one of their two start broadcasts saved, ~8 % of the IQ4_XS GEMM).  The
@@ -456,7 +482,7 @@ def _gemm_body(context, b: ir.IRBuilder, sig, args, vnni: bool, per32: bool, min
                 # activation quad's broadcast serves the nv row vectors
                 isums = []
                 for hgroup in ([hs] if per32 else [[h] for h in hs]):
-                    if mins:
+                    if mins or avx2:
                         isum = [ir.Constant(_V16I, [0] * LANES)] * nv
                     else:
                         c = b.load(b.gep(cp[t], [hgroup[0]]))
@@ -468,7 +494,8 @@ def _gemm_body(context, b: ir.IRBuilder, sig, args, vnni: bool, per32: bool, min
                         q16 = b.bitcast(b.gep(qp[t], [b.mul(h, _const_i64(16))]), _I32.as_pointer())
                         for j in range(4):
                             a = b.bitcast(_splat(b, b.load(b.gep(q16, [_const_i64(j)]), align=1), _I32, LANES), _V64B)
-                            isum = [dpbusd(b, isum[v], ws[k][j][v], a, vnni) for v in vr]
+                            isum = [_avx2_dot(b, isum[v], ws[k][j][v], a, mins) if avx2 else
+                                    dpbusd(b, isum[v], ws[k][j][v], a, vnni) for v in vr]
                     isums.append(isum)
                 for v in vr:
                     if act256:      # each product straight into the 256's sum (an FMA each)
@@ -527,7 +554,7 @@ def _gemm_body(context, b: ir.IRBuilder, sig, args, vnni: bool, per32: bool, min
 
     # chunks of TOKENS[nv], then one of half that if that many are left, then single tokens (an
     # expert's share of a prompt is often a few dozen rows: its remainder is not done one by one)
-    full = TOKENS[nv - 1]
+    full = (TOKENS_AVX2 if avx2 else TOKENS)[nv - 1]
     nfull = b.udiv(ntok, _const_i64(full))
     with cgutils.for_range(b, nfull) as cl:
         chunk(b.mul(cl.index, _const_i64(full)), full)
@@ -540,7 +567,7 @@ def _gemm_body(context, b: ir.IRBuilder, sig, args, vnni: bool, per32: bool, min
         chunk(b.add(done, rl.index), 1)
 
 
-def _gemm_intrinsic(vnni: bool):
+def _gemm_intrinsic(vnni: bool, avx2: bool = False):
     """tile_gemm(tu, tdsc, tws, nh, q, s, b16, c16, k0, ntok, out, r0, nrows, per32, mins, act256, qtype):
     out[k0 + t, r0 + i] = tile row i dotted with activation row k0 + t (q int8, s f32 per 32, b16
     f32 per 16 sums, per 32 for per32 mins tiles (MINS32), c16 int32 -LEVEL_OFF * the per-16 sums of
@@ -573,7 +600,12 @@ def _gemm_intrinsic(vnni: bool):
                         # doubled the kernels' cold compile time): both sub-tiles at once, whatever
                         # nrows (a second vector past nrows is computed, never stored)
                         with b.if_then(form):
-                            _gemm_body(context, b, sig, args, vnni, p32, m, k, 2, _const_i64(0))
+                            if avx2:    # 16 ymm registers: one sub-tile at a time
+                                for v in range(ROWS // LANES):
+                                    with b.if_then(b.icmp_signed(">", args[12], _const_i64(LANES * v))):
+                                        _gemm_body(context, b, sig, args, vnni, p32, m, k, 1, _const_i64(v), avx2)
+                            else:
+                                _gemm_body(context, b, sig, args, vnni, p32, m, k, 2, _const_i64(0))
             return context.get_dummy_value()
         return sig, codegen
     return tile_gemm
@@ -583,4 +615,5 @@ def _gemm_intrinsic(vnni: bool):
 # tile_gemm_generic always is (tests).  Per 32 values, one thread, n = 512, 4096^2, 2-core Zen 5:
 # Q4_K 35.7 -> 33.5 ms, Q8_0 32.2 -> 29.9, IQ4_XS 31.7 -> 30.9
 tile_gemm_generic = _gemm_intrinsic(False)
-tile_gemm = _gemm_intrinsic(True) if HAS_VNNI else tile_gemm_generic
+tile_gemm_avx2 = _gemm_intrinsic(False, True) if HAS_AVX2 else None
+tile_gemm = _gemm_intrinsic(True) if HAS_VNNI else tile_gemm_avx2 or tile_gemm_generic

@@ -220,7 +220,7 @@ def test_short_rows_are_multiplied_in_r8_form(qt, monkeypatch):
         x = rng.standard_normal(shape).astype(np.float32)
         raw = reference.quantize(x.reshape(-1, shape[-1]), tid)
         w = QTensor(raw.reshape(*shape[:-1], -1), tid, shape)
-        assert M._view(w, few=True).qtype == (r8 if short and K.HAS_GEMM else tid), shape
+        assert M._view(w, few=True).qtype == (r8 if short and K.HAS_SHORT_R8 else tid), shape
         assert M._view(w).qtype == tid          # many rows: the plain layout (the GEMM's)
         monkeypatch.setattr(M, "_SHORT_R8", {})
         plain = QTensor(raw.reshape(*shape[:-1], -1), tid, shape)     # a fresh view: the plain kernels
