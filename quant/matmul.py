@@ -64,8 +64,8 @@ from .typetag import QType
 from .kernels import tag
 
 MANY_TOKENS = 16          # from this many activation rows on, use dequantized tiles + BLAS
-_MANY_TOKENS_INT = 8      # ... and this many for Q8_0 / Q4_0 without VNNI (see many_tokens)
-_MANY_TOKENS_BLOCKS = 96  # ... for the block types of quant.simd_blocks without VNNI
+_MANY_TOKENS_INT = 8      # ... and this many for Q8_0 / Q4_0 without VNNI or AVX2 (see many_tokens)
+_MANY_TOKENS_BLOCKS = 96  # ... for the block types of quant.simd_blocks without VNNI or AVX2
 TILE_BYTES = 4 << 20      # target size of the f32 scratch tile
 # Numba threads that decode a tile (None: all of numba's).  Decoding is ~1-2 % of the work
 # of a many-token matmul; see the module docstring on thread pools fighting.
@@ -249,9 +249,10 @@ def _as_act(x: np.ndarray, cols: int) -> np.ndarray:
 def many_tokens(qtype: int) -> int:
     """Number of activation rows from which matmul switches to the tile + BLAS path.
 
-    With AVX512-VNNI every integer type never switches: from quant.kernels.GEMM_MIN rows on its
-    kernels run quant.simd_gemm's integer GEMM (one thread, 4096 x 4096, n = 512: 71-77 ms
-    against 191-197 for the tiles, README).  Without VNNI the _R4 kernels still beat the tiles
+    With AVX512-VNNI or AVX2 every integer type never switches: from quant.kernels.GEMM_MIN rows on
+    its kernels run quant.simd_gemm's integer GEMM (one thread, 4096 x 4096, n = 512: 71-77 ms
+    against 191-197 for the tiles with VNNI; AVX2, Zen 3: Q4_K 197 against 254, README).  The
+    rest is for CPUs with neither: there the _R4 kernels still beat the tiles
     at every count (2 threads, n = 512: 84 vs 126 ms for Q4_K_R4, 80 vs 128 for IQ2_K_R4), and
     the plain block types' row dots break even with the tiles near 96 rows (one thread, int vs
     tiles: Q4_K 21.3 vs 28.0 ms at 48, 46.4 vs 44.7 at 96; Q6_K 24.3 vs 31.5 and 44.5 vs 46.8;
@@ -312,7 +313,7 @@ def _fused_act(qt: int, x: np.ndarray, n_pairs: int) -> bool:
     """Whether a product of these activations goes through K.matvec_act (quantization and row
     dots in one compiled call): an integer type, few pairs (no expert reaches the GEMM), a small x.
     The caller has checked that the row dots are the path for that many pairs (many_tokens: a
-    CPU without VNNI hands Q8_0 from 8 rows, the block types from 96, to the tiles).  The
+    CPU without VNNI or AVX2 hands Q8_0 from 8 rows, the block types from 96, to the tiles).  The
     activation arrays matvec_act makes are _act's for these types (no GEMM: per-16 sums except
     for the Q8_0 / Q4_0 family, no c16)."""
     return qt in K.INT_DOT_TYPES and n_pairs < min(K.GEMM_MIN, len(_GB)) and x.size < _FUSED_ACT_MAX

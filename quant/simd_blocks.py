@@ -53,7 +53,7 @@ from .legacy import KVALUES_MXFP4 as _KV_MXFP4
 from .simd import _unpack_q4_0 as _simd_unpack_q4_0, _unpack_q8_0 as _simd_unpack_q8_0
 from .typetag import group_of
 from .simd import (HAS_VNNI, PREFETCH_BYTES, cpu_features, prefetch, signed_quads, stack_scope, _F32, _I8, _I16, _I32, _I64, _vec,
-                   _const_i64, _pair_sum, _splat, dpbusd)
+                   _const_i64, _splat, dpbusd)
 
 HAS_AVX2 = "+avx2" in cpu_features()
 _V64 = _vec(_I8, 64)

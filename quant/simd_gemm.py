@@ -24,8 +24,11 @@ GEMM; the _R4 layouts are packed from simd_r4's records and Q8_0_R8 / Q4_0_R8 fr
 runs (WEAVE says which packing a type takes).  Activations are quant.matmul's (q, s, bs, b16, c16)
 with the f32 per-16 sums and c16 = -LEVEL_OFF * the int per-16 sums.
 
-Without AVX512-VNNI the generic IR form is compiled (LLVM lowers the 512-bit vectors to what
-the CPU has); quant.kernels only uses the GEMM where VNNI is present.
+Without AVX512-VNNI, AVX2 CPUs get tile_gemm_avx2: the same tiles and loop, a sub-tile (two ymm
+registers a line) at a time for TOKENS_AVX2 activation rows, each 32 bytes of a line taking
+vpsignb + vpmaddubsw + vpmaddwd + vpaddd (_avx2_dot) where vpdpbusd takes one instruction per 64.
+Otherwise the generic IR form is compiled (LLVM lowers the 512-bit vectors to what the CPU has),
+and quant.kernels keeps the GEMM off (HAS_GEMM).
 
 Development note (as quant.simd): after editing this module delete quant/__pycache__/*.nb*.
 """
