@@ -83,6 +83,14 @@ def _kind(form: str, r4: bool) -> int:
         pytest.skip("no AVX512-VNNI on this CPU")
     return (2 if r4 else 0) + (form == "vnni")
 
+
+def _gemm_form(form: str) -> None:
+    """The GEMM tests' forms: "generic" (the IR any CPU compiles) and "native" (quant.simd_gemm's
+    tile_gemm: the VNNI form, or without VNNI the AVX2 one)."""
+    if form == "native" and not K.HAS_GEMM:
+        pytest.skip("neither AVX512-VNNI nor AVX2 on this CPU")
+
+
 NT = 3    # activation rows per kernel call (each weight block is unpacked once for all)
 
 
@@ -324,14 +332,14 @@ def test_mins32_is_what_the_packing_says(qtype):
     assert (code == SG.PACKED_MINS) == (qtype in SG.MINS32)
 
 
-@pytest.mark.parametrize("form", ["generic", "vnni"])
+@pytest.mark.parametrize("form", ["generic", "native"])
 @pytest.mark.parametrize("qtype", GEMM_TYPES, ids=NAMES + [SB.GEMM_ONLY[t].name for t in sorted(SB.GEMM_ONLY)])
 def test_tile_gemm_matches_decoder_on_random_bytes(qtype, form):
     """The GEMM's packing and products, on random rows (every level, scale, sign, extra bit and
     min): 53 rows (a full 32-row tile, then 21 rows: one full and one partial 16-row vector), 15 tokens
     (two vectors: passes of 6, 6 and 3; one vector: passes of 8, 4 and 3 single ones),
     one block, several, and for the grouped legacy records a row ending in single blocks."""
-    _kind(form, False)
+    _gemm_form(form)
     fmt = {**SB.BLOCK_DOTS, **SB.GEMM_ONLY}[qtype]
     rng = np.random.default_rng(qtype + 1)
     for cols in sorted({fmt.values, 3 * fmt.values} | ({fmt.values + 96, fmt.values + 160} if fmt.tail else set())):
@@ -447,19 +455,19 @@ def _check_interleaved_gemm(qtype, form, seed, col_list, ngroups):
         assert np.all(np.abs(out - want) <= 2e-5 * mag + 1e-30), (cols, out, want)
 
 
-@pytest.mark.parametrize("form", ["generic", "vnni"])
+@pytest.mark.parametrize("form", ["generic", "native"])
 @pytest.mark.parametrize("qtype", R4_TYPES, ids=[R4.R4_DOTS[t].name for t in R4_TYPES])
 def test_tile_gemm_packs_r4_groups(qtype, form):
     """The _R4 packing: 36 rows (a full 32-row tile and one group), one and two block columns."""
-    _kind(form, True)
+    _gemm_form(form)
     _check_interleaved_gemm(qtype, form, qtype + 2, (256, 512), 9)
 
 
-@pytest.mark.parametrize("form", ["generic", "vnni"])
+@pytest.mark.parametrize("form", ["generic", "native"])
 @pytest.mark.parametrize("name", ["Q8_0_R8", "Q4_0_R8"])
 def test_tile_gemm_packs_r8_groups(name, form):
     """The _R8 packing: 40 rows (a full 32-row tile and one group), one and three blocks."""
-    _kind(form, False)
+    _gemm_form(form)
     qtype = type_info(name).id
     _check_interleaved_gemm(qtype, form, qtype, (32, 96), 5)
 
