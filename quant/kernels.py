@@ -62,12 +62,17 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # PP512 unchanged (~250 t/s); 100000 measured the same as 30000.
 os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 
-import math
-
+import numba  # noqa: E402
 import numpy as np  # noqa: E402
 from llvmlite import ir  # noqa: E402
 from numba import njit, prange, types  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
+
+# numba's thread pool, started before any kernel runs: a cached kernel without parallel=True that
+# calls a parallel one (matvec_act -> matvec_int) does not start it when loaded from the cache, and
+# its first call then crashes (numba issue 8578; here a fresh process loading the Q8_0_R8 products
+# from the cache died with SIGSEGV until this line)
+numba.get_num_threads()
 
 from . import interleaved as _interleaved, registry as _reg, simd as _simd  # noqa: E402
 from . import simd_blocks as _blocks  # noqa: E402  (integer row dots of the other block types)

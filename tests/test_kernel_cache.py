@@ -2,11 +2,12 @@
 
 numba writes every compiled kernel to quant/__pycache__ and a later process loads it instead of
 compiling.  A kernel can compile and run in the process that built it and still fail when loaded
-back: once, during development, a process loading the cached Q8_0_R8 products of
-quant.kernels.matvec_act died with a segmentation fault (after partial cache deletions; not
-reproduced after a full reset, so this test is a guard, not a reproduction).  Here this process
-computes a few products (compiling, or loading what an earlier run cached), then a fresh
-interpreter computes them again from the cache, and both must agree bit for bit."""
+back: a fresh process loading the cached Q8_0_R8 products of quant.kernels.matvec_act died with a
+segmentation fault, twice over the sessions.  The cause (numba issue 8578): matvec_act, cached and
+not parallel, calls the parallel matvec_int, and loaded from the cache it does not start numba's
+thread pool; quant.kernels now starts it at import.  Here this process computes a few products
+(compiling, or loading what an earlier run cached), then a fresh interpreter computes them again
+from the cache, and both must agree bit for bit."""
 from __future__ import annotations
 
 import subprocess
@@ -53,3 +54,27 @@ def test_cached_kernels_run_in_a_new_process(tmp_path):
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert np.array_equal(np.load(here), np.load(there))
+
+
+def test_kernels_are_stamped_with_the_package_sources():
+    """numba checks a cached kernel against its own file only; ikcli's kernels are built from
+    other modules too (quant.simd*'s IR, jitted helpers), so quant.numba_stamp adds a digest of
+    quant/ (engine kernels: quant/ and engine/) to the stamp numba compares."""
+    from engine import rope
+    from quant import kernels, numba_stamp
+    for fn, dirs in ((kernels._sums32, ("quant",)), (rope._rotate, ("quant", "engine"))):
+        stamp = fn._cache._impl.locator.get_source_stamp()
+        assert isinstance(stamp, tuple) and stamp[1] == numba_stamp.sources_digest(dirs), fn
+
+
+def test_sources_digest_follows_every_file(tmp_path):
+    """An edit to any module of the folder, or a new one, changes the digest."""
+    from quant.numba_stamp import sources_digest
+    digest = sources_digest.__wrapped__      # numba's stamps are read once per process: cached there
+    (tmp_path / "quant").mkdir()
+    (tmp_path / "quant" / "a.py").write_text("x = 1\n")
+    first = digest(("quant",), tmp_path)
+    (tmp_path / "quant" / "a.py").write_text("x = 2\n")
+    second = digest(("quant",), tmp_path)
+    (tmp_path / "quant" / "b.py").write_text("")
+    assert len({first, second, digest(("quant",), tmp_path)}) == 3
