@@ -99,6 +99,7 @@ _GEMM_SCALE32 = _reg.id_table(lambda r: r.id in _gemm.SCALE32, np.bool_, False) 
 # tile_gemm's act256 form: the type's GEMM activations have one scale per 256 (quant.matmul._act)
 _GEMM_ACT256 = _reg.id_table(lambda r: r.act == _reg.ACT_Q8_256, np.bool_, False)
 _GEMM_MINS32 = _reg.id_table(lambda r: r.id in _gemm.MINS32, np.bool_, False)   # tile_gemm takes per-32 sums
+_GEMM_SMALL = _reg.id_table(lambda r: r.id in _gemm.SMALL, np.bool_, False)     # tile_gemm's small form
 # type id -> its row dot (simd_blocks, VNNI) reads the activations in PLANES_ORDER (row_dot_act)
 _ROW_PLANES = _reg.id_table(lambda r: _simd.HAS_VNNI and r.id in _blocks.BLOCK_DOTS and _blocks.BLOCK_DOTS[r.id].planes,
                             np.bool_, False)
@@ -757,7 +758,8 @@ def _gemm_rows(qtype, weave, buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16
     if code == _gemm.NOT_PACKED:
         return False
     _gemm.tile_gemm(tu, tdsc, tws, cols // 16, q, s, b16, c16, k0, k1 - k0, out, r0, r1 - r0,
-                    _GEMM_SCALE32[qid(qtype)], code == _gemm.PACKED_MINS, _GEMM_ACT256[qid(qtype)], qtype)
+                    _GEMM_SCALE32[qid(qtype)], code == _gemm.PACKED_MINS, _GEMM_ACT256[qid(qtype)],
+                    _GEMM_SMALL[qid(qtype)], qtype)
     return True
 
 

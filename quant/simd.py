@@ -195,9 +195,9 @@ def _call(builder: ir.IRBuilder, name: str, ret: ir.Type, *args):
 
 
 def _halves(builder: ir.IRBuilder, v, f):
-    """f applied to each 32-byte half of a 64-byte vector (AVX2's width), results joined."""
+    """f applied to each 256-bit half of 512-bit vectors (AVX2's width), results joined."""
     n = v[0].type.count
-    if n <= 32:
+    if n * v[0].type.element.width <= 256:
         return f(*v)
     parts = [f(*[builder.shuffle_vector(x, x, ir.Constant(_vec(_I32, n // 2), list(range(h, h + n // 2))))
                  for x in v]) for h in (0, n // 2)]
@@ -205,16 +205,18 @@ def _halves(builder: ir.IRBuilder, v, f):
     return builder.shuffle_vector(parts[0], parts[1], ir.Constant(_vec(_I32, 2 * m), list(range(2 * m))))
 
 
-def signed_pairs(builder: ir.IRBuilder, w, a):
+def signed_pairs(builder: ir.IRBuilder, w, a, mag=None):
     """AVX2 (SSSE3 for 16 bytes): per int16 lane the sum of 2 consecutive products w x a of int8
     vectors of 16 or 32 bytes, exact for w in [-128, 127] and a in [-127, 127] (the activations'
-    range): vpmaddubsw of |w| as unsigned bytes and a with w's sign (vpsignb), whose pairs stay
-    within 2 * 128 * 127 < 2**15 (no saturation)."""
+    range): vpmaddubsw of |w| as unsigned bytes (mag, when the caller made it once for many a) and
+    a with w's sign (vpsignb), whose pairs stay within 2 * 128 * 127 < 2**15 (no saturation)."""
     n = w.type.count
     v8, v16 = _vec(_I8, n), _vec(_I16, n // 2)
     sign, madd = (("llvm.x86.avx2.psign.b", "llvm.x86.avx2.pmadd.ub.sw") if n == 32 else
                   ("llvm.x86.ssse3.psign.b.128", "llvm.x86.ssse3.pmadd.ub.sw.128"))
-    return _call(builder, madd, v16, _call(builder, sign, v8, w, w), _call(builder, sign, v8, a, w))
+    if mag is None:
+        mag = _call(builder, sign, v8, w, w)
+    return _call(builder, madd, v16, mag, _call(builder, sign, v8, a, w))
 
 
 def _quads(builder: ir.IRBuilder, p16):

@@ -53,7 +53,7 @@ from .legacy import KVALUES_MXFP4 as _KV_MXFP4
 from .simd import _unpack_q4_0 as _simd_unpack_q4_0, _unpack_q8_0 as _simd_unpack_q8_0
 from .typetag import group_of
 from .simd import (HAS_VNNI, PREFETCH_BYTES, cpu_features, prefetch, signed_quads, stack_scope, _F32, _I8, _I16, _I32, _I64, _vec,
-                   _const_i64, _splat, dpbusd)
+                   _call, _const_i64, _halves, _quads, _splat, dpbusd)
 
 HAS_AVX2 = "+avx2" in cpu_features()
 _V64 = _vec(_I8, 64)
@@ -259,6 +259,10 @@ class BlockDot:
     planes: bool = False
     # the row dots' unpack where it differs from the packing's (quant.simd_gemm): None for unpack
     dot_unpack: "Callable | None" = None
+    # a bound on |level| (the level without OFF; for OFF 0, the stored level): quant.simd_gemm's
+    # AVX2 GEMM adds more int16 products before widening when it is small (SMALL_LEVEL); a test
+    # checks it against the packed levels of random blocks
+    lmax: int = 128
 
     @property
     def meta(self) -> int:
@@ -949,40 +953,41 @@ def _grouped(one: BlockDot, n: int = 8, f16_d: tuple = ()) -> BlockDot:
     # bench_tile_gemm.py --pack-only)
     dot = (lambda b, p: unpack(b, p, True)) if f16_d and _HAS_F16C else None
     return BlockDot(one.name, n * one.values, n * one.nbytes, one.off, unpack, one.row_scale,
-                    tail=_grouped(one, n // 2, f16_d) if n > 4 else one, scale32=one.scale32, dot_unpack=dot)
+                    tail=_grouped(one, n // 2, f16_d) if n > 4 else one, scale32=one.scale32, dot_unpack=dot,
+                    lmax=one.lmax)
 
 
 # type id -> record (ids: quant.types)
 BLOCK_DOTS: dict[int, BlockDot] = {
-    3: _grouped(BlockDot("Q4_1", 32, 20, 0, _unpack_q4_1, scale32=True), f16_d=(0, 2)),
-    6: _grouped(BlockDot("Q5_0", 32, 22, 16, _unpack_q5_0, scale32=True), f16_d=(0,)),
-    7: _grouped(BlockDot("Q5_1", 32, 24, 0, _unpack_q5_1, scale32=True), f16_d=(0, 2)),
+    3: _grouped(BlockDot("Q4_1", 32, 20, 0, _unpack_q4_1, scale32=True, lmax=15), f16_d=(0, 2)),
+    6: _grouped(BlockDot("Q5_0", 32, 22, 16, _unpack_q5_0, scale32=True, lmax=16), f16_d=(0,)),
+    7: _grouped(BlockDot("Q5_1", 32, 24, 0, _unpack_q5_1, scale32=True, lmax=31), f16_d=(0, 2)),
     20: _grouped(BlockDot("IQ4_NL", 32, 18, 128, _unpack_iq4_nl, scale32=True), f16_d=(0,)),
-    133: _grouped(BlockDot("Q6_0", 32, 26, 32, _unpack_q6_0, scale32=True), f16_d=(0,)),
-    39: _grouped(BlockDot("MXFP4", 32, 17, 128, _unpack_mxfp4, scale32=True)),
+    133: _grouped(BlockDot("Q6_0", 32, 26, 32, _unpack_q6_0, scale32=True, lmax=32), f16_d=(0,)),
+    39: _grouped(BlockDot("MXFP4", 32, 17, 128, _unpack_mxfp4, scale32=True, lmax=12)),
     16: BlockDot("IQ2_XXS", 256, 66, _OFF_GRID, _unpack_iq2_xxs, scale32=True, act256=True),
     17: BlockDot("IQ2_XS", 256, 74, _OFF_GRID, _unpack_iq2_xs, act256=True),
     22: BlockDot("IQ2_S", 256, 82, _OFF_GRID, _unpack_iq2_s, act256=True),
     18: BlockDot("IQ3_XXS", 256, 98, _OFF_GRID, _unpack_iq3_xxs, scale32=True, act256=True),
     21: BlockDot("IQ3_S", 256, 110, _OFF_GRID, _unpack_iq3_s, scale32=True, act256=True),
-    19: BlockDot("IQ1_S", 256, 50, _OFF_IQ1, _unpack_iq1_s, scale32=True, act256=True),
-    29: BlockDot("IQ1_M", 256, 56, _OFF_IQ1, _unpack_iq1_m, act256=True),
-    4: BlockDot("IQ1_M_ROWS", 256, 56, _OFF_IQ1, _unpack_iq1_m_rows(8), "f16",
-                tail=BlockDot("IQ1_M_ROWS", 32, 7, _OFF_IQ1, _unpack_iq1_m_rows(1), "f16")),
-    10: BlockDot("Q2_K", 256, 84, 0, _unpack_q2_k, act256=True),
-    11: BlockDot("Q3_K", 256, 110, 4, _unpack_q3_k, act256=True),
-    12: BlockDot("Q4_K", 256, 144, 0, _unpack_q4_k, scale32=True, wide=True),
-    13: BlockDot("Q5_K", 256, 176, 0, _unpack_q5_k, scale32=True, wide=True),
-    14: BlockDot("Q6_K", 256, 210, 32, _unpack_q6_k, wide=True),
+    19: BlockDot("IQ1_S", 256, 50, _OFF_IQ1, _unpack_iq1_s, scale32=True, act256=True, lmax=9),
+    29: BlockDot("IQ1_M", 256, 56, _OFF_IQ1, _unpack_iq1_m, act256=True, lmax=9),
+    4: BlockDot("IQ1_M_ROWS", 256, 56, _OFF_IQ1, _unpack_iq1_m_rows(8), "f16", lmax=9,
+                tail=BlockDot("IQ1_M_ROWS", 32, 7, _OFF_IQ1, _unpack_iq1_m_rows(1), "f16", lmax=9)),
+    10: BlockDot("Q2_K", 256, 84, 0, _unpack_q2_k, act256=True, lmax=3),
+    11: BlockDot("Q3_K", 256, 110, 4, _unpack_q3_k, act256=True, lmax=4),
+    12: BlockDot("Q4_K", 256, 144, 0, _unpack_q4_k, scale32=True, wide=True, lmax=15),
+    13: BlockDot("Q5_K", 256, 176, 0, _unpack_q5_k, scale32=True, wide=True, lmax=31),
+    14: BlockDot("Q6_K", 256, 210, 32, _unpack_q6_k, wide=True, lmax=32),
     23: BlockDot("IQ4_XS", 256, 136, 128, _unpack_iq4_xs, scale32=True, act256=True, wide=True, planes=True),
-    137: BlockDot("IQ2_K", 256, 76, 128, _unpack_iq2_k, act256=True),
+    137: BlockDot("IQ2_K", 256, 76, 128, _unpack_iq2_k, act256=True, lmax=31),
     138: BlockDot("IQ3_K", 256, 110, 128, _unpack_iq3_k, act256=True),
     139: BlockDot("IQ4_K", 256, 144, 128, _unpack_iq4_k, act256=True, wide=True, planes=True),
     140: BlockDot("IQ5_K", 256, 176, 128, _unpack_iq5_k, act256=True),
     141: BlockDot("IQ6_K", 256, 212, 128, _unpack_iq6_k, act256=True),
     144: BlockDot("IQ4_KS", 256, 136, 128, _unpack_iq4_ks, "f32", scale32=True, act256=True, wide=True,
                   planes=True),
-    145: BlockDot("IQ2_KS", 256, 70, 128, _unpack_iq2_ks, "f16", scale32=True, act256=True),
+    145: BlockDot("IQ2_KS", 256, 70, 128, _unpack_iq2_ks, "f16", scale32=True, act256=True, lmax=31),
     152: BlockDot("IQ5_KS", 256, 168, 128, _unpack_iq5_ks, "f32", scale32=True, act256=True),
     156: BlockDot("IQ3_KS", 256, 102, 128, _unpack_iq3_ks, "f16", scale32=True, act256=True),
     157: BlockDot("IQ2_KL", 256, 86, 128, _unpack_iq2_kl, "f16", act256=True),
@@ -996,7 +1001,7 @@ BLOCK_DOTS: dict[int, BlockDot] = {
 # Q8_0 / Q4_0 have row dots of their own (quant.simd); these records serve quant.simd_gemm
 GEMM_ONLY: dict[int, BlockDot] = {
     8: _grouped(BlockDot("Q8_0", 32, 34, 128, _from_simd(_simd_unpack_q8_0, 128), scale32=True)),
-    2: _grouped(BlockDot("Q4_0", 32, 18, 8, _from_simd(_simd_unpack_q4_0, 8), scale32=True)),
+    2: _grouped(BlockDot("Q4_0", 32, 18, 8, _from_simd(_simd_unpack_q4_0, 8), scale32=True, lmax=8)),
 }
 
 
@@ -1010,6 +1015,10 @@ def _sub_isum(b: ir.IRBuilder, u, a, off8, vnni: bool):
     if vnni:                       # 32 or 64 levels (two sub-blocks: _width)
         n = u.type.count // 4
         return dpbusd(b, ir.Constant(_vec(_I32, n), [0] * n), u, a)
+    if off8 is None and HAS_AVX2:
+        # levels stored with offset 0 (Q4_K, Q5_K, Q2_K, Q4_1, Q5_1) are 0..lmax < 128: vpmaddubsw
+        # takes them as they are, no sign trick (a test checks the types' bounds)
+        return _halves(b, (u, a), lambda x, y: _quads(b, _call(b, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16), x, y)))
     w = b.sub(u, off8) if off8 is not None else u
     return signed_quads(b, w, a)
 

@@ -25,8 +25,11 @@ runs (WEAVE says which packing a type takes).  Activations are quant.matmul's (q
 with the f32 per-16 sums and c16 = -LEVEL_OFF * the int per-16 sums.
 
 Without AVX512-VNNI, AVX2 CPUs get tile_gemm_avx2: the same tiles and loop, a sub-tile (two ymm
-registers a line) at a time for TOKENS_AVX2 activation rows, each 32 bytes of a line taking
-vpsignb + vpmaddubsw + vpmaddwd + vpaddd (_avx2_dot) where vpdpbusd takes one instruction per 64.
+registers a line) at a time (a run-time loop: one body per form) for TOKENS_AVX2 activation rows,
+each 32 bytes of a line taking vpsignb + vpmaddubsw (_avx2_pairs) where vpdpbusd takes one
+instruction per 64, and a vpmaddwd + vpaddd per quad, or for types whose levels stay within
+SMALL_LEVEL (SMALL: the K-quants, Q4_0, Q5_0, IQ2_K, ...) per half: its four quads' int16 pair sums
+are added first.
 Otherwise the generic IR form is compiled (LLVM lowers the 512-bit vectors to what the CPU has),
 and quant.kernels keeps the GEMM off (HAS_GEMM).
 
@@ -42,12 +45,11 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .simd import (HAS_AVX2, HAS_VNNI, QK, _F32, _I8, _I16, _I32, _call, _const_i64, _quads, _splat, _unpack_q4_0_r8,
-                   _unpack_q8_0_r8, _vec, dpbusd)
+from .simd import (HAS_AVX2, HAS_VNNI, QK, _F32, _I8, _I16, _I32, _call, _const_i64, _halves, _quads, _splat,
+                   _unpack_q4_0_r8, _unpack_q8_0_r8, _vec, dpbusd, signed_pairs)
 from .simd_blocks import (BLOCK_DOTS, GEMM_ONLY, BlockDot, _cv, _f16, _f32, _gep, _ld, _per_half, for_type,
                           prefetch, row_pieces, sum_weights, switch_value, type_switch)
 from .simd_r4 import R4_DOTS, R4Dot, _dup8
-from .typetag import group_of
 from .types import type_info
 
 LANES = 16         # weight rows per 512-bit vector (one lane each)
@@ -337,6 +339,7 @@ class R8Pack:
     nbytes: int
     unpack: Callable
     off: int                # level offset of the unsigned bytes (128: int8 + 128; 8: nibbles)
+    lmax: int               # bound on |level| (BlockDot.lmax)
 
 
 def _pack_r8(b: ir.IRBuilder, fmt: R8Pack, at, ngroups, cols, tu, tdsc, tws) -> bool:
@@ -366,8 +369,8 @@ def _pack_r8(b: ir.IRBuilder, fmt: R8Pack, at, ngroups, cols, tu, tdsc, tws) -> 
 
 # tile_pack_r8(qtype, buf, base, gstride, ngroups, cols, tu, tdsc, tws) -> int: tile_pack for
 # Q8_0_R8 / Q4_0_R8: the 8-row groups at byte base + g gstride, g < ngroups (<= ROWS / 8).
-R8_PACKS = {208: R8Pack("Q8_0_R8", 16 + 8 * QK, _unpack_q8_0_r8, 128),
-            202: R8Pack("Q4_0_R8", 16 + 4 * QK, _unpack_q4_0_r8, 8)}
+R8_PACKS = {208: R8Pack("Q8_0_R8", 16 + 8 * QK, _unpack_q8_0_r8, 128, 128),
+            202: R8Pack("Q4_0_R8", 16 + 4 * QK, _unpack_q4_0_r8, 8, 8)}
 tile_pack_r8 = _pack_intrinsic(R8_PACKS, "packr8", _pack_r8)
 
 # type id -> the packing quant.kernels calls for it: 0 tile_pack (rows), 4 tile_pack_r4, 8 tile_pack_r8
@@ -382,16 +385,33 @@ SCALE32: frozenset[int] = frozenset([t for t, r in PLAIN_PACKS.items() if r.scal
 MINS32: frozenset[int] = frozenset(t for t, r in PLAIN_PACKS.items() if r.scale32 and r.off == 0)
 
 
-def _form_of(t: int) -> tuple[bool, bool, bool]:
-    """(per32, mins, act256): the tile_gemm form a WEAVE type takes, from its record (the packing
-    reports mins exactly for levels stored with offset 0; an _R4 type packs as its plain type)."""
+def _lmax(t: int) -> int:
+    """The bound on a WEAVE type's tile levels (BlockDot.lmax: |level| after LEVEL_OFF, or for
+    levels stored with offset 0 the level); an _R4 type packs as its plain type."""
     if t in R8_PACKS:
-        return True, False, False
+        return R8_PACKS[t].lmax
+    return BLOCK_DOTS[type_info(type_info(t).base).id].lmax if t in R4_DOTS else PLAIN_PACKS[t].lmax
+
+
+# the WEAVE types whose levels stay within SMALL_LEVEL: the AVX2 GEMM adds a half's four int16 pair
+# sums before one vpmaddwd (8 products a lane: 8 * 32 * 127 = 32512 < 2**15) instead of one
+# vpmaddwd per quad
+SMALL_LEVEL = 32
+SMALL: frozenset[int] = frozenset(t for t in WEAVE if _lmax(t) <= SMALL_LEVEL)
+
+
+def _form_of(t: int) -> tuple[bool, bool, bool, bool]:
+    """(per32, mins, act256, small): the tile_gemm form a WEAVE type takes, from its record (the
+    packing reports mins exactly for levels stored with offset 0; an _R4 type packs as its plain
+    type)."""
+    small = t in SMALL
+    if t in R8_PACKS:
+        return True, False, False, small
     if t in R4_DOTS:
         plain = BLOCK_DOTS[type_info(type_info(t).base).id]
-        return False, plain.off == 0, plain.act256
+        return False, plain.off == 0, plain.act256, small
     r = PLAIN_PACKS[t]
-    return r.scale32, r.off == 0, r.act256
+    return r.scale32, r.off == 0, r.act256, small
 
 
 # type id -> its tile_gemm form: a call with a tag (quant.typetag) compiles only its group's forms
@@ -404,27 +424,20 @@ FORMS: dict[int, tuple[bool, bool, bool]] = {t: _form_of(t) for t in WEAVE}
 # ----------------------------------------------------------------------------------------
 # the GEMM: tile x activation rows
 # ----------------------------------------------------------------------------------------
-def _avx2_dot(b: ir.IRBuilder, acc, w, a, mins: bool):
-    """acc + the 4-value sums of the tile line w (64 bytes: levels + LEVEL_OFF, or for mins tiles
-    the stored levels, 0..127) times the activation quad a broadcast (64 bytes), with AVX2 (no
-    VNNI): for levels as stored one vpmaddubsw + vpmaddwd per 32 bytes (no pair reaches 2**15);
-    else (w given as (signed level, |level|), made once for every token of a chunk) the sign moved
-    onto the activations (signed_pairs): the true levels' sum, so that sum starts at 0, not c16."""
-    def half(h, x):
-        sl = lambda v: b.shuffle_vector(v, v, _cv(range(32 * h, 32 * h + 32)))  # noqa: E731
-        if mins:
-            p16 = _call(b, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16), sl(x), sl(a))
-        else:
-            lev, mag = x
-            sa = _call(b, "llvm.x86.avx2.psign.b", _vec(_I8, 32), sl(a), sl(lev))
-            p16 = _call(b, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16), sl(mag), sa)
-        return _quads(b, p16)
-    q = [half(h, w) for h in range(2)]
-    return b.add(acc, b.shuffle_vector(q[0], q[1], _cv(range(16))))
+def _avx2_pairs(b: ir.IRBuilder, w, a, mins: bool):
+    """The int16 pair sums (<32 x i16>) of the tile line w (64 bytes) times the activation quad a
+    broadcast (64 bytes), with AVX2 (no VNNI): for mins tiles (levels as stored, 0..SMALL_LEVEL)
+    one vpmaddubsw per 32 bytes; else w is (signed level, |level|), made once for every token of
+    a chunk, and the level's sign moves onto the activations (quant.simd.signed_pairs): the true
+    levels' sum, so that sum starts at 0, not c16."""
+    if mins:
+        return _halves(b, (w, a), lambda x, y: _call(b, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16), x, y))
+    lev, mag = w
+    return _halves(b, (lev, mag, a), lambda x, m, y: signed_pairs(b, x, y, m))
 
 
 def _gemm_body(context, b: ir.IRBuilder, sig, args, vnni: bool, per32: bool, mins: bool, act256: bool,
-               nv: int, v0, avx2: bool = False) -> None:
+               nv: int, v0, avx2: bool = False, small: bool = False) -> None:
     """One form of the GEMM over nv (1 or 2) of the tile's row vectors of LANES rows, from vector v0
     (an i64: 0 or 1).  per32:
     the tile's two halves of every 32 values share their d * scale and activation-sum weight
@@ -432,7 +445,8 @@ def _gemm_body(context, b: ir.IRBuilder, sig, args, vnni: bool, per32: bool, min
     tile (levels as the type stores them, tws the f32 weights of the activation sums: mins and
     offset); else the levels carry + LEVEL_OFF and c16 starts each half's sum.  act256: the
     activations have one scale per 256 values (ik's Q8_K rule, each of its 8 entries of s alike;
-    cols a multiple of 256): it is applied once per 256."""
+    cols a multiple of 256): it is applied once per 256.  small (avx2 only): the tile's levels are
+    within SMALL_LEVEL (SMALL), and a half's int16 pair sums are added before their vpmaddwd."""
     tu_p = context.make_array(sig.args[0])(context, b, args[0]).data
     tdsc_p = context.make_array(sig.args[1])(context, b, args[1]).data
     tws_p = context.make_array(sig.args[2])(context, b, args[2]).data
@@ -495,10 +509,21 @@ def _gemm_body(context, b: ir.IRBuilder, sig, args, vnni: bool, per32: bool, min
                     for h in hgroup:
                         k = hs.index(h)
                         q16 = b.bitcast(b.gep(qp[t], [b.mul(h, _const_i64(16))]), _I32.as_pointer())
-                        for j in range(4):
-                            a = b.bitcast(_splat(b, b.load(b.gep(q16, [_const_i64(j)]), align=1), _I32, LANES), _V64B)
-                            isum = [_avx2_dot(b, isum[v], ws[k][j][v], a, mins) if avx2 else
-                                    dpbusd(b, isum[v], ws[k][j][v], a, vnni) for v in vr]
+                        acts = [b.bitcast(_splat(b, b.load(b.gep(q16, [_const_i64(j)]), align=1), _I32, LANES), _V64B)
+                                for j in range(4)]
+                        if not avx2:
+                            for j in range(4):
+                                isum = [dpbusd(b, isum[v], ws[k][j][v], acts[j], vnni) for v in vr]
+                            continue
+                        # AVX2: the int16 pair sums of `run` quads added before one vpmaddwd (small
+                        # levels: 4 quads, 8 products a lane, within 8 * SMALL_LEVEL * 127 < 2**15)
+                        run = 4 if small else 1
+                        for j0 in range(0, 4, run):
+                            p16 = None
+                            for j in range(j0, j0 + run):
+                                x = [_avx2_pairs(b, ws[k][j][v], acts[j], mins) for v in vr]
+                                p16 = x if p16 is None else [b.add(p16[v], x[v]) for v in vr]
+                            isum = [b.add(isum[v], _halves(b, (p16[v],), lambda y: _quads(b, y))) for v in vr]
                     isums.append(isum)
                 for v in vr:
                     if act256:      # each product straight into the 256's sum (an FMA each)
@@ -571,44 +596,42 @@ def _gemm_body(context, b: ir.IRBuilder, sig, args, vnni: bool, per32: bool, min
 
 
 def _gemm_intrinsic(vnni: bool, avx2: bool = False):
-    """tile_gemm(tu, tdsc, tws, nh, q, s, b16, c16, k0, ntok, out, r0, nrows, per32, mins, act256, qtype):
-    out[k0 + t, r0 + i] = tile row i dotted with activation row k0 + t (q int8, s f32 per 32, b16
-    f32 per 16 sums, per 32 for per32 mins tiles (MINS32), c16 int32 -LEVEL_OFF * the per-16 sums of
-    q), t < ntok, i < nrows (<= ROWS; one sub-tile's form up to LANES); nh = cols / 16.  per32: for
-    tiles of SCALE32 types; mins: for tiles packed PACKED_MINS; act256: s has one value per 256 (the
-    eight forms are branches of one kernel: constant flags leave LLVM one; qtype, an id or a tag:
-    a tag's call holds only its group's forms, FORMS)."""
+    """tile_gemm(tu, tdsc, tws, nh, q, s, b16, c16, k0, ntok, out, r0, nrows, per32, mins, act256, small,
+    qtype): out[k0 + t, r0 + i] = tile row i dotted with activation row k0 + t (q int8, s f32 per
+    32, b16 f32 per 16 sums, per 32 for per32 mins tiles (MINS32), c16 int32 -LEVEL_OFF * the
+    per-16 sums of q), t < ntok, i < nrows (<= ROWS; one sub-tile's form up to LANES); nh = cols /
+    16.  per32: for tiles of SCALE32 types; mins: for tiles packed PACKED_MINS; act256: s has one
+    value per 256; small: levels within SMALL_LEVEL (SMALL types; only the AVX2 form uses it).
+    The forms are branches of one kernel (constant flags leave LLVM one); qtype, an id or a tag: a
+    tag's call holds only its group's forms (FORMS)."""
     @intrinsic
     def tile_gemm(typingctx, tu, tdsc, tws, nh, q, s, b16, c16, k0, ntok, out, r0, nrows, per32, mins, act256,
-                  qtype):
+                  small, qtype):
         if not all(isinstance(x, types.Array) for x in (tu, tdsc, tws, q, s, b16, c16, out)):
             return None
         i64, bl = types.int64, types.boolean
         recs, qty = for_type(FORMS, qtype)
-        forms = set(recs.values())      # an int qtype: all of them
-        sig = types.void(tu, tdsc, tws, i64, q, s, b16, c16, i64, i64, out, i64, i64, bl, bl, bl, qty)
+        # (an int qtype: all types' forms; without AVX2 the small flag makes no other body)
+        forms = {f if avx2 else f[:3] + (False,) for f in recs.values()}
+        sig = types.void(tu, tdsc, tws, i64, q, s, b16, c16, i64, i64, out, i64, i64, bl, bl, bl, bl, qty)
 
         def codegen(context, b, sig, args):
-            for p32 in (False, True):
-                for m in (False, True):
-                    for k in (False, True):
-                        if group_of(qtype) is not None and (p32, m, k) not in forms:
-                            continue
-                        flags = [(args[13], p32), (args[14], m), (args[15], k)]
-                        form = None
-                        for v, want in flags:
-                            c = v if want else b.not_(v)
-                            form = c if form is None else b.and_(form, c)
-                        # one body per form (each is compiled into every caller: a second one per form
-                        # doubled the kernels' cold compile time): both sub-tiles at once, whatever
-                        # nrows (a second vector past nrows is computed, never stored)
-                        with b.if_then(form):
-                            if avx2:    # 16 ymm registers: one sub-tile at a time
-                                for v in range(ROWS // LANES):
-                                    with b.if_then(b.icmp_signed(">", args[12], _const_i64(LANES * v))):
-                                        _gemm_body(context, b, sig, args, vnni, p32, m, k, 1, _const_i64(v), avx2)
-                            else:
-                                _gemm_body(context, b, sig, args, vnni, p32, m, k, 2, _const_i64(0))
+            for p32, m, k, sm in sorted(forms):
+                flags = [(args[13], p32), (args[14], m), (args[15], k)] + ([(args[16], sm)] if avx2 else [])
+                form = None
+                for v, want in flags:
+                    c = v if want else b.not_(v)
+                    form = c if form is None else b.and_(form, c)
+                # one body per form (each is compiled into every caller: a second one per form
+                # doubled the kernels' cold compile time)
+                with b.if_then(form):
+                    if avx2:    # 16 ymm registers: one sub-tile at a time, a run-time loop over them
+                        nsub = b.udiv(b.add(args[12], _const_i64(LANES - 1)), _const_i64(LANES))
+                        with cgutils.for_range(b, nsub) as sl:
+                            _gemm_body(context, b, sig, args, vnni, p32, m, k, 1, sl.index, avx2, sm)
+                    else:       # both sub-tiles at once, whatever nrows (a second vector past nrows
+                        # is computed, never stored)
+                        _gemm_body(context, b, sig, args, vnni, p32, m, k, 2, _const_i64(0))
             return context.get_dummy_value()
         return sig, codegen
     return tile_gemm

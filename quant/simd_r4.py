@@ -31,9 +31,11 @@ from typing import Callable
 from llvmlite import ir
 from numba.core import cgutils
 
-from .simd import HAS_VNNI, PREFETCH_BYTES, _F32, _I8, _I16, _I32, _vec, _const_i64, dpbusd, prefetch
+from .simd import (HAS_AVX2, HAS_VNNI, PREFETCH_BYTES, _F32, _I8, _I16, _I32, _call, _const_i64, _quads, _vec,
+                   dpbusd, prefetch, signed_pairs)
 from . import simd_blocks as _blk
 from .simd_blocks import TMAX, _bit_to, _c, _cat, _cv, _gep, _ld, _lookup, dot_intrinsic, token_accs, tree_sum
+from .types import type_info
 
 _V8I = _vec(_I32, 8)
 _V8F = _vec(_F32, 8)
@@ -65,6 +67,10 @@ class R4Dot:
     nbytes: int          # bytes of one block column (4 rows)
     unpack: Callable
     row_scale: str = ""  # "f32": 4 f32 row scales head every group (IQ4_KS_R4)
+    # the plain type's level offset and bound (quant.simd_blocks.BlockDot off / lmax): they choose
+    # the AVX2 products (_avx2_runs)
+    off: int = 128
+    lmax: int = 128
 
 
 # ----------------------------------------------------------------------------------------
@@ -280,16 +286,21 @@ def _unpack_q6_k_r4(b: ir.IRBuilder, p) -> R4Block:
     return R4Block(_d4(b, p, 0), subs)
 
 
-R4_DOTS: dict[int, R4Dot] = {
-    212: R4Dot("Q4_K_R4", 4 * 144, _unpack_q4_k_r4),
-    213: R4Dot("Q5_K_R4", 4 * 176, _unpack_q5_k_r4),
-    214: R4Dot("Q6_K_R4", 4 * 210, _unpack_q6_k_r4),
-    337: R4Dot("IQ2_K_R4", 4 * 76, _unpack_iq2_k_r4),
-    338: R4Dot("IQ3_K_R4", 4 * 110, _unpack_iq3_k_r4),
-    339: R4Dot("IQ4_K_R4", 4 * 144, _unpack_iq4_k_r4),
-    340: R4Dot("IQ5_K_R4", 4 * 176, _unpack_iq5_k_r4),
-    344: R4Dot("IQ4_KS_R4", 4 * 136, _unpack_iq4_ks_r4, "f32"),
-}
+def _r4(name: str, unpack: Callable, row_scale: str = "") -> R4Dot:
+    plain = _blk.BLOCK_DOTS[type_info(type_info(name).base).id]
+    return R4Dot(name, 4 * plain.nbytes, unpack, row_scale, plain.off, plain.lmax)
+
+
+R4_DOTS: dict[int, R4Dot] = {type_info(r.name).id: r for r in (
+    _r4("Q4_K_R4", _unpack_q4_k_r4),
+    _r4("Q5_K_R4", _unpack_q5_k_r4),
+    _r4("Q6_K_R4", _unpack_q6_k_r4),
+    _r4("IQ2_K_R4", _unpack_iq2_k_r4),
+    _r4("IQ3_K_R4", _unpack_iq3_k_r4),
+    _r4("IQ4_K_R4", _unpack_iq4_k_r4),
+    _r4("IQ5_K_R4", _unpack_iq5_k_r4),
+    _r4("IQ4_KS_R4", _unpack_iq4_ks_r4, "f32"),
+)}
 
 
 # ----------------------------------------------------------------------------------------
@@ -335,7 +346,7 @@ def _emit_group(b: ir.IRBuilder, fmt: R4Dot, grp, act, ntok, cols, vnni: bool):
         with cgutils.for_range(b, ntok) as tl:
             qp, sp, i16p, b16p = act.row(b, tl.index)
             _block_dot4(b, blk, mins, ib, qp, sp, i16p, b16p, d8, b.gep(accs, [zero32, tl.index]),
-                        b.gep(maccs, [zero32, tl.index]), vnni)
+                        b.gep(maccs, [zero32, tl.index]), vnni, None if vnni else _avx2_mode(fmt))
     with cgutils.for_range(b, ntok) as tl:
         acc = b.load(b.gep(accs, [zero32, tl.index]))
         if _blk._width(vnni) == 2:      # the two sub-blocks' lanes of the 512-bit sums
@@ -351,12 +362,45 @@ def _emit_group(b: ir.IRBuilder, fmt: R4Dot, grp, act, ntok, cols, vnni: bool):
     return res
 
 
-def _block_dot4(b: ir.IRBuilder, blk: R4Block, mins, ib, qp, sp, i16p, b16p, d8, accp, maccp, vnni: bool):
+def _avx2_mode(fmt: R4Dot) -> tuple[str, int] | None:
+    """How an AVX2 CPU (no VNNI) takes the type's products: ("direct", k) when its unsigned levels
+    u stay below 128 (vpmaddubsw of u itself: no sign trick), else ("shifted", k): the signed
+    u - 128 through signed_pairs, the 128 joining the offset's term; k runs' int16 pair sums are
+    added before their vpmaddwd (k * 2 * bound * 127 < 2**15).  None without AVX2."""
+    if not HAS_AVX2:
+        return None
+    lo, hi = (0, fmt.lmax) if fmt.off == 0 else (fmt.off - fmt.lmax, fmt.off + fmt.lmax)    # u's range
+    if 0 <= lo and hi <= 127:
+        return "direct", max(1, 32767 // (254 * max(hi, 1)))
+    bound = min(128, max(abs(hi - 128), abs(lo - 128)))
+    return "shifted", max(1, 32767 // (254 * bound))
+
+
+def _avx2_runs(b: ir.IRBuilder, pairs: list, mode: str, k: int):
+    """<8 x i32> lane sums of the runs' products (pairs: (u, shuffled activations), 32 bytes
+    each) with AVX2: `mode` and k as _avx2_mode."""
+    v16 = _vec(_I16, 16)
+    total = None
+    for g in range(0, len(pairs), k):
+        p16 = None
+        for u, a in pairs[g:g + k]:
+            if mode == "direct":
+                x = _call(b, "llvm.x86.avx2.pmadd.ub.sw", v16, u, a)
+            else:
+                x = signed_pairs(b, b.xor(u, _c(-128, 32, _I8)), a)
+            p16 = x if p16 is None else b.add(p16, x)
+        q = _quads(b, p16)
+        total = q if total is None else b.add(total, q)
+    return total
+
+
+def _block_dot4(b: ir.IRBuilder, blk: R4Block, mins, ib, qp, sp, i16p, b16p, d8, accp, maccp, vnni: bool,
+                avx2: tuple | None = None):
     """acc (lanes (h, k); with VNNI (sub-block parity, h, k)) += the unpacked block column ib
     times one activation row; macc += the
     min terms (mins: the min weights per sub-block pair, lanes (sub-block parity, k)).  The level
     offsets are taken off in the integer sums (i16p: the row's int per-16 sums; b16p: the same
-    times their scales, f32)."""
+    times their scales, f32).  avx2: _avx2_mode's choice for the generic form on an AVX2 CPU."""
     terms, oterms = [], []
     # the block's 16 activation sums in one load (per sub-block inserts measured slower)
     i16 = b.load(b.bitcast(b.gep(i16p, [b.mul(ib, _const_i64(16))]), _vec(_I32, 16).as_pointer()), align=4)
@@ -367,14 +411,21 @@ def _block_dot4(b: ir.IRBuilder, blk: R4Block, mins, ib, qp, sp, i16p, b16p, d8,
         a = b.load(b.bitcast(b.gep(qp, [b.mul(k, _const_i64(32))]), _vec(_I8, 32 * w).as_pointer()), align=1)
         sv = b.load(b.bitcast(b.gep(sp, [k]), _vec(_F32, w).as_pointer()), align=4)
         sa = b.shuffle_vector(sv, sv, _cv([p for p in range(w) for _ in range(8)]))
-        if all(isinstance(sub.off, int) and sub.off == 0 for sub in subs):
-            isum = _c(0, 8 * w, _I32)
-        else:
-            off = _join(b, [sub.off if not isinstance(sub.off, int) else _c(sub.off, 8, _I32) for sub in subs])
-            isum = b.neg(b.mul(off, b.shuffle_vector(i16, i16, _cv([2 * j + q for q in range(2 * w) for _ in range(4)]))))
         for r, (_, ao) in enumerate(subs[0].runs):
             assert all(sub.runs[r][1] == ao for sub in subs), "a run's activation offsets differ between sub-blocks"
-            isum = dpbusd(b, isum, _join(b, [sub.runs[r][0] for sub in subs]), _act_shuffle(b, a, ao), vnni)
+        shift = 128 if avx2 and avx2[0] == "shifted" else 0      # the products take u - shift
+        if all(isinstance(sub.off, int) and sub.off == shift for sub in subs):
+            isum = _c(0, 8 * w, _I32)
+        else:
+            off = _join(b, [_c(sub.off - shift, 8, _I32) if isinstance(sub.off, int) else
+                            sub.off if not shift else b.sub(sub.off, _c(shift, 8, _I32)) for sub in subs])
+            isum = b.neg(b.mul(off, b.shuffle_vector(i16, i16, _cv([2 * j + q for q in range(2 * w) for _ in range(4)]))))
+        if avx2:
+            isum = b.add(isum, _avx2_runs(b, [(sub.runs[r][0], _act_shuffle(b, a, ao)) for r, (_, ao) in
+                                              enumerate(subs[0].runs) for sub in subs], *avx2))
+        else:
+            for r, (_, ao) in enumerate(subs[0].runs):
+                isum = dpbusd(b, isum, _join(b, [sub.runs[r][0] for sub in subs]), _act_shuffle(b, a, ao), vnni)
         terms.append(b.fmul(b.sitofp(b.mul(isum, _join(b, [sub.scale for sub in subs])), _vec(_F32, 8 * w)), sa,
                             flags=["fast"]))
     d = _join(b, [d8] * w)

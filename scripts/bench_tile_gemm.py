@@ -49,9 +49,11 @@ def _runner(mod):
     pack, gemm, trows = mod.tile_pack, mod.tile_gemm, mod.ROWS
     mins32 = getattr(mod, "MINS32", frozenset())
     typed = hasattr(mod, "FORMS")       # the GEMM takes the qtype (its forms) since 32-row tiles
+    sized = hasattr(mod, "SMALL")       # ... and the small flag (levels within SMALL_LEVEL) since then
 
     @njit(nogil=True)
-    def run(qtype, buf, stride, rows, cols, q, s, b16, b32, c16, out, reps, per32, act256, use32, multiply, repack):
+    def run(qtype, buf, stride, rows, cols, q, s, b16, b32, c16, out, reps, per32, act256, use32, multiply, repack,
+            small):
         tu = np.empty(trows * cols, np.uint8)
         tdsc = np.empty(cols // 16 * trows, np.float32)
         tws = np.empty(cols // 16 * trows, np.float32)
@@ -63,18 +65,21 @@ def _runner(mod):
                 bs = b32 if use32 and per32 and m else b16
                 if not multiply:
                     continue
-                if typed:
+                if sized:
+                    gemm(tu, tdsc, tws, cols // 16, q, s, bs, c16, 0, q.shape[0], out, r0, trows, per32, m, act256,
+                         small, qtype)
+                elif typed:
                     gemm(tu, tdsc, tws, cols // 16, q, s, bs, c16, 0, q.shape[0], out, r0, trows, per32, m, act256,
                          qtype)
                 else:
                     gemm(tu, tdsc, tws, cols // 16, q, s, bs, c16, 0, q.shape[0], out, r0, trows, per32, m, act256)
     @njit(nogil=True, parallel=True)
     def workers(nw, qtype, bufs, stride, rows, cols, q, s, b16, b32, c16, outs, reps, per32, act256, use32, multiply,
-                repack):
+                repack, small):
         for w in prange(nw):        # each worker its own copy of the matrix
             run(qtype, bufs[w], stride, rows, cols, q, s, b16, b32, c16, outs[w], reps, per32, act256, use32,
-                multiply, repack)
-    return run, mins32, workers
+                multiply, repack, small)
+    return run, mins32, workers, getattr(mod, "SMALL", frozenset())
 
 
 def main() -> None:
@@ -113,17 +118,17 @@ def main() -> None:
         bufs = np.stack([buf] * nw)         # separate memory per worker
         p32, a256 = bool(_GEMM_SCALE32[ti.id]), bool(_GEMM_ACT256[ti.id])
         outs, best = {}, {}
-        for k, (run, mins32, work) in runners.items():
+        for k, (run, mins32, work, small) in runners.items():
             outs[k] = np.zeros((nw, n, a.rows), np.float32)
             work(nw, qt, bufs, stride, a.rows, cols, q, s, b16, b32, c16, outs[k], 1, p32, a256, ti.id in mins32,
-                 True, True)
+                 True, True, ti.id in small)
             best[k] = float("inf")
         reps = max(2, -(-(8 << 20) // (a.rows * cols)))     # passes per timing: the pool's start-up well below 1 %
         for _ in range(a.rounds):
-            for k, (run, mins32, work) in runners.items():
+            for k, (run, mins32, work, small) in runners.items():
                 t = time.perf_counter()
                 work(nw, qt, bufs, stride, a.rows, cols, q, s, b16, b32, c16, outs[k], reps, p32, a256,
-                     ti.id in mins32, not a.pack_only, not a.gemm_only)
+                     ti.id in mins32, not a.pack_only, not a.gemm_only, ti.id in small)
                 best[k] = min(best[k], (time.perf_counter() - t) / reps)
         for k in runners:
             rate = ("packing only" if a.pack_only else "products only" if a.gemm_only

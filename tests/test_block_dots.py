@@ -251,7 +251,7 @@ def test_matmul_few_and_many_tokens_agree(name):
 
 
 @njit(cache=True)
-def _gemm(generic, qtype, buf, stride, rows, cols, q, s, b16, out, r4, r8, per32, act256):
+def _gemm(generic, qtype, buf, stride, rows, cols, q, s, b16, out, r4, r8, per32, act256, small):
     """quant.simd_gemm over every SG.ROWS-row run (tiles start as NaN: rows past `rows` stay so);
     r4 / r8: the _R4 / _R8 packing (stride: of one row, groups of 4 / 8 rows); per32: the
     per-32 form (SCALE32 types); act256: activations with one scale per 256; the packing's code
@@ -282,24 +282,41 @@ def _gemm(generic, qtype, buf, stride, rows, cols, q, s, b16, out, r4, r8, per32
         bsums = b32 if per32 and m else b16
         if generic:
             SG.tile_gemm_generic(tu, td, tw, cols // 16, q, s, bsums, c16, 0, q.shape[0], out, r0, n, per32, m, act256,
-                                 qtype)
+                                 small, qtype)
         else:
-            SG.tile_gemm(tu, td, tw, cols // 16, q, s, bsums, c16, 0, q.shape[0], out, r0, n, per32, m, act256, qtype)
+            SG.tile_gemm(tu, td, tw, cols // 16, q, s, bsums, c16, 0, q.shape[0], out, r0, n, per32, m, act256, small,
+                         qtype)
     return True
 
 
 GEMM_TYPES = TYPES + sorted(SB.GEMM_ONLY)
+# The generic form of the GEMM runs on no CPU (quant.kernels takes it only with VNNI or AVX2): it
+# stands in for the VNNI form's structure where VNNI is missing.  Its packing is the native form's,
+# so it is tested on one type of each form in four type groups, not on every type (its cold compile,
+# ~50 s a group on a 2-core Zen 3, was the suite's largest share)
+GENERIC_GEMM = [type_info(n).id for n in ("Q4_0", "Q8_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K", "Q6_K", "IQ4_XS", "IQ4_K")]
 
 
 @njit(cache=True)
-def _pack_code(qtype, buf, stride, cols, r4):
-    """The packing's code for one row (r4: one _R4 group) of cols values."""
-    tu = np.empty(SG.ROWS * cols, np.uint8)
+def _pack_code(qtype, buf, stride, cols, weave, tu):
+    """The packing's code for one row (weave 4 / 8: one _R4 / _R8 group) of cols values, its
+    levels into tu (SG.ROWS * cols bytes)."""
     td = np.empty(cols // 16 * SG.ROWS, np.float32)
     tw = np.empty(cols // 16 * SG.ROWS, np.float32)
-    if r4:
+    if weave == 8:
+        return SG.tile_pack_r8(qtype, buf, 0, stride, 1, cols, tu, td, tw)
+    if weave == 4:
         return SG.tile_pack_r4(qtype, buf, 0, stride, 1, cols, tu, td, tw)
     return SG.tile_pack(qtype, buf, 0, stride, 1, cols, tu, td, tw)
+
+
+def _packed_levels(qtype, raw, stride, cols, weave=0):
+    """(code, the levels of the packed row (or group's rows) as the GEMM sees them: less
+    LEVEL_OFF, or as stored for PACKED_MINS)."""
+    tu = np.full(SG.ROWS * cols, SG.LEVEL_OFF, np.uint8)
+    code = _pack_code(K.tag(qtype), raw, stride, cols, weave, tu)
+    lev = tu.reshape(SG.ROWS // SG.LANES, cols // 4, SG.LANES, 4)[0, :, :max(weave, 1)].astype(np.int32)
+    return code, lev if code == SG.PACKED_MINS else lev - SG.LEVEL_OFF
 
 
 @pytest.mark.parametrize("qtype", sorted(SG.FORMS))
@@ -307,8 +324,9 @@ def test_gemm_forms_are_what_the_kernels_pass(qtype):
     """SG.FORMS (the forms a tag's tile_gemm holds) against what quant.kernels passes: its per32 and
     act256 tables, and the packing's own code for mins (a form missing there would leave the
     outputs unwritten)."""
-    per32, mins, act256 = SG.FORMS[qtype]
+    per32, mins, act256, small = SG.FORMS[qtype]
     assert per32 == bool(K._GEMM_SCALE32[qtype]) and act256 == bool(K._GEMM_ACT256[qtype])
+    assert small == bool(K._GEMM_SMALL[qtype])
     if qtype in SG.R8_PACKS:
         assert not mins
         return
@@ -316,7 +334,7 @@ def test_gemm_forms_are_what_the_kernels_pass(qtype):
     cols = 256 if r4 else SG.PLAIN_PACKS[qtype].values
     rb = type_info(qtype).row_bytes(cols) * (4 if r4 else 1)
     raw = _random_row(np.random.default_rng(qtype), qtype, rb) if not r4 else np.zeros(rb, np.uint8)
-    code = _pack_code(K.tag(qtype), raw, rb, cols, r4)
+    code, _ = _packed_levels(qtype, raw, rb, cols, 4 if r4 else 0)
     assert code != SG.NOT_PACKED
     assert (code == SG.PACKED_MINS) == mins
 
@@ -327,13 +345,66 @@ def test_mins32_is_what_the_packing_says(qtype):
     SCALE32 types whose packing reports mins (PACKED_MINS)."""
     fmt = SG.PLAIN_PACKS[qtype]
     raw = _random_row(np.random.default_rng(qtype), qtype, type_info(qtype).row_bytes(fmt.values))
-    code = _pack_code(K.tag(qtype), raw, raw.size, fmt.values, False)
+    code, _ = _packed_levels(qtype, raw, raw.size, fmt.values)
     assert code != SG.NOT_PACKED
     assert (code == SG.PACKED_MINS) == (qtype in SG.MINS32)
 
 
-@pytest.mark.parametrize("form", ["generic", "native"])
-@pytest.mark.parametrize("qtype", GEMM_TYPES, ids=NAMES + [SB.GEMM_ONLY[t].name for t in sorted(SB.GEMM_ONLY)])
+@pytest.mark.parametrize("qtype", sorted(SG.WEAVE))
+def test_level_bound_holds_on_random_blocks(qtype):
+    """Each type's lmax (BlockDot.lmax, which puts it in SG.SMALL: the AVX2 GEMM then adds 8
+    products in int16) bounds the levels its packing writes, over 48 random rows (or groups):
+    every level and extra bit.  For PACKED_MINS the stored levels are unsigned (0..lmax)."""
+    weave = SG.WEAVE[qtype]
+    lmax = SG._lmax(qtype)
+    cols = SG.PLAIN_PACKS[qtype].values if weave == 0 else 256
+    rb = type_info(qtype).row_bytes(cols) * max(weave, 1)
+    rng = np.random.default_rng(qtype + 5)
+    hi = lo = 0
+    for _ in range(48):
+        code, lev = _packed_levels(qtype, _random_row(rng, qtype, rb), rb, cols, weave)
+        assert code != SG.NOT_PACKED
+        hi, lo = max(hi, int(lev.max())), min(lo, int(lev.min()))
+    assert -lmax <= lo and hi <= lmax, (lo, hi, lmax)
+    if code == SG.PACKED_MINS:      # offset 0: the AVX2 row dots take them unsigned in vpmaddubsw
+        assert lo >= 0 and lmax <= 127
+    # the bound is the type's, not slack: its extreme levels occur in random blocks
+    assert max(hi, -lo) >= lmax - 1 or lmax == 128, (lo, hi, lmax)
+
+
+@njit(cache=True)
+def _tile_avx2(qtype, tu, td, tw, q, s, b16, c16, out, per32, mins, small):
+    SG.tile_gemm_avx2(tu, td, tw, td.size // SG.ROWS, q, s, b16, c16, 0, q.shape[0], out, 0, SG.ROWS, per32, mins,
+                      False, small, qtype)
+
+
+@pytest.mark.parametrize("name", ["Q6_K", "Q4_K"])
+def test_avx2_small_form_at_the_level_bound(name):
+    """The AVX2 GEMM's small form (8 products added in int16 before vpmaddwd) on tiles whose every
+    level is at the bound SMALL_LEVEL and activations at +-127: every int16 sum at its largest,
+    exact (Q6_K: signed levels; Q4_K: the mins form, levels as stored)."""
+    if SG.tile_gemm_avx2 is None:
+        pytest.skip("no AVX2 on this CPU")
+    qt = type_info(name).id
+    per32, mins, _, small = SG.FORMS[qt]
+    assert small
+    cols, n = 512, 5
+    td = np.ones(cols // 16 * SG.ROWS, np.float32)
+    tw = np.zeros(cols // 16 * SG.ROWS, np.float32)
+    for lev in ([SG.SMALL_LEVEL] if mins else [SG.SMALL_LEVEL, -SG.SMALL_LEVEL]):
+        for a in (127, -127):
+            tu = np.full(SG.ROWS * cols, lev + (0 if mins else SG.LEVEL_OFF), np.uint8)
+            q = np.full((n, cols), a, np.int8)
+            s = np.ones((n, cols // 32), np.float32)
+            b16 = np.zeros((n, cols // (32 if per32 and mins else 16)), np.float32)
+            c16 = np.full((n, cols // 16), -128 * 16 * a, np.int32)
+            out = np.full((n, SG.ROWS), np.nan, np.float32)
+            _tile_avx2(K.tag(qt), tu, td, tw, q, s, b16, c16, out, per32, mins, small)
+            assert np.all(out == np.float32(lev * a * cols)), (lev, a, out)
+
+
+@pytest.mark.parametrize("qtype,form", [(t, "generic") for t in GENERIC_GEMM] + [(t, "native") for t in GEMM_TYPES],
+                         ids=lambda v: type_info(v).name if isinstance(v, int) else v)
 def test_tile_gemm_matches_decoder_on_random_bytes(qtype, form):
     """The GEMM's packing and products, on random rows (every level, scale, sign, extra bit and
     min): 53 rows (a full 32-row tile, then 21 rows: one full and one partial 16-row vector), 15 tokens
@@ -355,7 +426,7 @@ def test_tile_gemm_matches_decoder_on_random_bytes(qtype, form):
         q, s, bs, b16, xa = _act(rng, cols, 15, fmt.act256)
         out = np.full((15, 53), np.nan, np.float32)
         assert _gemm(form == "generic", K.tag(qtype), buf, rb, 53, cols, q, s, b16, out, False, False, qtype in SG.SCALE32,
-                     fmt.act256)
+                     fmt.act256, qtype in SG.SMALL)
         want, mag = xa @ y.T, np.abs(xa) @ np.abs(y).T
         assert np.all(np.abs(out - want) <= 2e-5 * mag + 1e-30), (cols, out, want)
 
@@ -450,7 +521,7 @@ def _check_interleaved_gemm(qtype, form, seed, col_list, ngroups):
         rows = il * ngroups
         out = np.full((15, rows), np.nan, np.float32)
         assert _gemm(form == "generic", K.tag(qtype), buf, grb // il, rows, cols, q, s, b16, out, il == 4, il == 8,
-                     qtype in SG.SCALE32, act256)
+                     qtype in SG.SCALE32, act256, qtype in SG.SMALL)
         want, mag = xa @ y.T, np.abs(xa) @ np.abs(y).T
         assert np.all(np.abs(out - want) <= 2e-5 * mag + 1e-30), (cols, out, want)
 
