@@ -29,15 +29,12 @@ _FIRST_GUESS_S = 30.0           # no timing recorded here yet: the 2-core test V
 
 
 def sources_key() -> str:
-    """Changes whenever a kernel source (a module that uses Numba), Numba or the CPU changes, i.e.
-    whenever Numba's cache would miss."""
+    """Changes whenever a kernel source (any module of quant/ or engine/: quant.numba_stamp's
+    digest), Numba or the CPU changes, i.e. whenever Numba's cache would miss."""
     from importlib.metadata import version      # not `import numba`: ikcli --help computes this too
+    from quant.numba_stamp import sources_digest
     h = hashlib.sha1(f"{version('numba')}|{platform.machine()}|{platform.processor()}".encode())
-    for d in _SOURCES:
-        for p in sorted((_ROOT / d).glob("*.py")):
-            text = p.read_bytes()
-            if b"njit" in text or b"intrinsic" in text:
-                h.update(p.name.encode() + hashlib.sha1(text).digest())
+    h.update(sources_digest(_SOURCES).encode())
     return h.hexdigest()[:16]
 
 
