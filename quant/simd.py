@@ -219,6 +219,12 @@ def signed_pairs(builder: ir.IRBuilder, w, a, mag=None):
     return _call(builder, madd, v16, mag, _call(builder, sign, v8, a, w))
 
 
+def unsigned_pairs(builder: ir.IRBuilder, u, a):
+    """AVX2: per int16 lane the sum of 2 consecutive products of u (32 unsigned bytes, each < 128
+    or the pair sums saturate) and a (32 signed bytes): one vpmaddubsw, no sign trick."""
+    return _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16), u, a)
+
+
 def _quads(builder: ir.IRBuilder, p16):
     """int16 pair sums -> int32 sums of 4 (vpmaddwd with ones)."""
     n = p16.type.count
@@ -253,8 +259,7 @@ def dpbusd(builder: ir.IRBuilder, acc, u8, s8, vnni: bool = True):
         top = ir.Constant(_vec(_I8, m), [-128] * m)
 
         def asum128(y):     # 128 * the 4-byte sums of y
-            name = "llvm.x86.avx2.pmadd.ub.sw"
-            return _quads(builder, _call(builder, name, _vec(_I16, 16), ir.Constant(_vec(_I8, 32), [-128] * 32), y))
+            return _quads(builder, unsigned_pairs(builder, ir.Constant(_vec(_I8, 32), [-128] * 32), y))
         lev = signed_quads(builder, builder.xor(u8, top), s8)
         return builder.add(acc, builder.add(lev, _halves(builder, (s8,), asum128)))
     prod = builder.mul(builder.zext(u8, _vec(_I32, 4 * n)), builder.sext(s8, _vec(_I32, 4 * n)))

@@ -52,10 +52,8 @@ from . import ktquants as _kt
 from .legacy import KVALUES_MXFP4 as _KV_MXFP4
 from .simd import _unpack_q4_0 as _simd_unpack_q4_0, _unpack_q8_0 as _simd_unpack_q8_0
 from .typetag import group_of
-from .simd import (HAS_VNNI, PREFETCH_BYTES, cpu_features, prefetch, signed_quads, stack_scope, _F32, _I8, _I16, _I32, _I64, _vec,
-                   _call, _const_i64, _halves, _quads, _splat, dpbusd)
-
-HAS_AVX2 = "+avx2" in cpu_features()
+from .simd import (HAS_AVX2, HAS_VNNI, PREFETCH_BYTES, cpu_features, prefetch, signed_quads, stack_scope, _F32, _I8, _I16,
+                   _I32, _I64, _vec, _const_i64, _halves, _quads, _splat, dpbusd, unsigned_pairs)
 _V64 = _vec(_I8, 64)
 _V32 = _vec(_I8, 32)
 _V16 = _vec(_I8, 16)
@@ -1018,7 +1016,7 @@ def _sub_isum(b: ir.IRBuilder, u, a, off8, vnni: bool):
     if off8 is None and HAS_AVX2:
         # levels stored with offset 0 (Q4_K, Q5_K, Q2_K, Q4_1, Q5_1) are 0..lmax < 128: vpmaddubsw
         # takes them as they are, no sign trick (a test checks the types' bounds)
-        return _halves(b, (u, a), lambda x, y: _quads(b, _call(b, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16), x, y)))
+        return _halves(b, (u, a), lambda x, y: _quads(b, unsigned_pairs(b, x, y)))
     w = b.sub(u, off8) if off8 is not None else u
     return signed_quads(b, w, a)
 

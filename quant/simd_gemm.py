@@ -45,8 +45,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .simd import (HAS_AVX2, HAS_VNNI, QK, _F32, _I8, _I16, _I32, _call, _const_i64, _halves, _quads, _splat,
-                   _unpack_q4_0_r8, _unpack_q8_0_r8, _vec, dpbusd, signed_pairs)
+from .simd import (HAS_AVX2, HAS_VNNI, QK, _F32, _I8, _I32, _call, _const_i64, _halves, _quads, _splat,
+                   _unpack_q4_0_r8, _unpack_q8_0_r8, _vec, dpbusd, signed_pairs, unsigned_pairs)
 from .simd_blocks import (BLOCK_DOTS, GEMM_ONLY, BlockDot, _cv, _f16, _f32, _gep, _ld, _per_half, for_type,
                           prefetch, row_pieces, sum_weights, switch_value, type_switch)
 from .simd_r4 import R4_DOTS, R4Dot, _dup8
@@ -431,7 +431,7 @@ def _avx2_pairs(b: ir.IRBuilder, w, a, mins: bool):
     a chunk, and the level's sign moves onto the activations (quant.simd.signed_pairs): the true
     levels' sum, so that sum starts at 0, not c16."""
     if mins:
-        return _halves(b, (w, a), lambda x, y: _call(b, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16), x, y))
+        return _halves(b, (w, a), lambda x, y: unsigned_pairs(b, x, y))
     lev, mag = w
     return _halves(b, (lev, mag, a), lambda x, m, y: signed_pairs(b, x, y, m))
 

@@ -31,8 +31,8 @@ from typing import Callable
 from llvmlite import ir
 from numba.core import cgutils
 
-from .simd import (HAS_AVX2, HAS_VNNI, PREFETCH_BYTES, _F32, _I8, _I16, _I32, _call, _const_i64, _quads, _vec,
-                   dpbusd, prefetch, signed_pairs)
+from .simd import (HAS_AVX2, HAS_VNNI, PREFETCH_BYTES, _F32, _I8, _I16, _I32, _const_i64, _quads, _vec,
+                   dpbusd, prefetch, signed_pairs, unsigned_pairs)
 from . import simd_blocks as _blk
 from .simd_blocks import TMAX, _bit_to, _c, _cat, _cv, _gep, _ld, _lookup, dot_intrinsic, token_accs, tree_sum
 from .types import type_info
@@ -379,13 +379,12 @@ def _avx2_mode(fmt: R4Dot) -> tuple[str, int] | None:
 def _avx2_runs(b: ir.IRBuilder, pairs: list, mode: str, k: int):
     """<8 x i32> lane sums of the runs' products (pairs: (u, shuffled activations), 32 bytes
     each) with AVX2: `mode` and k as _avx2_mode."""
-    v16 = _vec(_I16, 16)
     total = None
     for g in range(0, len(pairs), k):
         p16 = None
         for u, a in pairs[g:g + k]:
             if mode == "direct":
-                x = _call(b, "llvm.x86.avx2.pmadd.ub.sw", v16, u, a)
+                x = unsigned_pairs(b, u, a)
             else:
                 x = signed_pairs(b, b.xor(u, _c(-128, 32, _I8)), a)
             p16 = x if p16 is None else b.add(p16, x)
