@@ -979,7 +979,7 @@ BLOCK_DOTS: dict[int, BlockDot] = {
     14: BlockDot("Q6_K", 256, 210, 32, _unpack_q6_k, wide=True, lmax=32),
     23: BlockDot("IQ4_XS", 256, 136, 128, _unpack_iq4_xs, scale32=True, act256=True, wide=True, planes=True),
     137: BlockDot("IQ2_K", 256, 76, 128, _unpack_iq2_k, act256=True, lmax=31),
-    138: BlockDot("IQ3_K", 256, 110, 128, _unpack_iq3_k, act256=True),
+    138: BlockDot("IQ3_K", 256, 110, 128, _unpack_iq3_k, act256=True, lmax=63),
     139: BlockDot("IQ4_K", 256, 144, 128, _unpack_iq4_k, act256=True, wide=True, planes=True),
     140: BlockDot("IQ5_K", 256, 176, 128, _unpack_iq5_k, act256=True),
     141: BlockDot("IQ6_K", 256, 212, 128, _unpack_iq6_k, act256=True),

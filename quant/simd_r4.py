@@ -71,6 +71,9 @@ class R4Dot:
     # the AVX2 products (_avx2_runs)
     off: int = 128
     lmax: int = 128
+    # unpack(b, p, bias) stores the levels plus any bias in 0..128 (lookup-table types: the tables
+    # are constants either way), so an AVX2 CPU can take them signed or shifted into 0..127
+    biased: bool = False
 
 
 # ----------------------------------------------------------------------------------------
@@ -149,20 +152,24 @@ def _bitplanes(b: ir.IRBuilder, p, off: int, delta: int):
 _T_IQ2, _T_IQ3, _T_IQ4, _T_IQ5 = _blk._T_IQ2, _blk._T_IQ3, _blk._T_IQ4K, _blk._T_IQ5
 
 
-def _lut(b: ir.IRBuilder, T, idx, hi=None):
-    """Levels (+128) of piece 0 of table T at idx (0..15), or of piece 1 where hi is non-zero
+def _lut(b: ir.IRBuilder, T, idx, hi=None, bias: int = 128):
+    """Levels (+bias) of piece 0 of table T at idx (0..15), or of piece 1 where hi is non-zero
     (hi: a masked high bit, any power of two, so no shift is spent on it)."""
     def piece(k):
-        return _lookup(b, _cat(b, T[0][k], T[0][k]), idx)
+        lv = [int(v.constant) - 128 for v in T[0][k].constant]     # the signed levels (-128: padding)
+        # a bias below 128 is _avx2_mode's "direct" (levels + bias in vpmaddubsw's 0..127) or 0
+        assert bias in (0, 128) or all(0 <= v + bias <= 127 for v in lv if v != -128), "biased levels leave 0..127"
+        t = ir.Constant(T[0][k].type, [(v + bias) & 255 for v in lv])
+        return _lookup(b, _cat(b, t, t), idx)
     r = piece(0)
     if hi is not None:
         r = b.select(b.icmp_unsigned("!=", hi, _c(0)), piece(1), r)
     return r
 
 
-def _extra_off(b: ir.IRBuilder, T, p, s: int):
-    """128 - shift * extra bit of (h, k) for sub-block s (extra[8] at byte 8: bit s of byte 4h + k)."""
-    return b.sub(_c(128, 8, _I32), b.mul(_lane_fields(b, p, 8, s, 1), _c(T[1], 8, _I32)))
+def _extra_off(b: ir.IRBuilder, T, p, s: int, bias: int):
+    """bias - shift * extra bit of (h, k) for sub-block s (extra[8] at byte 8: bit s of byte 4h + k)."""
+    return b.sub(_c(bias, 8, _I32), b.mul(_lane_fields(b, p, 8, s, 1), _c(T[1], 8, _I32)))
 
 
 def _nib_scales(b: ir.IRBuilder, p, off: int, s: int):
@@ -171,26 +178,26 @@ def _nib_scales(b: ir.IRBuilder, p, off: int, s: int):
     return _lane_fields(b, p, off + 8 * (s % 4), 4 * (s // 4), 15)
 
 
-def _unpack_iq2_k_r4(b: ir.IRBuilder, p) -> R4Block:
+def _unpack_iq2_k_r4(b: ir.IRBuilder, p, bias: int = 128) -> R4Block:
     subs = []
     for s in range(8):
-        runs = [(_lut(b, _T_IQ2, u), ao) for u, ao in _runs2(b, p, 48 + 32 * s)]
+        runs = [(_lut(b, _T_IQ2, u, bias=bias), ao) for u, ao in _runs2(b, p, 48 + 32 * s)]
         sc = b.sub(_nib_scales(b, p, 16, s), _c(8, 8, _I32))
-        subs.append(R4Sub(runs, sc, _extra_off(b, _T_IQ2, p, s)))
+        subs.append(R4Sub(runs, sc, _extra_off(b, _T_IQ2, p, s, bias)))
     return R4Block(_d4(b, p, 0), subs)
 
 
-def _unpack_iq3_k_r4(b: ir.IRBuilder, p) -> R4Block:
+def _unpack_iq3_k_r4(b: ir.IRBuilder, p, bias: int = 128) -> R4Block:
     subs = []
     for s in range(8):
         hb = _bitplanes(b, p, 312 + 16 * s, 4)
 
         def fix(u, t, hb=hb):
-            return _lut(b, _T_IQ3, b.or_(u, _bit_to(b, hb, t, 2)))
+            return _lut(b, _T_IQ3, b.or_(u, _bit_to(b, hb, t, 2)), bias=bias)
         runs = _runs2(b, p, 56 + 32 * s, fix)
         ls = b.add(b.shl(_nib_scales(b, p, 24, s), _c(1, 8, _I32)), _c(1, 8, _I32))
         neg = b.icmp_unsigned("!=", _lane_fields(b, p, 16, s, 1), _c(0, 8, _I32))
-        subs.append(R4Sub(runs, b.select(neg, b.neg(ls), ls), _extra_off(b, _T_IQ3, p, s)))
+        subs.append(R4Sub(runs, b.select(neg, b.neg(ls), ls), _extra_off(b, _T_IQ3, p, s, bias)))
     return R4Block(_d4(b, p, 0), subs)
 
 
@@ -201,35 +208,35 @@ def _ls6_r4(b: ir.IRBuilder, p, s: int):
     return b.sub(b.or_(_nib_scales(b, p, 32, s), b.shl(hi, _c(4, 8, _I32))), _c(32, 8, _I32))
 
 
-def _unpack_iq4_k_r4(b: ir.IRBuilder, p) -> R4Block:
+def _unpack_iq4_k_r4(b: ir.IRBuilder, p, bias: int = 128) -> R4Block:
     subs = []
     for s in range(8):
-        runs = [(_lut(b, _T_IQ4, u), ao) for u, ao in _runs4(b, p, 64 + 64 * s)]
-        subs.append(R4Sub(runs, _ls6_r4(b, p, s), _extra_off(b, _T_IQ4, p, s)))
+        runs = [(_lut(b, _T_IQ4, u, bias=bias), ao) for u, ao in _runs4(b, p, 64 + 64 * s)]
+        subs.append(R4Sub(runs, _ls6_r4(b, p, s), _extra_off(b, _T_IQ4, p, s, bias)))
     return R4Block(_d4(b, p, 0), subs)
 
 
 _IQ5_BITS = ((0, 2), (1, 3), (4, 6), (5, 7))     # qh bit of each nibble run's m = 0 / 1 lanes (+2)
 
 
-def _unpack_iq5_k_r4(b: ir.IRBuilder, p) -> R4Block:
+def _unpack_iq5_k_r4(b: ir.IRBuilder, p, bias: int = 128) -> R4Block:
     subs = []
     for s in range(8):
         hb = _bitplanes(b, p, 576 + 16 * s, 2)
 
         def fix(u, r, hb=hb):
-            return _lut(b, _T_IQ5, u, b.and_(hb, _c(1 << _IQ5_BITS[r][0])))
-        subs.append(R4Sub(_runs4(b, p, 64 + 64 * s, fix), _ls6_r4(b, p, s), _extra_off(b, _T_IQ5, p, s)))
+            return _lut(b, _T_IQ5, u, b.and_(hb, _c(1 << _IQ5_BITS[r][0])), bias)
+        subs.append(R4Sub(_runs4(b, p, 64 + 64 * s, fix), _ls6_r4(b, p, s), _extra_off(b, _T_IQ5, p, s, bias)))
     return R4Block(_d4(b, p, 0), subs)
 
 
-def _unpack_iq4_ks_r4(b: ir.IRBuilder, p) -> R4Block:
+def _unpack_iq4_ks_r4(b: ir.IRBuilder, p, bias: int = 128) -> R4Block:
     subs = []
     for s in range(8):
         v = _lane_fields(b, p, 4 * s, 0, None, dup=True)
-        runs = [(_lut(b, _T_IQ4, u), ao) for u, ao in _runs4(b, p, 32 + 64 * s)]
+        runs = [(_lut(b, _T_IQ4, u, bias=bias), ao) for u, ao in _runs4(b, p, 32 + 64 * s)]
         sc = b.sub(b.and_(v, _c(254, 8, _I32)), _c(127, 8, _I32))
-        off = b.sub(_c(128, 8, _I32), b.mul(b.and_(v, _c(1, 8, _I32)), _c(_T_IQ4[1], 8, _I32)))
+        off = b.sub(_c(bias, 8, _I32), b.mul(b.and_(v, _c(1, 8, _I32)), _c(_T_IQ4[1], 8, _I32)))
         subs.append(R4Sub(runs, sc, off))
     return R4Block(ir.Constant(_vec(_F32, 4), [1.0] * 4), subs)
 
@@ -286,20 +293,20 @@ def _unpack_q6_k_r4(b: ir.IRBuilder, p) -> R4Block:
     return R4Block(_d4(b, p, 0), subs)
 
 
-def _r4(name: str, unpack: Callable, row_scale: str = "") -> R4Dot:
+def _r4(name: str, unpack: Callable, row_scale: str = "", biased: bool = False) -> R4Dot:
     plain = _blk.BLOCK_DOTS[type_info(type_info(name).base).id]
-    return R4Dot(name, 4 * plain.nbytes, unpack, row_scale, plain.off, plain.lmax)
+    return R4Dot(name, 4 * plain.nbytes, unpack, row_scale, plain.off, plain.lmax, biased)
 
 
 R4_DOTS: dict[int, R4Dot] = {type_info(r.name).id: r for r in (
     _r4("Q4_K_R4", _unpack_q4_k_r4),
     _r4("Q5_K_R4", _unpack_q5_k_r4),
     _r4("Q6_K_R4", _unpack_q6_k_r4),
-    _r4("IQ2_K_R4", _unpack_iq2_k_r4),
-    _r4("IQ3_K_R4", _unpack_iq3_k_r4),
-    _r4("IQ4_K_R4", _unpack_iq4_k_r4),
-    _r4("IQ5_K_R4", _unpack_iq5_k_r4),
-    _r4("IQ4_KS_R4", _unpack_iq4_ks_r4, "f32"),
+    _r4("IQ2_K_R4", _unpack_iq2_k_r4, biased=True),
+    _r4("IQ3_K_R4", _unpack_iq3_k_r4, biased=True),
+    _r4("IQ4_K_R4", _unpack_iq4_k_r4, biased=True),
+    _r4("IQ5_K_R4", _unpack_iq5_k_r4, biased=True),
+    _r4("IQ4_KS_R4", _unpack_iq4_ks_r4, "f32", biased=True),
 )}
 
 
@@ -333,7 +340,8 @@ def _emit_group(b: ir.IRBuilder, fmt: R4Dot, grp, act, ntok, cols, vnni: bool):
         ib = loop.index
         bp = b.gep(blocks, [b.mul(ib, _const_i64(fmt.nbytes))])
         prefetch(b, bp, PREFETCH_BYTES, fmt.nbytes)
-        blk = fmt.unpack(b, bp)
+        avx2 = None if vnni else _avx2_mode(fmt)
+        blk = fmt.unpack(b, bp, avx2[2] if avx2 else 128) if fmt.biased else fmt.unpack(b, bp)
         d8 = _dup8(b, blk.d)
         # the mins: per pair of sub-blocks (2p, 2p + 1) a <8 x f32> over (sub-block, row) times
         # dm, so a token's min terms are 4 FMAs on its per-32 sums (per sub-block products of
@@ -346,7 +354,7 @@ def _emit_group(b: ir.IRBuilder, fmt: R4Dot, grp, act, ntok, cols, vnni: bool):
         with cgutils.for_range(b, ntok) as tl:
             qp, sp, i16p, b16p = act.row(b, tl.index)
             _block_dot4(b, blk, mins, ib, qp, sp, i16p, b16p, d8, b.gep(accs, [zero32, tl.index]),
-                        b.gep(maccs, [zero32, tl.index]), vnni, None if vnni else _avx2_mode(fmt))
+                        b.gep(maccs, [zero32, tl.index]), vnni, avx2)
     with cgutils.for_range(b, ntok) as tl:
         acc = b.load(b.gep(accs, [zero32, tl.index]))
         if _blk._width(vnni) == 2:      # the two sub-blocks' lanes of the 512-bit sums
@@ -362,18 +370,22 @@ def _emit_group(b: ir.IRBuilder, fmt: R4Dot, grp, act, ntok, cols, vnni: bool):
     return res
 
 
-def _avx2_mode(fmt: R4Dot) -> tuple[str, int] | None:
-    """How an AVX2 CPU (no VNNI) takes the type's products: ("direct", k) when its unsigned levels
-    u stay below 128 (vpmaddubsw of u itself: no sign trick), else ("shifted", k): the signed
-    u - 128 through signed_pairs, the 128 joining the offset's term; k runs' int16 pair sums are
-    added before their vpmaddwd (k * 2 * bound * 127 < 2**15).  None without AVX2."""
+def _avx2_mode(fmt: R4Dot) -> tuple[str, int, int] | None:
+    """How an AVX2 CPU (no VNNI) takes the type's products: (mode, k, bias).  "direct": the
+    unsigned levels u stay in 0..127 and go into vpmaddubsw as they are (no sign trick); a
+    lookup-table type (fmt.biased) gets them so by storing level + bias, bias = lmax, when
+    2 lmax < 128.  "signed": the tables store the signed levels (bias 0) for signed_pairs.
+    k runs' int16 pair sums are added before their vpmaddwd (k * 2 * bound * 127 < 2**15).
+    None without AVX2."""
     if not HAS_AVX2:
         return None
+    if fmt.biased:
+        if 2 * fmt.lmax <= 127:
+            return "direct", max(1, 32767 // (254 * 2 * fmt.lmax)), fmt.lmax
+        return "signed", max(1, 32767 // (254 * fmt.lmax)), 0
     lo, hi = (0, fmt.lmax) if fmt.off == 0 else (fmt.off - fmt.lmax, fmt.off + fmt.lmax)    # u's range
-    if 0 <= lo and hi <= 127:
-        return "direct", max(1, 32767 // (254 * max(hi, 1)))
-    bound = min(128, max(abs(hi - 128), abs(lo - 128)))
-    return "shifted", max(1, 32767 // (254 * bound))
+    assert 0 <= lo and hi <= 127, f"{fmt.name}: levels outside 0..127 need a biased unpack"
+    return "direct", max(1, 32767 // (254 * max(hi, 1))), fmt.off
 
 
 def _avx2_runs(b: ir.IRBuilder, pairs: list, mode: str, k: int):
@@ -383,10 +395,7 @@ def _avx2_runs(b: ir.IRBuilder, pairs: list, mode: str, k: int):
     for g in range(0, len(pairs), k):
         p16 = None
         for u, a in pairs[g:g + k]:
-            if mode == "direct":
-                x = unsigned_pairs(b, u, a)
-            else:
-                x = signed_pairs(b, b.xor(u, _c(-128, 32, _I8)), a)
+            x = unsigned_pairs(b, u, a) if mode == "direct" else signed_pairs(b, u, a)
             p16 = x if p16 is None else b.add(p16, x)
         q = _quads(b, p16)
         total = q if total is None else b.add(total, q)
@@ -399,7 +408,7 @@ def _block_dot4(b: ir.IRBuilder, blk: R4Block, mins, ib, qp, sp, i16p, b16p, d8,
     times one activation row; macc += the
     min terms (mins: the min weights per sub-block pair, lanes (sub-block parity, k)).  The level
     offsets are taken off in the integer sums (i16p: the row's int per-16 sums; b16p: the same
-    times their scales, f32).  avx2: _avx2_mode's choice for the generic form on an AVX2 CPU."""
+    times their scales, f32).  avx2: _avx2_mode's choice for the generic form on an AVX2 CPU (the unpack took its bias)."""
     terms, oterms = [], []
     # the block's 16 activation sums in one load (per sub-block inserts measured slower)
     i16 = b.load(b.bitcast(b.gep(i16p, [b.mul(ib, _const_i64(16))]), _vec(_I32, 16).as_pointer()), align=4)
@@ -412,16 +421,14 @@ def _block_dot4(b: ir.IRBuilder, blk: R4Block, mins, ib, qp, sp, i16p, b16p, d8,
         sa = b.shuffle_vector(sv, sv, _cv([p for p in range(w) for _ in range(8)]))
         for r, (_, ao) in enumerate(subs[0].runs):
             assert all(sub.runs[r][1] == ao for sub in subs), "a run's activation offsets differ between sub-blocks"
-        shift = 128 if avx2 and avx2[0] == "shifted" else 0      # the products take u - shift
-        if all(isinstance(sub.off, int) and sub.off == shift for sub in subs):
+        if all(isinstance(sub.off, int) and sub.off == 0 for sub in subs):
             isum = _c(0, 8 * w, _I32)
         else:
-            off = _join(b, [_c(sub.off - shift, 8, _I32) if isinstance(sub.off, int) else
-                            sub.off if not shift else b.sub(sub.off, _c(shift, 8, _I32)) for sub in subs])
+            off = _join(b, [_c(sub.off, 8, _I32) if isinstance(sub.off, int) else sub.off for sub in subs])
             isum = b.neg(b.mul(off, b.shuffle_vector(i16, i16, _cv([2 * j + q for q in range(2 * w) for _ in range(4)]))))
         if avx2:
             isum = b.add(isum, _avx2_runs(b, [(sub.runs[r][0], _act_shuffle(b, a, ao)) for r, (_, ao) in
-                                              enumerate(subs[0].runs) for sub in subs], *avx2))
+                                              enumerate(subs[0].runs) for sub in subs], *avx2[:2]))
         else:
             for r, (_, ao) in enumerate(subs[0].runs):
                 isum = dpbusd(b, isum, _join(b, [sub.runs[r][0] for sub in subs]), _act_shuffle(b, a, ao), vnni)
