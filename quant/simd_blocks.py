@@ -261,6 +261,9 @@ class BlockDot:
     # AVX2 GEMM adds more int16 products before widening when it is small (SMALL_LEVEL); a test
     # checks it against the packed levels of random blocks
     lmax: int = 128
+    # unpack(b, p, bias=...) stores the levels plus any bias in 0..128 instead of OFF (lookup-table
+    # types: the tables are constants either way), for avx2_mode
+    biased: bool = False
 
     @property
     def meta(self) -> int:
@@ -389,12 +392,12 @@ def _unpack_q2_k(b: ir.IRBuilder, p) -> Block:
 _T_IQ4NL = _tab16(_iqk.IQ4K[:16], 128)   # kvalues_iq4nl: IQ4_K's first table
 
 
-def _unpack_iq4_xs(b: ir.IRBuilder, p, wide: bool = False) -> Block:
-    us = [_lookup_pieces(b, ([_T_IQ4NL], 0), nib) for nib in _nibbles16(b, p, 8, wide)]
+def _unpack_iq4_xs(b: ir.IRBuilder, p, wide: bool = False, bias: int = 128) -> Block:
+    us = [_lookup_pieces(b, ([_T_IQ4NL], 0), nib, bias=bias) for nib in _nibbles16(b, p, 8, wide)]
     lo = _field(b, _bytes32(b, p, 4, 4), [ib >> 1 for ib in range(8)], [4 * (ib & 1) for ib in range(8)], 15)
     hi = b.and_(b.lshr(_splat32(b, _u16(b, p, 2), 8), _cv([2 * ib for ib in range(8)])), _cv([3] * 8))
     sc = b.sub(b.or_(lo, b.shl(hi, _cv([4] * 8))), _cv([32] * 8))
-    return Block(_f16(b, p, 0), us, _pairs(b, sc), 128, planes=wide)
+    return Block(_f16(b, p, 0), us, _pairs(b, sc), bias, planes=wide)
 
 
 # ----------------------------------------------------------------------------------------
@@ -419,12 +422,22 @@ _T_IQ5 = _tables(_iqk.IQ5NL, 32)
 _T_IQ6 = _tables(_iqk.IQ6K_INT_LEVELS, 64)
 
 
-def _lookup_pieces(b: ir.IRBuilder, T, idx, hi=None):
-    """Levels (+128) of the first table for 32 (or 64: BlockDot.wide) lanes: idx (0..15) into
+def rebias(piece: ir.Constant, bias: int) -> ir.Constant:
+    """A 16-entry table piece (levels + 128) holding levels + bias instead.  A bias in 1..127 is
+    avx2_mode's "direct": the levels must then land in 0..127 (-128: _tab16's padding)."""
+    if bias == 128:
+        return piece
+    lv = [int(v.constant) - 128 for v in piece.constant]
+    assert bias == 0 or all(0 <= v + bias <= 127 for v in lv if v != -128), "biased levels leave 0..127"
+    return ir.Constant(piece.type, [(v + bias) & 255 for v in lv])
+
+
+def _lookup_pieces(b: ir.IRBuilder, T, idx, hi=None, bias: int = 128):
+    """Levels (+bias) of the first table for 32 (or 64: BlockDot.wide) lanes: idx (0..15) into
     piece `hi` (per-lane 0..3, or None: piece 0)."""
     res, n = None, idx.type.count
     for k, piece in enumerate(T[0]):
-        tab = piece
+        tab = rebias(piece, bias)
         while tab.type.count < n:
             tab = _cat(b, tab, tab)
         r = _lookup(b, tab, idx)
@@ -432,31 +445,31 @@ def _lookup_pieces(b: ir.IRBuilder, T, idx, hi=None):
     return res
 
 
-def _extra_offs(b: ir.IRBuilder, T, bits):
-    """Level offsets 128 - shift * extra bit, per lane."""
+def _extra_offs(b: ir.IRBuilder, T, bits, bias: int = 128):
+    """Level offsets bias - shift * extra bit, per lane."""
     n = bits.type.count      # bits are 0 / 1: -bits & shift, no vector multiply
-    return b.sub(_cv([128] * n), b.and_(b.sub(_cv([0] * n), bits), _cv([T[1]] * n)))
+    return b.sub(_cv([bias] * n), b.and_(b.sub(_cv([0] * n), bits), _cv([T[1]] * n)))
 
 
 _NIB16 = ([g >> 1 for g in range(16)], [4 * (g & 1) for g in range(16)])   # nibble g of 8 bytes
 
 
-def _unpack_iq2_k(b: ir.IRBuilder, p) -> Block:
-    us = [_lookup_pieces(b, _T_IQ2, _vshr(b, _ld(b, p, 12 + 32 * (j >> 2)), 2 * (j & 3), 3)) for j in range(8)]
+def _unpack_iq2_k(b: ir.IRBuilder, p, bias: int = 128) -> Block:
+    us = [_lookup_pieces(b, _T_IQ2, _vshr(b, _ld(b, p, 12 + 32 * (j >> 2)), 2 * (j & 3), 3), bias=bias) for j in range(8)]
     sc = b.sub(_field(b, _bytes32(b, p, 4, 8), *_NIB16, 15), _cv([8] * 16))
-    return Block(_f16(b, p, 0), us, sc, _extra_offs(b, _T_IQ2, _bits16(b, _u16(b, p, 2))))
+    return Block(_f16(b, p, 0), us, sc, _extra_offs(b, _T_IQ2, _bits16(b, _u16(b, p, 2)), bias))
 
 
-def _unpack_iq3_k(b: ir.IRBuilder, p) -> Block:
+def _unpack_iq3_k(b: ir.IRBuilder, p, bias: int = 128) -> Block:
     qh = _ld(b, p, 78)
     us = []
     for j in range(8):
         idx = b.or_(_vshr(b, _ld(b, p, 14 + 32 * (j >> 2)), 2 * (j & 3), 3), _bit_to(b, qh, j, 2))
-        us.append(_lookup_pieces(b, _T_IQ3, idx))
+        us.append(_lookup_pieces(b, _T_IQ3, idx, bias=bias))
     v = b.add(b.shl(_field(b, _bytes32(b, p, 6, 8), *_NIB16, 15), _cv([1] * 16)), _cv([1] * 16))
     sign = _bits16(b, _u16(b, p, 4))
     sc = b.sub(v, b.mul(b.shl(sign, _cv([1] * 16)), v))           # v * (1 - 2 sign)
-    return Block(_f16(b, p, 0), us, sc, _extra_offs(b, _T_IQ3, _bits16(b, _u16(b, p, 2))))
+    return Block(_f16(b, p, 0), us, sc, _extra_offs(b, _T_IQ3, _bits16(b, _u16(b, p, 2)), bias))
 
 
 def _ls6_16(b: ir.IRBuilder, p):
@@ -467,61 +480,61 @@ def _ls6_16(b: ir.IRBuilder, p):
     return b.sub(b.or_(lo, b.shl(hi, _cv([4] * 16))), _cv([32] * 16))
 
 
-def _unpack_iq4_k(b: ir.IRBuilder, p, wide: bool = False) -> Block:
-    us = [_lookup_pieces(b, _T_IQ4K, nib) for nib in _nibbles16(b, p, 16, wide)]
-    return Block(_f16(b, p, 0), us, _ls6_16(b, p), _extra_offs(b, _T_IQ4K, _bits16(b, _u16(b, p, 2))), planes=wide)
+def _unpack_iq4_k(b: ir.IRBuilder, p, wide: bool = False, bias: int = 128) -> Block:
+    us = [_lookup_pieces(b, _T_IQ4K, nib, bias=bias) for nib in _nibbles16(b, p, 16, wide)]
+    return Block(_f16(b, p, 0), us, _ls6_16(b, p), _extra_offs(b, _T_IQ4K, _bits16(b, _u16(b, p, 2)), bias), planes=wide)
 
 
-def _unpack_iq5_k(b: ir.IRBuilder, p) -> Block:
+def _unpack_iq5_k(b: ir.IRBuilder, p, bias: int = 128) -> Block:
     qh = _ld(b, p, 144)
-    us = [_lookup_pieces(b, _T_IQ5, _vshr(b, _ld(b, p, 16 + 32 * (j >> 1)), 4 * (j & 1), 15), _vshr(b, qh, j, 1))
+    us = [_lookup_pieces(b, _T_IQ5, _vshr(b, _ld(b, p, 16 + 32 * (j >> 1)), 4 * (j & 1), 15), _vshr(b, qh, j, 1), bias)
           for j in range(8)]
-    return Block(_f16(b, p, 0), us, _ls6_16(b, p), _extra_offs(b, _T_IQ5, _bits16(b, _u16(b, p, 2))))
+    return Block(_f16(b, p, 0), us, _ls6_16(b, p), _extra_offs(b, _T_IQ5, _bits16(b, _u16(b, p, 2)), bias))
 
 
-def _unpack_iq6_k(b: ir.IRBuilder, p) -> Block:
+def _unpack_iq6_k(b: ir.IRBuilder, p, bias: int = 128) -> Block:
     us = []
     for j in range(8):
         nib = _vshr(b, _ld(b, p, 20 + 32 * (j >> 1)), 4 * (j & 1), 15)
         hi = _vshr(b, _ld(b, p, 148 + 32 * (j >> 2)), 2 * (j & 3), 3)
-        us.append(_lookup_pieces(b, _T_IQ6, nib, hi))
+        us.append(_lookup_pieces(b, _T_IQ6, nib, hi, bias))
     return Block(_f16(b, p, 0), us, _bytes32(b, p, 4, 16, signed=True),
-                 _extra_offs(b, _T_IQ6, _bits16(b, _u16(b, p, 2))))
+                 _extra_offs(b, _T_IQ6, _bits16(b, _u16(b, p, 2)), bias))
 
 
-def _unpack_iq4_ks(b: ir.IRBuilder, p, wide: bool = False) -> Block:
-    us = [_lookup_pieces(b, _T_IQ4K, nib) for nib in _nibbles16(b, p, 8, wide)]
+def _unpack_iq4_ks(b: ir.IRBuilder, p, wide: bool = False, bias: int = 128) -> Block:
+    us = [_lookup_pieces(b, _T_IQ4K, nib, bias=bias) for nib in _nibbles16(b, p, 8, wide)]
     B = _bytes32(b, p, 0, 8)
     sc = b.sub(b.and_(B, _cv([254] * 8)), _cv([127] * 8))
-    return Block(ir.Constant(_F32, 1.0), us, _pairs(b, sc), _pairs(b, _extra_offs(b, _T_IQ4K, b.and_(B, _cv([1] * 8)))),
+    return Block(ir.Constant(_F32, 1.0), us, _pairs(b, sc), _pairs(b, _extra_offs(b, _T_IQ4K, b.and_(B, _cv([1] * 8)), bias)),
                  planes=wide)
 
 
-def _unpack_iq2_ks(b: ir.IRBuilder, p) -> Block:
-    us = [_lookup_pieces(b, _T_IQ2, _vshr(b, _ld(b, p, 6 + 32 * (g // 4)), 2 * (g % 4), 3)) for g in range(8)]
+def _unpack_iq2_ks(b: ir.IRBuilder, p, bias: int = 128) -> Block:
+    us = [_lookup_pieces(b, _T_IQ2, _vshr(b, _ld(b, p, 6 + 32 * (g // 4)), 2 * (g % 4), 3), bias=bias) for g in range(8)]
     extra = _u16(b, p, 0)
     lo = _field(b, _bytes32(b, p, 2, 4), [g >> 1 for g in range(8)], [4 * (g & 1) for g in range(8)], 15)
     sc = b.sub(b.or_(lo, b.shl(_bits16(b, extra, 8, 8), _cv([4] * 8))), _cv([16] * 8))
-    return Block(ir.Constant(_F32, 1.0), us, _pairs(b, sc), _pairs(b, _extra_offs(b, _T_IQ2, _bits16(b, extra, 0, 8))))
+    return Block(ir.Constant(_F32, 1.0), us, _pairs(b, sc), _pairs(b, _extra_offs(b, _T_IQ2, _bits16(b, extra, 0, 8), bias)))
 
 
-def _unpack_iq3_ks(b: ir.IRBuilder, p) -> Block:
+def _unpack_iq3_ks(b: ir.IRBuilder, p, bias: int = 128) -> Block:
     qh = _ld(b, p, 70)
-    us = [_lookup_pieces(b, _T_IQ3, b.or_(_vshr(b, _ld(b, p, 6 + 32 * (g >> 2)), 2 * (g & 3), 3), _bit_to(b, qh, g, 2)))
+    us = [_lookup_pieces(b, _T_IQ3, b.or_(_vshr(b, _ld(b, p, 6 + 32 * (g >> 2)), 2 * (g & 3), 3), _bit_to(b, qh, g, 2)), bias=bias)
           for g in range(8)]
     extra = _u16(b, p, 0)
     lo = _field(b, _bytes32(b, p, 2, 4), [g & 3 for g in range(8)], [4 * (g >> 2) for g in range(8)], 15)
     sc = b.sub(b.or_(lo, b.shl(_bits16(b, extra, 0, 8), _cv([4] * 8))), _cv([16] * 8))
-    return Block(ir.Constant(_F32, 1.0), us, _pairs(b, sc), _pairs(b, _extra_offs(b, _T_IQ3, _bits16(b, extra, 8, 8))))
+    return Block(ir.Constant(_F32, 1.0), us, _pairs(b, sc), _pairs(b, _extra_offs(b, _T_IQ3, _bits16(b, extra, 8, 8), bias)))
 
 
-def _unpack_iq5_ks(b: ir.IRBuilder, p) -> Block:
+def _unpack_iq5_ks(b: ir.IRBuilder, p, bias: int = 128) -> Block:
     qh = _ld(b, p, 136)
-    us = [_lookup_pieces(b, _T_IQ5, _vshr(b, _ld(b, p, 8 + 32 * (g >> 1)), 4 * (g & 1), 15), _vshr(b, qh, g, 1))
+    us = [_lookup_pieces(b, _T_IQ5, _vshr(b, _ld(b, p, 8 + 32 * (g >> 1)), 4 * (g & 1), 15), _vshr(b, qh, g, 1), bias)
           for g in range(8)]
     B = _bytes32(b, p, 0, 8)
     sc = b.sub(b.and_(B, _cv([254] * 8)), _cv([127] * 8))
-    return Block(ir.Constant(_F32, 1.0), us, _pairs(b, sc), _pairs(b, _extra_offs(b, _T_IQ5, b.and_(B, _cv([1] * 8)))))
+    return Block(ir.Constant(_F32, 1.0), us, _pairs(b, sc), _pairs(b, _extra_offs(b, _T_IQ5, b.and_(B, _cv([1] * 8)), bias)))
 
 
 # IQ2_KL: a 5-bit index per pair of values; per 16-entry piece k of the pair table, bytes 0..15 hold
@@ -977,17 +990,17 @@ BLOCK_DOTS: dict[int, BlockDot] = {
     12: BlockDot("Q4_K", 256, 144, 0, _unpack_q4_k, scale32=True, wide=True, lmax=15),
     13: BlockDot("Q5_K", 256, 176, 0, _unpack_q5_k, scale32=True, wide=True, lmax=31),
     14: BlockDot("Q6_K", 256, 210, 32, _unpack_q6_k, wide=True, lmax=32),
-    23: BlockDot("IQ4_XS", 256, 136, 128, _unpack_iq4_xs, scale32=True, act256=True, wide=True, planes=True),
-    137: BlockDot("IQ2_K", 256, 76, 128, _unpack_iq2_k, act256=True, lmax=31),
-    138: BlockDot("IQ3_K", 256, 110, 128, _unpack_iq3_k, act256=True, lmax=63),
-    139: BlockDot("IQ4_K", 256, 144, 128, _unpack_iq4_k, act256=True, wide=True, planes=True),
-    140: BlockDot("IQ5_K", 256, 176, 128, _unpack_iq5_k, act256=True),
-    141: BlockDot("IQ6_K", 256, 212, 128, _unpack_iq6_k, act256=True),
+    23: BlockDot("IQ4_XS", 256, 136, 128, _unpack_iq4_xs, scale32=True, act256=True, wide=True, planes=True, biased=True),
+    137: BlockDot("IQ2_K", 256, 76, 128, _unpack_iq2_k, act256=True, lmax=31, biased=True),
+    138: BlockDot("IQ3_K", 256, 110, 128, _unpack_iq3_k, act256=True, lmax=63, biased=True),
+    139: BlockDot("IQ4_K", 256, 144, 128, _unpack_iq4_k, act256=True, wide=True, planes=True, biased=True),
+    140: BlockDot("IQ5_K", 256, 176, 128, _unpack_iq5_k, act256=True, biased=True),
+    141: BlockDot("IQ6_K", 256, 212, 128, _unpack_iq6_k, act256=True, biased=True),
     144: BlockDot("IQ4_KS", 256, 136, 128, _unpack_iq4_ks, "f32", scale32=True, act256=True, wide=True,
-                  planes=True),
-    145: BlockDot("IQ2_KS", 256, 70, 128, _unpack_iq2_ks, "f16", scale32=True, act256=True, lmax=31),
-    152: BlockDot("IQ5_KS", 256, 168, 128, _unpack_iq5_ks, "f32", scale32=True, act256=True),
-    156: BlockDot("IQ3_KS", 256, 102, 128, _unpack_iq3_ks, "f16", scale32=True, act256=True),
+                  planes=True, biased=True),
+    145: BlockDot("IQ2_KS", 256, 70, 128, _unpack_iq2_ks, "f16", scale32=True, act256=True, lmax=31, biased=True),
+    152: BlockDot("IQ5_KS", 256, 168, 128, _unpack_iq5_ks, "f32", scale32=True, act256=True, biased=True),
+    156: BlockDot("IQ3_KS", 256, 102, 128, _unpack_iq3_ks, "f16", scale32=True, act256=True, lmax=63, biased=True),
     157: BlockDot("IQ2_KL", 256, 86, 128, _unpack_iq2_kl, "f16", act256=True),
     158: BlockDot("IQ1_KT", 256, 56, _OFF_KT, _unpack_iq1_kt, "f32", scale32=True),
     153: BlockDot("IQ2_KT", 256, 68, _OFF_KT, _unpack_iq2_kt, "f32", scale32=True),
@@ -1006,16 +1019,31 @@ GEMM_ONLY: dict[int, BlockDot] = {
 # ----------------------------------------------------------------------------------------
 # the row template
 # ----------------------------------------------------------------------------------------
-def _sub_isum(b: ir.IRBuilder, u, a, off8, vnni: bool):
+def avx2_mode(off: int, lmax: int, biased: bool) -> tuple[str, int, int]:
+    """How an AVX2 CPU (no VNNI) multiplies a type's levels (level offset off, |level| <= lmax):
+    (mode, k, bias).  "direct": the stored levels u lie in 0..127 and go into vpmaddubsw as they
+    are, no sign trick: off +- lmax (0..lmax for off 0) within 0..127 (the K-quants, Q4_1, Q5_0,
+    IQ1_S ...), or a biased type stored as level + lmax when 2 lmax < 128 (IQ2_K, IQ3_K ...).
+    Otherwise "signed": vpsignb's trick on the signed levels (a biased type stores them with
+    bias 0).  k: how many 32-byte products' int16 pair sums may be added before their vpmaddwd
+    (k * 2 * bound * 127 < 2**15)."""
+    if biased and 2 * lmax <= 127:
+        return "direct", max(1, 32767 // (254 * 2 * lmax)), lmax
+    lo, hi = (0, lmax) if off == 0 else (off - lmax, off + lmax)      # u's range (off 0: as stored)
+    if not biased and 0 <= lo and hi <= 127:
+        return "direct", max(1, 32767 // (254 * max(hi, 1))), off
+    return "signed", max(1, 32767 // (254 * min(lmax, 128))), 0 if biased else off
+
+
+def _sub_isum(b: ir.IRBuilder, u, a, off8, vnni: bool, direct: bool = False):
     """Per-lane integer sums of 32 products (VNNI: or 64, two sub-blocks): <8 x i32> (<16 x i32>),
-    lane i = values 4i..4i+3.  vnni: of the unsigned levels u (the block removes off * activation sums once, in lane vectors);
-    generic: of the true levels u - off (off8: None for 0, else the 32 byte offsets)."""
+    lane i = values 4i..4i+3.  vnni or direct (AVX2: avx2_mode): of the unsigned levels u (the
+    block removes off * activation sums once, in lane vectors); else: of the signed levels u - off
+    (off8: None for 0, else the 32 byte offsets)."""
     if vnni:                       # 32 or 64 levels (two sub-blocks: _width)
         n = u.type.count // 4
         return dpbusd(b, ir.Constant(_vec(_I32, n), [0] * n), u, a)
-    if off8 is None and HAS_AVX2:
-        # levels stored with offset 0 (Q4_K, Q5_K, Q2_K, Q4_1, Q5_1) are 0..lmax < 128: vpmaddubsw
-        # takes them as they are, no sign trick (a test checks the types' bounds)
+    if direct:
         return _halves(b, (u, a), lambda x, y: _quads(b, unsigned_pairs(b, x, y)))
     w = b.sub(u, off8) if off8 is not None else u
     return signed_quads(b, w, a)
@@ -1116,14 +1144,20 @@ def _blocks_loop(b: ir.IRBuilder, fmt: BlockDot, blocks, sub0, nb, act: Act, nto
     """nb blocks of fmt from pointer blocks on, whose first sub-block is activation sub-block
     sub0, times the ntok activation rows: (accs, saccs), TMAX accumulators each."""
     nsub = fmt.values // 32
+    avx2 = None if vnni or not HAS_AVX2 else avx2_mode(fmt.off, fmt.lmax, fmt.biased)
     accs, saccs = token_accs(b, _vec(_F32, 8 * _width(vnni)), _vec(_F32, 2 * nsub))
     zero32 = ir.Constant(_I32, 0)
     with cgutils.for_range(b, nb) as loop:
         ib = loop.index
         bp = b.gep(blocks, [b.mul(ib, _const_i64(fmt.nbytes))])
         prefetch(b, bp, PREFETCH_BYTES, fmt.nbytes)
-        blk = fmt.unpack(b, bp, wide=True) if vnni and fmt.wide else (fmt.dot_unpack or fmt.unpack)(b, bp)
-        prep = _block_prep(b, blk, nsub, vnni)
+        if vnni:
+            blk = fmt.unpack(b, bp, wide=True) if fmt.wide else (fmt.dot_unpack or fmt.unpack)(b, bp)
+        elif fmt.biased and avx2:
+            blk = fmt.unpack(b, bp, bias=avx2[2])
+        else:
+            blk = (fmt.dot_unpack or fmt.unpack)(b, bp)
+        prep = _block_prep(b, blk, nsub, vnni, avx2)
         k0 = b.add(sub0, b.mul(ib, _const_i64(nsub)))
         with cgutils.for_range(b, ntok) as tl:
             qp, sp, _, b16p = act.row(b, tl.index)
@@ -1206,11 +1240,11 @@ def sum_weights(b: ir.IRBuilder, sc, off, d, mins=None, dm=None):
     return w
 
 
-def _block_prep(b: ir.IRBuilder, blk: Block, nsub: int, vnni: bool):
+def _block_prep(b: ir.IRBuilder, blk: Block, nsub: int, vnni: bool, avx2: tuple | None = None):
     """What the activation rows share of a block: per group of 4w sub-blocks (_width) the f32
     lanes d * sc in _quad_sum's order, the per-half weights of the activation sums
     (-d sc off + dm min, f32, natural order), the levels w sub-blocks to a vector and, for the
-    generic IR, the per-byte level offsets."""
+    generic IR, the per-byte level offsets.  avx2: avx2_mode's choice (the unpack took its bias)."""
     nh, w = 2 * nsub, _width(vnni)
     # the groups' lanes are picked from the integer scales (one shuffle) before the convert
     scz = b.shuffle_vector(blk.sc, ir.Constant(_vec(_I32, nh), [0] * nh), _cv(range(nh + 1)))
@@ -1225,25 +1259,27 @@ def _block_prep(b: ir.IRBuilder, blk: Block, nsub: int, vnni: bool):
         zero = ir.Constant(_V32, [0] * 32)
         us = [b.shuffle_vector(us[j], us[j + 1] if j + 1 < nsub else zero, _cv(range(64)))
               for j in range(0, nsub, 2)]
-    # the generic IR takes the offsets off the levels themselves (off8), VNNI off the sums
+    # VNNI and AVX2's direct levels take the offsets off the sums (so do the signed levels of a
+    # biased type: no per-byte subtraction), the rest off the levels themselves (off8)
     off = blk.off
-    wsum = sum_weights(b, blk.sc, off if vnni else 0, dh, blk.mins,
+    in_sums = vnni or (avx2 is not None and (avx2[0] == "direct" or avx2[2] == 0))
+    wsum = sum_weights(b, blk.sc, off if in_sums else 0, dh, blk.mins,
                        None if blk.mins is None else _per_half(b, blk.dm, nh))
     off8 = None
-    if not vnni and not (isinstance(off, int) and off == 0):
+    if not in_sums and not (isinstance(off, int) and off == 0):
         if isinstance(off, int):
             off8 = [_c(off)] * nsub
         else:
             o8 = b.trunc(off, _vec(_I8, nh))
             off8 = [_gather(b, o8, [2 * j] * 16 + [2 * j + 1] * 16) for j in range(nsub)]
-    return dsc, wsum, off8, us
+    return dsc, wsum, off8, us, avx2 is not None and avx2[0] == "direct"
 
 
 def _block_dot(b: ir.IRBuilder, blk: Block, prep, k0, nsub: int, qp, sp, b16p, accp, saccp, vnni: bool):
     """acc += the unpacked block whose first sub-block is activation sub-block k0, times one
     activation row (the activation-sum terms: sacc; b16 holds each half's sum times its
     sub-block's activation scale, f32)."""
-    dsc, wsum, off8, us = prep
+    dsc, wsum, off8, us, direct = prep
     w = _width(vnni)
     vf = _vec(_F32, 8 * w)
     zero = ir.Constant(_vec(_I32, 8 * w), [0] * (8 * w))
@@ -1260,7 +1296,7 @@ def _block_dot(b: ir.IRBuilder, blk: Block, prep, k0, nsub: int, qp, sp, b16p, a
             a = b.load(b.bitcast(b.gep(qp, [b.mul(k, _const_i64(32))]), _vec(_I8, n).as_pointer()), align=1)
             if n < 32 * w:                 # ... its zero levels meet zero bytes
                 a = b.shuffle_vector(a, ir.Constant(_V32, [0] * 32), _cv(range(64)))
-            ps.append(_sub_isum(b, us[j // w], a, None if off8 is None else off8[j], vnni))
+            ps.append(_sub_isum(b, us[j // w], a, None if off8 is None else off8[j], vnni, direct))
         # the activation scale of each lane's sub-block
         kg = b.add(k0, _const_i64(4 * w * g))
         m = min(4 * w, nsub - 4 * w * g)

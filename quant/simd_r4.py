@@ -156,10 +156,7 @@ def _lut(b: ir.IRBuilder, T, idx, hi=None, bias: int = 128):
     """Levels (+bias) of piece 0 of table T at idx (0..15), or of piece 1 where hi is non-zero
     (hi: a masked high bit, any power of two, so no shift is spent on it)."""
     def piece(k):
-        lv = [int(v.constant) - 128 for v in T[0][k].constant]     # the signed levels (-128: padding)
-        # a bias below 128 is _avx2_mode's "direct" (levels + bias in vpmaddubsw's 0..127) or 0
-        assert bias in (0, 128) or all(0 <= v + bias <= 127 for v in lv if v != -128), "biased levels leave 0..127"
-        t = ir.Constant(T[0][k].type, [(v + bias) & 255 for v in lv])
+        t = _blk.rebias(T[0][k], bias)
         return _lookup(b, _cat(b, t, t), idx)
     r = piece(0)
     if hi is not None:
@@ -371,21 +368,13 @@ def _emit_group(b: ir.IRBuilder, fmt: R4Dot, grp, act, ntok, cols, vnni: bool):
 
 
 def _avx2_mode(fmt: R4Dot) -> tuple[str, int, int] | None:
-    """How an AVX2 CPU (no VNNI) takes the type's products: (mode, k, bias).  "direct": the
-    unsigned levels u stay in 0..127 and go into vpmaddubsw as they are (no sign trick); a
-    lookup-table type (fmt.biased) gets them so by storing level + bias, bias = lmax, when
-    2 lmax < 128.  "signed": the tables store the signed levels (bias 0) for signed_pairs.
-    k runs' int16 pair sums are added before their vpmaddwd (k * 2 * bound * 127 < 2**15).
-    None without AVX2."""
+    """quant.simd_blocks.avx2_mode for the _R4 type (its plain type's off and lmax); None without
+    AVX2.  k runs' int16 pair sums are added before their vpmaddwd."""
     if not HAS_AVX2:
         return None
-    if fmt.biased:
-        if 2 * fmt.lmax <= 127:
-            return "direct", max(1, 32767 // (254 * 2 * fmt.lmax)), fmt.lmax
-        return "signed", max(1, 32767 // (254 * fmt.lmax)), 0
-    lo, hi = (0, fmt.lmax) if fmt.off == 0 else (fmt.off - fmt.lmax, fmt.off + fmt.lmax)    # u's range
-    assert 0 <= lo and hi <= 127, f"{fmt.name}: levels outside 0..127 need a biased unpack"
-    return "direct", max(1, 32767 // (254 * max(hi, 1))), fmt.off
+    mode = _blk.avx2_mode(fmt.off, fmt.lmax, fmt.biased)
+    assert fmt.biased or mode[0] == "direct", f"{fmt.name}: signed levels need a biased unpack"
+    return mode
 
 
 def _avx2_runs(b: ir.IRBuilder, pairs: list, mode: str, k: int):
