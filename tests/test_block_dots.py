@@ -372,6 +372,30 @@ def test_level_bound_holds_on_random_blocks(qtype):
     assert max(hi, -lo) >= lmax - 1 or lmax == 128, (lo, hi, lmax)
 
 
+def test_avx2_direct_products_cannot_saturate():
+    """quant.simd_blocks.avx2_mode sends a type's stored levels straight into vpmaddubsw ("direct")
+    only when they lie in 0..127, and adds k products' int16 pair sums before widening only while
+    k * 2 * (largest level) * 127 stays below 2**15.  Both rest on lmax, so every such type has
+    its bound checked on packed levels above (its packing: WEAVE); a biased type's tables at that
+    bias are checked by quant.simd_blocks.rebias as the kernels are built."""
+    recs = [(t, f.off, f.lmax, f.biased) for t, f in SB.BLOCK_DOTS.items()]
+    recs += [(t, f.off, f.lmax, f.biased) for t, f in R4.R4_DOTS.items()]
+    seen = set()
+    for t, off, lmax, biased in recs:
+        mode, k, bias = SB.avx2_mode(off, lmax, biased)
+        seen.add(mode)
+        if mode != "direct":
+            assert biased or off - lmax < 0 or off + lmax > 127 or lmax == 128
+            continue
+        assert t in SG.WEAVE or type_info(t).base in SG.WEAVE, type_info(t).name
+        hi = 2 * lmax if biased else (lmax if off == 0 else off + lmax)
+        lo = 0 if biased or off == 0 else off - lmax
+        assert 0 <= lo and hi <= 127, (type_info(t).name, lo, hi)
+        assert k >= 1 and k * 2 * hi * 127 < 2 ** 15, (type_info(t).name, k, hi)
+        assert bias == (lmax if biased else off)
+    assert seen == {"direct", "signed"}
+
+
 @njit(cache=True)
 def _tile_avx2(qtype, tu, td, tw, q, s, b16, c16, out, per32, mins, small):
     SG.tile_gemm_avx2(tu, td, tw, td.size // SG.ROWS, q, s, b16, c16, 0, q.shape[0], out, 0, SG.ROWS, per32, mins,
