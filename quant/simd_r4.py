@@ -165,8 +165,9 @@ def _lut(b: ir.IRBuilder, T, idx, hi=None, bias: int = 128):
 
 
 def _extra_off(b: ir.IRBuilder, T, p, s: int, bias: int):
-    """bias - shift * extra bit of (h, k) for sub-block s (extra[8] at byte 8: bit s of byte 4h + k)."""
-    return b.sub(_c(bias, 8, _I32), b.mul(_lane_fields(b, p, 8, s, 1), _c(T[1], 8, _I32)))
+    """bias - shift * extra bit of (h, k) for sub-block s (extra[8] at byte 8: bit s of byte 4h + k):
+    quant.simd_blocks' offsets of the bits (a mask, no vector multiply)."""
+    return _blk._extra_offs(b, T, _lane_fields(b, p, 8, s, 1), bias)
 
 
 def _nib_scales(b: ir.IRBuilder, p, off: int, s: int):
@@ -233,8 +234,7 @@ def _unpack_iq4_ks_r4(b: ir.IRBuilder, p, bias: int = 128) -> R4Block:
         v = _lane_fields(b, p, 4 * s, 0, None, dup=True)
         runs = [(_lut(b, _T_IQ4, u, bias=bias), ao) for u, ao in _runs4(b, p, 32 + 64 * s)]
         sc = b.sub(b.and_(v, _c(254, 8, _I32)), _c(127, 8, _I32))
-        off = b.sub(_c(bias, 8, _I32), b.mul(b.and_(v, _c(1, 8, _I32)), _c(_T_IQ4[1], 8, _I32)))
-        subs.append(R4Sub(runs, sc, off))
+        subs.append(R4Sub(runs, sc, _blk._extra_offs(b, _T_IQ4, b.and_(v, _c(1, 8, _I32)), bias)))
     return R4Block(ir.Constant(_vec(_F32, 4), [1.0] * 4), subs)
 
 
