@@ -108,11 +108,6 @@ def _dup8(b: ir.IRBuilder, v4):
     return b.shuffle_vector(v4, v4, ir.Constant(_vec(_I32, 8), [0, 1, 2, 3, 0, 1, 2, 3]))
 
 
-def _blend_halves(b: ir.IRBuilder, x, y):
-    """Bytes 0..15 of x, 16..31 of y."""
-    return b.shuffle_vector(x, y, ir.Constant(_vec(_I32, 32), list(range(16)) + list(range(48, 64))))
-
-
 def _runs4(b: ir.IRBuilder, p, off: int, fix=None):
     """The two 32-byte runs of a 4-bit sub-block (64 bytes at off, Q4_PAIRS) as 4 nibble runs
     [(levels, activation offsets)]; fix(levels, run index) may add high bits."""
@@ -141,8 +136,9 @@ def _bitplanes(b: ir.IRBuilder, p, off: int, delta: int):
     right by delta: bit t of a lane is then the bit of run t's value, in both halves (one shift
     and mask per run instead of two shifts and a blend)."""
     v16 = _ld(b, p, off, 16)
-    v = b.shuffle_vector(v16, v16, ir.Constant(_vec(_I32, 32), list(range(16)) * 2))
-    return _blend_halves(b, v, b.lshr(v, _c(delta)))
+    # the 16 bytes shifted, then both joined: the 32 bytes shifted and blended became a variable
+    # shift per half (bytes widened to words, vpsllvw, packed back), IQ3_K_R4 30 % slower
+    return _cat(b, v16, b.lshr(v16, _c(delta, 16)))
 
 
 # ----------------------------------------------------------------------------------------
