@@ -38,7 +38,7 @@ Development note (as quant.simd): after editing this module delete quant/__pycac
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 from llvmlite import ir
@@ -1019,7 +1019,20 @@ GEMM_ONLY: dict[int, BlockDot] = {
 # ----------------------------------------------------------------------------------------
 # the row template
 # ----------------------------------------------------------------------------------------
-def avx2_mode(off: int, lmax: int, biased: bool) -> tuple[str, int, int]:
+class Avx2Mode(NamedTuple):
+    """avx2_mode's choice for one type."""
+    mode: str        # "direct" or "signed"
+    k: int           # 32-byte products whose int16 pair sums are added before one vpmaddwd
+    bias: int        # what the unpack adds to the levels (0 for a biased type's signed levels)
+
+    @property
+    def offset_in_sums(self) -> bool:
+        """The level offset comes off the activation sums once per block, not off every byte:
+        direct levels, and the signed levels a biased type stores."""
+        return self.mode == "direct" or self.bias == 0
+
+
+def avx2_mode(off: int, lmax: int, biased: bool) -> Avx2Mode:
     """How an AVX2 CPU (no VNNI) multiplies a type's levels (level offset off, |level| <= lmax):
     (mode, k, bias).  "direct": the stored levels u lie in 0..127 and go into vpmaddubsw as they
     are, no sign trick: off +- lmax (0..lmax for off 0) within 0..127 (the K-quants, Q4_1, Q5_0,
@@ -1028,11 +1041,11 @@ def avx2_mode(off: int, lmax: int, biased: bool) -> tuple[str, int, int]:
     bias 0).  k: how many 32-byte products' int16 pair sums may be added before their vpmaddwd
     (k * 2 * bound * 127 < 2**15)."""
     if biased and 2 * lmax <= 127:
-        return "direct", max(1, 32767 // (254 * 2 * lmax)), lmax
+        return Avx2Mode("direct", max(1, 32767 // (254 * 2 * lmax)), lmax)
     lo, hi = (0, lmax) if off == 0 else (off - lmax, off + lmax)      # u's range (off 0: as stored)
     if not biased and 0 <= lo and hi <= 127:
-        return "direct", max(1, 32767 // (254 * max(hi, 1))), off
-    return "signed", max(1, 32767 // (254 * min(lmax, 128))), 0 if biased else off
+        return Avx2Mode("direct", max(1, 32767 // (254 * max(hi, 1))), off)
+    return Avx2Mode("signed", max(1, 32767 // (254 * min(lmax, 128))), 0 if biased else off)
 
 
 def _sub_isum(b: ir.IRBuilder, u, a, off8, vnni: bool, direct: bool = False):
@@ -1154,7 +1167,7 @@ def _blocks_loop(b: ir.IRBuilder, fmt: BlockDot, blocks, sub0, nb, act: Act, nto
         if vnni:
             blk = fmt.unpack(b, bp, wide=True) if fmt.wide else (fmt.dot_unpack or fmt.unpack)(b, bp)
         elif fmt.biased and avx2:
-            blk = fmt.unpack(b, bp, bias=avx2[2])
+            blk = fmt.unpack(b, bp, bias=avx2.bias)
         else:
             blk = (fmt.dot_unpack or fmt.unpack)(b, bp)
         prep = _block_prep(b, blk, nsub, vnni, avx2)
@@ -1240,7 +1253,7 @@ def sum_weights(b: ir.IRBuilder, sc, off, d, mins=None, dm=None):
     return w
 
 
-def _block_prep(b: ir.IRBuilder, blk: Block, nsub: int, vnni: bool, avx2: tuple | None = None):
+def _block_prep(b: ir.IRBuilder, blk: Block, nsub: int, vnni: bool, avx2: Avx2Mode | None = None):
     """What the activation rows share of a block: per group of 4w sub-blocks (_width) the f32
     lanes d * sc in _quad_sum's order, the per-half weights of the activation sums
     (-d sc off + dm min, f32, natural order), the levels w sub-blocks to a vector and, for the
@@ -1262,7 +1275,7 @@ def _block_prep(b: ir.IRBuilder, blk: Block, nsub: int, vnni: bool, avx2: tuple 
     # VNNI and AVX2's direct levels take the offsets off the sums (so do the signed levels of a
     # biased type: no per-byte subtraction), the rest off the levels themselves (off8)
     off = blk.off
-    in_sums = vnni or (avx2 is not None and (avx2[0] == "direct" or avx2[2] == 0))
+    in_sums = vnni or (avx2 is not None and avx2.offset_in_sums)
     wsum = sum_weights(b, blk.sc, off if in_sums else 0, dh, blk.mins,
                        None if blk.mins is None else _per_half(b, blk.dm, nh))
     off8 = None
@@ -1272,7 +1285,7 @@ def _block_prep(b: ir.IRBuilder, blk: Block, nsub: int, vnni: bool, avx2: tuple 
         else:
             o8 = b.trunc(off, _vec(_I8, nh))
             off8 = [_gather(b, o8, [2 * j] * 16 + [2 * j + 1] * 16) for j in range(nsub)]
-    return dsc, wsum, off8, us, avx2 is not None and avx2[0] == "direct"
+    return dsc, wsum, off8, us, avx2 is not None and avx2.mode == "direct"
 
 
 def _block_dot(b: ir.IRBuilder, blk: Block, prep, k0, nsub: int, qp, sp, b16p, accp, saccp, vnni: bool):

@@ -334,7 +334,7 @@ def _emit_group(b: ir.IRBuilder, fmt: R4Dot, grp, act, ntok, cols, vnni: bool):
         bp = b.gep(blocks, [b.mul(ib, _const_i64(fmt.nbytes))])
         prefetch(b, bp, PREFETCH_BYTES, fmt.nbytes)
         avx2 = None if vnni else _avx2_mode(fmt)
-        blk = fmt.unpack(b, bp, avx2[2] if avx2 else 128) if fmt.biased else fmt.unpack(b, bp)
+        blk = fmt.unpack(b, bp, avx2.bias if avx2 else 128) if fmt.biased else fmt.unpack(b, bp)
         d8 = _dup8(b, blk.d)
         # the mins: per pair of sub-blocks (2p, 2p + 1) a <8 x f32> over (sub-block, row) times
         # dm, so a token's min terms are 4 FMAs on its per-32 sums (per sub-block products of
@@ -363,13 +363,13 @@ def _emit_group(b: ir.IRBuilder, fmt: R4Dot, grp, act, ntok, cols, vnni: bool):
     return res
 
 
-def _avx2_mode(fmt: R4Dot) -> tuple[str, int, int] | None:
+def _avx2_mode(fmt: R4Dot) -> _blk.Avx2Mode | None:
     """quant.simd_blocks.avx2_mode for the _R4 type (its plain type's off and lmax); None without
     AVX2.  k runs' int16 pair sums are added before their vpmaddwd."""
     if not HAS_AVX2:
         return None
     mode = _blk.avx2_mode(fmt.off, fmt.lmax, fmt.biased)
-    assert fmt.biased or mode[0] == "direct", f"{fmt.name}: signed levels need a biased unpack"
+    assert fmt.biased or mode.mode == "direct", f"{fmt.name}: signed levels need a biased unpack"
     return mode
 
 
@@ -388,7 +388,7 @@ def _avx2_runs(b: ir.IRBuilder, pairs: list, mode: str, k: int):
 
 
 def _block_dot4(b: ir.IRBuilder, blk: R4Block, mins, ib, qp, sp, i16p, b16p, d8, accp, maccp, vnni: bool,
-                avx2: tuple | None = None):
+                avx2: _blk.Avx2Mode | None = None):
     """acc (lanes (h, k); with VNNI (sub-block parity, h, k)) += the unpacked block column ib
     times one activation row; macc += the
     min terms (mins: the min weights per sub-block pair, lanes (sub-block parity, k)).  The level
@@ -413,7 +413,7 @@ def _block_dot4(b: ir.IRBuilder, blk: R4Block, mins, ib, qp, sp, i16p, b16p, d8,
             isum = b.neg(b.mul(off, b.shuffle_vector(i16, i16, _cv([2 * j + q for q in range(2 * w) for _ in range(4)]))))
         if avx2:
             isum = b.add(isum, _avx2_runs(b, [(sub.runs[r][0], _act_shuffle(b, a, ao)) for r, (_, ao) in
-                                              enumerate(subs[0].runs) for sub in subs], *avx2[:2]))
+                                              enumerate(subs[0].runs) for sub in subs], avx2.mode, avx2.k))
         else:
             for r, (_, ao) in enumerate(subs[0].runs):
                 isum = dpbusd(b, isum, _join(b, [sub.runs[r][0] for sub in subs]), _act_shuffle(b, a, ao), vnni)
