@@ -148,6 +148,15 @@ def tag(qtype: int) -> QType:
     return t
 
 
+def readonly(buf: np.ndarray) -> np.ndarray:
+    """buf, or a read-only view of it: weight buffers are mapped files, so the kernels are
+    compiled for read-only arrays, and a writable one would compile each of them again."""
+    if buf.flags.writeable:
+        buf = buf.view()
+        buf.flags.writeable = False
+    return buf
+
+
 # the KV-cache types' group (flash attention's decoder): the float types, Q8_0 / Q4_0 and the rest
 # of the legacy family
 _CACHE_TAG = make_tag(F16_ID, _GROUPS[F16_ID] | _GROUPS[Q8_0_ID] | _GROUPS[Q6_0_ID])
@@ -244,7 +253,10 @@ def _pick_rows_at(g: frozenset[int] | None):
             _decode_r8_rows(buf, qid(qtype), base, stride, n, cols, qk, lut, y)
         return rows_r8
     if g is not None and all(t < 400 and _R_TABLE[t, 0] > 0 and t not in _R8_IDS for t in g):
-        plain = tag(int(_R_TABLE[min(g), 1]))     # a tag of the group of the plain types
+        # a tag of every group the plain types belong to (Q8_K_R16 unpacks to Q8_0, its group's
+        # others to K-quants): as_group types each member's plain id with it
+        pids = sorted({int(_R_TABLE[t, 1]) for t in g})
+        plain = make_tag(pids[0], frozenset().union(*(_GROUPS.get(p, frozenset((p,))) for p in pids)))
 
         def rows_r(buf, qtype, base, stride, n, cols, qk, lut, y):
             qt = qid(qtype)
@@ -454,7 +466,8 @@ _decode_plain_rows = by_type(1, _pick_plain)     # decode_rows_at for the plain 
 @njit(**_opts)
 def decode_row(buf, qtype, base, cols, qk, lut, y):
     """Write the `cols` values of the row that starts at byte `base` into y[:cols]."""
-    decode_rows_at(buf, qtype, base, 0, 1, cols, qk, lut, y[:cols].reshape(1, cols))
+    # np.int64, not the constants: a call with literals compiles a second decode_rows_at per group
+    decode_rows_at(buf, qtype, base, np.int64(0), np.int64(1), cols, qk, lut, y[:cols].reshape(1, cols))
 
 
 @njit(parallel=True, **_opts)

@@ -191,10 +191,7 @@ def _make_view(w: QTensor) -> _View:
         es, stride = (rows * rb if ne > 1 else 0), rb
     span = (ne - 1) * es + (rows - 1) * stride + rb if rows and ne else 0
     if d3.flags.c_contiguous:        # the usual case, ~10x cheaper than as_strided
-        buf = d3.reshape(-1)
-        if buf.flags.writeable:      # the kernels are compiled for read-only buffers
-            buf = buf.view()
-            buf.flags.writeable = False
+        buf = K.readonly(d3.reshape(-1))
     else:
         buf = np.lib.stride_tricks.as_strided(d3, shape=(span,), strides=(1,), writeable=False)
     return _View(buf, int(es), int(stride), int(ne), int(rows), int(cols), int(rb), int(w.qtype), tag(w.qtype))

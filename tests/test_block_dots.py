@@ -137,7 +137,7 @@ def _decode(qtype, raw, cols):
     if type_info(qtype).name == "IQ6_K":
         decode_row_iqk_int6(raw, qtype, 0, cols, K.F16_TO_F32, y)
     else:
-        K.decode_row(raw, qtype, 0, cols, 32, K.F16_TO_F32, y)
+        K.decode_row(K.readonly(raw), K.tag(qtype), 0, cols, 32, K.F16_TO_F32, y)
     return y
 
 

@@ -19,7 +19,7 @@ from gguf import quants as gq
 from gguf.constants import GGMLQuantizationType as GT
 
 from quant import iquants, registry
-from quant.kernels import F16_TO_F32, decode_rows_at
+from quant.kernels import F16_TO_F32, decode_rows_at, readonly, tag
 from quant.types import type_info
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")   # inf / nan scales on purpose
@@ -37,7 +37,7 @@ def _numba(name: str, raw: np.ndarray, n: int) -> np.ndarray:
     t = type_info(name)
     raw = np.ascontiguousarray(raw)
     y = np.full((raw.shape[0], n), np.nan, np.float32)
-    decode_rows_at(raw.reshape(-1), t.id, 0, raw.shape[1], raw.shape[0], n, 32, F16_TO_F32, y)
+    decode_rows_at(readonly(raw.reshape(-1)), tag(t.id), 0, raw.shape[1], raw.shape[0], n, 32, F16_TO_F32, y)
     return y
 
 

@@ -115,7 +115,7 @@ def test_gemm_tiles_matches_decoded_matmul(qtype, rows, tile):
     x = rng.standard_normal((20, 96), dtype=np.float32)
     v = Q._view(w)
     out = np.full((20, rows), np.nan, dtype=np.float32)
-    G.gemm_tiles(v.buf, v.qtype, v.stride, v.rows, v.cols, K.F16_TO_F32, x, out, tile)
+    G.gemm_tiles(v.buf, v.tag, v.stride, v.rows, v.cols, K.F16_TO_F32, x, out, tile)
     _close(out, x @ Q.dequantize(w).T)
 
 
@@ -131,7 +131,7 @@ def test_gemm_tiles_interleaved_rows():
     x = rng.standard_normal((17, 64), dtype=np.float32)
     out = np.empty((17, 96), dtype=np.float32)
     v = Q._view(r8)
-    G.gemm_tiles(v.buf, v.qtype, v.stride, v.rows, v.cols, K.F16_TO_F32, x, out, 16)
+    G.gemm_tiles(v.buf, v.tag, v.stride, v.rows, v.cols, K.F16_TO_F32, x, out, 16)
     _close(out, x @ Q.dequantize(w).T)
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from quant import interleaved as il
 from quant import iquants, reference, registry
-from quant.kernels import F16_TO_F32, decode_rows_at
+from quant.kernels import F16_TO_F32, decode_rows_at, readonly, tag
 from quant.types import interleaved_form, type_info
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "golden_interleaved_iq.npz")
@@ -112,13 +112,13 @@ def test_decode_rows_at_matches_ik(g, name):
         nrows, n = want.shape
         rb = ti.row_bytes(n)
         y = np.full((nrows, n), np.nan, dtype=np.float32)
-        decode_rows_at(raw.reshape(-1), ti.id, 0, rb, nrows, n, 32, F16_TO_F32, y)
+        decode_rows_at(readonly(raw.reshape(-1)), tag(ti.id), 0, rb, nrows, n, 32, F16_TO_F32, y)
         if name in ("Q5_0_R4", "Q6_0_R4"):       # the plain decoders' -0 (quant.interleaved._PLUS_ZERO)
             assert (y[y == 0].view(np.uint32) == 0x80000000).any()
             y += np.float32(0)
         np.testing.assert_array_equal(_bits(y), _bits(want))
         y1 = np.zeros((1, n), dtype=np.float32)
-        decode_rows_at(raw.reshape(-1), ti.id, (nrows - 1) * rb, rb, 1, n, 32, F16_TO_F32, y1)
+        decode_rows_at(readonly(raw.reshape(-1)), tag(ti.id), (nrows - 1) * rb, rb, 1, n, 32, F16_TO_F32, y1)
         np.testing.assert_array_equal(_bits(y1[0] + np.float32(0)), _bits(want[-1] + np.float32(0)))
 
 
@@ -172,9 +172,8 @@ def test_iq1_s_r4_converts_to_iq1_s_exactly(g, key):
 
 @pytest.mark.parametrize("key", ["r", "rand"])
 def test_iq1_m_r4_rows_decode_to_ik_values(g, key):
-    """IQ1_M_R4 -> ikcli's IQ1_M_ROWS: the NumPy reference, the Numba decoder (plain id and
-    kernel tag) and the file path (registry dequantize of the R bytes) give ik's values."""
-    from quant.kernels import tag
+    """IQ1_M_R4 -> ikcli's IQ1_M_ROWS: the NumPy reference, the Numba decoder (its kernel
+    tag) and the file path (registry dequantize of the R bytes) give ik's values."""
     raw = g[f"IQ1_M_R4/{key}"]
     want = g["IQ1_M_R4/deq" if key == "r" else "IQ1_M_R4/rand/deq"]
     nrows, n = want.shape
@@ -184,10 +183,9 @@ def test_iq1_m_r4_rows_decode_to_ik_values(g, key):
     np.testing.assert_array_equal(il.unpack_fast(raw, "IQ1_M_R4", nrows, n), rows)
     np.testing.assert_array_equal(_bits(iquants.dequantize(rows.reshape(-1), ti.id, nrows * n, n)),
                                   _bits(want).reshape(-1))
-    for qt in (ti.id, tag(ti.id)):
-        y = np.empty((nrows, n), np.float32)
-        decode_rows_at(rows.reshape(-1), qt, 0, rows.shape[1], nrows, n, 32, F16_TO_F32, y)
-        np.testing.assert_array_equal(_bits(y), _bits(want))
+    y = np.empty((nrows, n), np.float32)
+    decode_rows_at(readonly(rows.reshape(-1)), tag(ti.id), 0, rows.shape[1], nrows, n, 32, F16_TO_F32, y)
+    np.testing.assert_array_equal(_bits(y), _bits(want))
     y = registry.traits("IQ1_M_R4").dequantize(raw.reshape(-1), nrows * n, n)
     np.testing.assert_array_equal(_bits(y), _bits(want).reshape(-1))
 

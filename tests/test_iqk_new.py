@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from quant import iqk, iqk_quantize, registry
-from quant.kernels import F16_TO_F32, decode_rows_at
+from quant.kernels import F16_TO_F32, decode_rows_at, tag
 from quant.types import type_info
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "golden_iqk_new.npz"
@@ -45,7 +45,7 @@ def _numba(raw2d, qtype, n, offset=0, gap=0):
         buf[offset + r * stride:offset + r * stride + rb] = raw2d[r]
     buf.flags.writeable = False
     y = np.full((nrows, n + 8), np.nan, dtype=np.float32)
-    decode_rows_at(buf, qtype, offset, stride, nrows, n, 256, F16_TO_F32, y)
+    decode_rows_at(buf, tag(qtype), offset, stride, nrows, n, 256, F16_TO_F32, y)
     assert np.isnan(y[:, n:]).all(), "decoder wrote past cols"
     return y[:, :n]
 

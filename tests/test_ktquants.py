@@ -136,6 +136,6 @@ def test_get_rows_is_dequantize_row_and_matmuls_carry_the_factor(name):
     assert np.array_equal(M.get_rows(w, ids).view(np.uint32), plain[ids].view(np.uint32))
     from quant import kernels as K
     dec = np.empty((6, 256), np.float32)
-    K.dequant_rows(w.data.reshape(-1), t, w.data.shape[1], np.arange(6), 256, K.QK, K.F16_TO_F32, dec)
+    K.dequant_rows(K.readonly(w.data.reshape(-1)), K.tag(t), w.data.shape[1], np.arange(6), 256, K.QK, K.F16_TO_F32, dec)
     assert np.array_equal(dec.view(np.uint32), scaled.view(np.uint32))
     assert (kt.MATMUL_SCALE[t] == 1.0) == np.array_equal(plain, scaled)

@@ -92,7 +92,7 @@ def test_f16_bits_all_patterns():
     h = np.arange(65536, dtype=np.uint32).astype(np.uint16)
     y = np.empty(65536, np.float32)
     # an F16 row of every bit pattern through decode_row (the vcvtph2ps conversion)
-    K.decode_row(h.view(np.uint8), K.F16_ID, 0, 65536, K.QK, K.F16_TO_F32, y)
+    K.decode_row(K.readonly(h.view(np.uint8)), K.tag(K.F16_ID), 0, 65536, K.QK, K.F16_TO_F32, y)
     want = h.view(np.float16).astype(np.float32)
     # exact bits for every number, inf and subnormal; NaNs stay NaNs of the same sign (the
     # hardware conversion quiets signalling NaNs, so their payload bits may differ)

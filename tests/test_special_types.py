@@ -10,7 +10,7 @@ import pytest
 
 from quant import interleaved as il
 from quant import legacy, registry
-from quant.kernels import F16_TO_F32, decode_rows_at
+from quant.kernels import F16_TO_F32, decode_rows_at, readonly, tag
 from quant.types import interleaved_form, type_info
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "golden_special.npz")
@@ -101,11 +101,11 @@ def test_decode_rows_at_matches_ik(g, name):
     nrows, n = g["x"].shape
     rb = type_info(name).row_bytes(n)
     y = np.empty((nrows, n), np.float32)
-    decode_rows_at(raw.reshape(-1), type_info(name).id, 0, rb, nrows, n, 32, F16_TO_F32, y)
+    decode_rows_at(readonly(raw.reshape(-1)), tag(type_info(name).id), 0, rb, nrows, n, 32, F16_TO_F32, y)
     want = _values(g, name)
     np.testing.assert_array_equal(y, want)
     y1 = np.empty((1, n), np.float32)
-    decode_rows_at(raw.reshape(-1), type_info(name).id, (nrows - 2) * rb, rb, 1, n, 32, F16_TO_F32, y1)
+    decode_rows_at(readonly(raw.reshape(-1)), tag(type_info(name).id), (nrows - 2) * rb, rb, 1, n, 32, F16_TO_F32, y1)
     np.testing.assert_array_equal(y1[0], want[nrows - 2])
 
 
