@@ -84,6 +84,10 @@ PRESETS = {
     # k-quant and IQK types by llama-quantize
     "small256": Shape(n_embd=256, n_head=4, n_ff=512, q_lora_rank=256, kv_lora_rank=512, qk_nope=64, qk_rope=64,
                       v_head=64, n_expert=8, n_ff_exp=256),
+    # DeepSeek's attention (16 heads, 576/512 latent cache) over small weights: a token's time at
+    # depth is mostly flash attention (scripts/bench_sweep.py on it compares the attention kernels)
+    "attn16": Shape(n_embd=256, n_layer=8, n_head=16, n_ff=512, n_ctx=8192, q_lora_rank=256, kv_lora_rank=512,
+                    qk_nope=128, qk_rope=64, v_head=128, n_expert=8, n_expert_used=2, n_ff_exp=256),
     # ~1B parameters, DeepSeek-shaped (for benchmarks)
     "1b": Shape(n_embd=1024, n_layer=10, n_head=16, n_ff=4096, n_ctx=4096, q_lora_rank=384, kv_lora_rank=512,
                 qk_nope=128, qk_rope=64, v_head=128, n_expert=64, n_expert_used=6, n_expert_shared=2,
