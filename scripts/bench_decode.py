@@ -16,10 +16,10 @@ out=np.empty_like(x); ids=np.arange(1024)
 res=[]
 for t,n in [(Q8_0,'q8_0'),(Q4_0,'q4_0'),(F16,'f16'),(BF16,'bf16'),(Q6_0,'q6_0')]:
     w=quantize_tensor(x,t); v=_view(w)
-    K.dequant_rows(v.buf,t,v.stride,ids,4096,32,K.F16_TO_F32,out)
+    K.dequant_rows(v.buf,v.tag,v.stride,ids,4096,32,K.F16_TO_F32,out)
     best=1e9
     for r in range(7):
-        t0=time.perf_counter(); K.dequant_rows(v.buf,t,v.stride,ids,4096,32,K.F16_TO_F32,out); best=min(best,time.perf_counter()-t0)
+        t0=time.perf_counter(); K.dequant_rows(v.buf,v.tag,v.stride,ids,4096,32,K.F16_TO_F32,out); best=min(best,time.perf_counter()-t0)
     res.append(f"{n} {best*1e3:.2f}ms")
 print("dequant 1 thread 1024x4096:", " ".join(res))
 numba.set_num_threads(2)

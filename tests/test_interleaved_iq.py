@@ -172,8 +172,8 @@ def test_iq1_s_r4_converts_to_iq1_s_exactly(g, key):
 
 @pytest.mark.parametrize("key", ["r", "rand"])
 def test_iq1_m_r4_rows_decode_to_ik_values(g, key):
-    """IQ1_M_R4 -> ikcli's IQ1_M_ROWS: the NumPy reference, the Numba decoder (its kernel
-    tag) and the file path (registry dequantize of the R bytes) give ik's values."""
+    """IQ1_M_R4 -> ikcli's IQ1_M_ROWS: the NumPy reference, the Numba decoder (plain id and
+    kernel tag) and the file path (registry dequantize of the R bytes) give ik's values."""
     raw = g[f"IQ1_M_R4/{key}"]
     want = g["IQ1_M_R4/deq" if key == "r" else "IQ1_M_R4/rand/deq"]
     nrows, n = want.shape
@@ -183,9 +183,10 @@ def test_iq1_m_r4_rows_decode_to_ik_values(g, key):
     np.testing.assert_array_equal(il.unpack_fast(raw, "IQ1_M_R4", nrows, n), rows)
     np.testing.assert_array_equal(_bits(iquants.dequantize(rows.reshape(-1), ti.id, nrows * n, n)),
                                   _bits(want).reshape(-1))
-    y = np.empty((nrows, n), np.float32)
-    decode_rows_at(readonly(rows.reshape(-1)), tag(ti.id), 0, rows.shape[1], nrows, n, 32, F16_TO_F32, y)
-    np.testing.assert_array_equal(_bits(y), _bits(want))
+    for qt in (ti.id, tag(ti.id)):      # the all-types branch (as test_typetag's) and the kernel tag
+        y = np.empty((nrows, n), np.float32)
+        decode_rows_at(readonly(rows.reshape(-1)), qt, 0, rows.shape[1], nrows, n, 32, F16_TO_F32, y)
+        np.testing.assert_array_equal(_bits(y), _bits(want))
     y = registry.traits("IQ1_M_R4").dequantize(raw.reshape(-1), nrows * n, n)
     np.testing.assert_array_equal(_bits(y), _bits(want).reshape(-1))
 
