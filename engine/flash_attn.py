@@ -13,13 +13,14 @@ cache, scratch is bounded by the block sizes.  Two paths, picked by `use_kernel_
   first dv values of the row, is read from the same scratch).  Scores and probabilities
   come from 4 rows x 4 cells register-blocked loops; scores are kept in the log2 domain (q
   is pre-scaled by scale*log2(e)) so the softmax needs only a vectorizable exp2.
-  Where the CPU has AVX512-BF16 and a kv head has >= 12 query rows (16-lane chunks at least
-  3/4 full; dk, dv multiples of 16), engine.flash_bf16 runs instead (IKCLI_FA_BF16=0: never):
-  the same split-K structure with bf16 dot products (~1.7x faster for 16 latent heads of
-  576/512 at 3584 cells) and an f32 refinement of the scores near the running max; outputs
-  within ~2.5e-3 (relative L2) of this f32 kernel, perplexities as measured in engine.flash_bf16.
-  ik_llama.cpp computes f16 caches in f32; with f32 here, generation deep in a context fell to
-  0.70-0.74 of its N_KV 0 speed where ik keeps 0.76-0.80 (README, performance).
+  Where a kv head has >= 12 query rows (16-lane chunks at least 3/4 full; dk, dv multiples of
+  16) and there is no sliding window or sink, engine.flash_lanes runs instead: the same
+  split-K structure with 16 query rows in the lanes of a vector, so each cached value is
+  loaded once and broadcast into 16 multiply-adds.  Its products are f32 where the CPU has
+  AVX-512 (1.5-1.6 against 2.2-2.4 ms for 16 latent heads of 576/512 at 3584 cells, one
+  thread, Intel), bf16 (AVX512-BF16, outputs within ~2.5e-3 of f32) on AMD Zen 4 and later,
+  where it measured ~1.7x faster than this module's kernel.  IKCLI_FA_BF16=1 / 0 forces bf16
+  on / off, IKCLI_FA_LANES=0 keeps this module's kernel for f32.
 * many queries (prompt processing): tiles of cells are decoded to f32 once per query tile
   and every kv head is updated with two batched BLAS products (scores, P·V) around one
   Numba pass for the masked online softmax; tiles no query of the query tile sees are
@@ -31,18 +32,14 @@ import os
 
 import numba
 import numpy as np
-from llvmlite import ir
-from llvmlite.binding import llvm_version_info
-from numba import njit, prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit, prange
 
 import quant.gemm as _qgemm
 from quant.gemm import gemm, gemm_t
 from quant.kernels import F16_TO_F32, QK, decode_cache_rows
 
 from .device import on_device, to_host
-from .flash_common import _combine, _exp2, _split_cells
+from .flash_common import _combine, _exp2, _prefetch_rows, _split_cells
 from .kv_cache import RowStore
 
 F32_ID = 0
@@ -73,35 +70,6 @@ CELL_TILE = 128
 # which LLVM folds away under ninf; reassoc + contract are what vectorize the dots
 _opts = dict(cache=True, fastmath={"reassoc", "contract", "nsz", "arcp", "afn"}, nogil=True)
 _fast = dict(cache=True, fastmath=True, nogil=True)     # inf-free inner loops (~5 % faster)
-
-
-# ----------------------------------------------------------------------------------------
-# prefetch (the scalar bit casts live in quant.kernels)
-# ----------------------------------------------------------------------------------------
-# the intrinsic's name carries the pointer type: opaque pointers from LLVM 15 on
-_PREFETCH = "llvm.prefetch.p0" if llvm_version_info[0] >= 15 else "llvm.prefetch.p0i8"
-
-
-@intrinsic
-def _prefetch(typingctx, arr, idx):
-    """Prefetch the cache line holding arr[idx] (1-D array) into L2 (prefetcht1)."""
-    if not isinstance(arr, types.Array) or not isinstance(idx, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        ptr = builder.gep(context.make_array(sig.args[0])(context, builder, args[0]).data, [args[1]])
-        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                                            _PREFETCH)
-        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
-        return context.get_dummy_value()
-    return types.none(arr, idx), codegen
-
-
-@njit(**_opts)
-def _prefetch_rows(buf, r0, n, stride):
-    for i in range(r0 * stride, (r0 + n) * stride, 64):
-        _prefetch(buf, i)
 
 
 # ----------------------------------------------------------------------------------------
@@ -479,21 +447,30 @@ def flash_attn_rows(q, k, v, cell_pos: np.ndarray, q_pos: np.ndarray, scale: flo
     return flash_attn(q, ks, RowStore.from_f32(v.reshape(n_kv, -1)), n_kv, hkv, dk, dv, cell_pos, q_pos, scale)
 
 
-# bf16 dot products (engine.flash_bf16) for the kernel path where the CPU has AVX512-BF16
-# (see the module docstring); IKCLI_FA_BF16=0 turns them off; tests flip this to compare kernels
-USE_BF16 = os.environ.get("IKCLI_FA_BF16", "1") != "0"
-_BF16_HOST: bool | None = None
+# engine.flash_lanes for the kernel path (see the module docstring).  USE_BF16: True / False
+# force bf16 products on / off, None picks them where they measured faster (bf16_preferred);
+# USE_LANES: the f32 lanes kernel where the CPU has AVX-512 (False: this module's kernel).
+# Tests flip both to compare kernels.
+_BF16_ENV = os.environ.get("IKCLI_FA_BF16")
+USE_BF16: bool | None = None if _BF16_ENV in (None, "") else _BF16_ENV != "0"
+USE_LANES = os.environ.get("IKCLI_FA_LANES", "1") != "0"
+_FL = None    # engine.flash_lanes once _lanes_kind has imported it (it builds intrinsics: not at import)
+_HOST: tuple | None = None      # (bf16 available, bf16 preferred, f32 preferred)
 
 
-_FB = None    # engine.flash_bf16 once _bf16_ok has imported it (it compiles intrinsics: not at import)
-
-
-def _bf16_ok(rows: int, dk: int, dv: int) -> bool:
-    global _BF16_HOST, _FB
-    if _BF16_HOST is None:
-        from . import flash_bf16
-        _BF16_HOST, _FB = flash_bf16.available(), flash_bf16
-    return _BF16_HOST and _FB.supports(rows, dk, dv)
+def _lanes_kind(rows: int, dk: int, dv: int) -> str | None:
+    """The engine.flash_lanes kind ("bf16", "f32") for a kv head with `rows` query rows per token,
+    or None for this module's kernel."""
+    global _FL, _HOST
+    if _HOST is None:
+        from . import flash_lanes
+        _FL = flash_lanes
+        _HOST = (_FL.bf16_available(), _FL.bf16_preferred(), _FL.f32_preferred())
+    if not _FL.supports(rows, dk, dv):
+        return None
+    if _HOST[0] and (USE_BF16 or (USE_BF16 is None and _HOST[1])):
+        return "bf16"
+    return "f32" if USE_LANES and _HOST[2] else None
 
 
 def _sink_rows(sink2: np.ndarray, hkv: int, G: int, rows: int) -> np.ndarray:
@@ -507,11 +484,13 @@ def _flash_kernel(q, k, v, n_kv, hkv, dk, dv, cell_pos, q_pos, q_lo, scale, sink
     R = T * G
     # chosen by the rows one token gives a kv head (G), not by T * G: a token's result must not
     # depend on how many others share its batch (the server's slots decode side by side)
-    if USE_BF16 and q_lo is None and sink2 is None and _bf16_ok(G, dk, dv):   # bf16: neither
-        nch = -(-R // _FB.LANES)
-        nsplit = _n_splits(-(-nch // _FB.CHUNKS_PER_ITEM), n_kv)
-        out = _FB.flash_kernel_bf16(np.ascontiguousarray(q), scale * LOG2E, q_pos, hkv, k, v, n_kv, dk, dv, cell_pos,
-                                    nsplit, F16_TO_F32, _head_bytes(k, hkv), _head_bytes(k if v is None else v, hkv))
+    kind = _lanes_kind(G, dk, dv) if q_lo is None and sink2 is None else None    # lanes: neither
+    if kind is not None:
+        nch = -(-R // _FL.LANES)
+        nsplit = _n_splits(-(-nch // _FL.CHUNKS_PER_ITEM), n_kv)
+        out = _FL.flash_kernel_lanes(np.ascontiguousarray(q), scale * LOG2E, q_pos, hkv, k, v, n_kv, dk, dv,
+                                     cell_pos, nsplit, F16_TO_F32, _head_bytes(k, hkv),
+                                     _head_bytes(k if v is None else v, hkv), kind)
         return out.reshape(hkv, T, G, dv).transpose(1, 0, 2, 3).reshape(T, H, dv)
     # rows of kv head g: (t, i) -> t * G + i, pre-scaled into the log2 domain
     qg = np.ascontiguousarray((q.reshape(T, hkv, G, dk) * np.float32(scale * LOG2E)).transpose(1, 0, 2, 3)

@@ -1,9 +1,14 @@
-"""Pieces both flash-attention kernels share (engine.flash_attn's f32 one and engine.flash_bf16's):
-the exp2 of the online softmax, the split-K cell ranges and the merge of the splits."""
+"""Pieces the flash-attention kernels share (engine.flash_attn's portable one and engine.flash_lanes'):
+the exp2 of the online softmax, the split-K cell ranges, the merge of the splits, and the prefetch
+of cache rows."""
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from llvmlite.binding import llvm_version_info
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from quant.kernels import _bits_to_f32
 
@@ -35,7 +40,7 @@ def _split_cells(n_kv, nsplit, s, B):
 def _combine(acc, m, l, R, lanes, out):
     """out (Hkv, R, dv) = merged splits; rows that saw nothing get zeros.  acc (Hkv, nsplit,
     R / lanes, dv * lanes): value d of row r at [r // lanes, d * lanes + r % lanes] - lanes 1
-    for the f32 kernel's (R, dv) rows, 16 for the bf16 kernel's transposed row chunks."""
+    for the portable kernel's (R, dv) rows, 16 for the lanes kernels' transposed row chunks."""
     hkv, nsplit = acc.shape[0], acc.shape[1]
     dv = out.shape[2]
     for g in range(hkv):
@@ -65,3 +70,30 @@ def _combine(acc, m, l, R, lanes, out):
             inv = np.float32(1.0) / tot
             for d in range(dv):
                 o[d] *= inv
+
+
+# the intrinsic's name carries the pointer type: opaque pointers from LLVM 15 on
+_PREFETCH = "llvm.prefetch.p0" if llvm_version_info[0] >= 15 else "llvm.prefetch.p0i8"
+
+
+@intrinsic
+def _prefetch(typingctx, arr, idx):
+    """Prefetch the cache line holding arr[idx] (1-D array) into L2 (prefetcht1)."""
+    if not isinstance(arr, types.Array) or not isinstance(idx, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = builder.gep(context.make_array(sig.args[0])(context, builder, args[0]).data, [args[1]])
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            _PREFETCH)
+        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+    return types.none(arr, idx), codegen
+
+
+@njit(**_opts)
+def _prefetch_rows(buf, r0, n, stride):
+    """Prefetch rows r0 .. r0 + n - 1 (stride bytes each) of the flat byte buffer buf."""
+    for i in range(r0 * stride, (r0 + n) * stride, 64):
+        _prefetch(buf, i)

@@ -32,7 +32,7 @@ WRAP = [
     ("engine.ffn", "moe_ffn"), ("engine.ffn", "route"), ("engine.ffn", "weighted_row_sums"),
     ("engine.ffn", "ffn_silu"),
     ("engine.flash_attn", "flash_attn"), ("engine.flash_attn", "flash_attn_rows"),
-    ("engine.flash_attn", "_flash_kernel"), ("engine.flash_bf16", "flash_kernel_bf16"),
+    ("engine.flash_attn", "_flash_kernel"), ("engine.flash_lanes", "flash_kernel_lanes"),
     ("engine.arch.deepseek2", "per_head"),
     ("engine.arch.deepseek2", "rms_norm"), ("engine.arch.deepseek2", "apply_rope"),
     ("engine.arch.deepseek2", "DeepSeek2Arch.forward"), ("engine.arch.deepseek2", "DeepSeek2Arch.attention"),

@@ -4,13 +4,15 @@
 
     python scripts/bench_tg_depth.py [--model /work/bench/ds-1b-q8_0.gguf] [--depths 64,3584]
                                      [--tokens 32] [--threads 2] [--repeats 3] [--mla 3]
-                                     [--kernels bf16,f32] [--fa-time]
+                                     [--kernels f32,portable,bf16] [--fa-time]
 
 The cache is filled once with a prompt of the deepest depth (in ubatches of 512); at each
 depth (deepest first; the shallower ones remove the cells past them) every kernel times
 `--tokens` single-token decodes, kernels interleaved, `--repeats` rounds, best kept.
-Kernels: `bf16` (engine.flash_bf16 where the CPU has AVX512-BF16; the default engine path),
-`bf16-norefine` (bf16 scores without the f32 refinement), `f32` (the f32 kernel).
+Kernels: `f32` (engine.flash_lanes with f32 products; the engine's default on AVX-512 hosts
+without bf16 preference), `portable` (engine.flash_attn's own kernel), `bf16` (engine.flash_lanes
+with bf16 products, where the CPU has AVX512-BF16; the default on AMD Zen 4 and later),
+`bf16-norefine` (bf16 scores without the f32 refinement).
 The machine is shared and noisy: compare kernels within one run.
 """
 from __future__ import annotations
@@ -24,20 +26,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from engine import flash_attn, flash_bf16  # noqa: E402
+from engine import flash_attn, flash_lanes  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.context import Context  # noqa: E402
 from engine.model import load_model, quiet_log  # noqa: E402
 
-KERNELS = {  # name: (flash_attn.USE_BF16, flash_bf16.REFINE_LOG2)
-    "bf16": (True, flash_bf16.REFINE_LOG2),
-    "bf16-norefine": (True, -1.0),
-    "f32": (False, flash_bf16.REFINE_LOG2),
+KERNELS = {  # name: (flash_attn.USE_BF16, flash_attn.USE_LANES, flash_lanes.REFINE_LOG2)
+    "bf16": (True, True, flash_lanes.REFINE_LOG2),
+    "bf16-norefine": (True, True, -1.0),
+    "f32": (False, True, flash_lanes.REFINE_LOG2),
+    "portable": (False, False, flash_lanes.REFINE_LOG2),
 }
 
 
 def use(kernel: str) -> None:
-    flash_attn.USE_BF16, flash_bf16.REFINE_LOG2 = KERNELS[kernel]
+    flash_attn.USE_BF16, flash_attn.USE_LANES, flash_lanes.REFINE_LOG2 = KERNELS[kernel]
 
 
 FA_TIME = [0.0]                             # seconds inside flash_attn (--fa-time)
@@ -74,7 +77,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--mla", type=int, default=3)
     ap.add_argument("--ctx", type=int, default=4096)
-    ap.add_argument("--kernels", default="bf16,f32", help=f"comma list of {', '.join(KERNELS)}")
+    ap.add_argument("--kernels", default="f32,portable", help=f"comma list of {', '.join(KERNELS)}")
     ap.add_argument("--fa-time", action="store_true", help="also time the flash-attention calls")
     a = ap.parse_args()
     if a.fa_time:                           # the engine imports flash_attn at call time
@@ -83,7 +86,7 @@ def main() -> None:
     bad = [k for k in kernels if k not in KERNELS]
     if bad:
         sys.exit(f"bench_tg_depth: unknown kernel {bad[0]!r} (choose from {', '.join(KERNELS)})")
-    if any(k.startswith("bf16") for k in kernels) and not flash_bf16.available():
+    if any(k.startswith("bf16") for k in kernels) and not flash_lanes.bf16_available():
         print("note: no AVX512-BF16 on this CPU: the bf16 kernels fall back to f32")
     depths = sorted(int(d) for d in a.depths.split(","))
     if depths[-1] + a.tokens > a.ctx:

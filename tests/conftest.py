@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT))
 # does (ikcli.app: otherwise one directory per version of the kernel sources)
 os.environ.setdefault("IKCLI_NUMBA_CACHE", "source")
 # f32 generation attention in every process of the run, module-scoped fixtures and the commands
-# tests start included (see _f32_flash_kernel; tests/test_flash_bf16.py turns bf16 on itself)
+# tests start included (see _f32_flash_kernel; tests/test_flash_lanes.py turns bf16 on itself)
 os.environ["IKCLI_FA_BF16"] = "0"
 # without a GPU, the CUDA kernels and the -ngl / -ot CUDA0 paths run on Numba's CUDA simulator
 # (it must be chosen before numba.cuda is first imported)
@@ -133,10 +133,10 @@ def corpus_text(shared_dir) -> str:
 @pytest.fixture(autouse=True)
 def _f32_flash_kernel(monkeypatch):
     """Tests compare modes, paths and batchings at f32 tolerances (1e-3 and tighter), on CPUs
-    with and without AVX512-BF16.  The AVX512-BF16 generation kernel (engine.flash_bf16, the
-    default where the CPU has it) rounds q, k, p and v to 8 bits (~2.5e-3 on attention
-    outputs): pinned off here, in this process and in the commands tests start
-    (IKCLI_FA_BF16=0); tests/test_flash_bf16.py turns it on and checks it against the f32 kernel."""
+    with and without AVX512-BF16.  The bf16 generation kernel (engine.flash_lanes, the default
+    on AMD CPUs with AVX512-BF16) rounds q, k, p and v to 8 bits (~2.5e-3 on attention outputs):
+    pinned off here, in this process and in the commands tests start (IKCLI_FA_BF16=0);
+    tests/test_flash_lanes.py turns it on and checks it against the f32 kernels."""
     from engine import flash_attn
     monkeypatch.setattr(flash_attn, "USE_BF16", False)
     monkeypatch.setenv("IKCLI_FA_BF16", "0")

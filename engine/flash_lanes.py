@@ -1,0 +1,742 @@
+"""Token-generation flash attention with query rows in vector lanes: f32 or bf16 products.
+
+engine.flash_attn's portable kernel runs dot products along the head dimension, 4 rows x 4
+cells per register block, and its (rows x dv) accumulator lives in memory; for DeepSeek's
+576/512 latent heads with 16 query rows per kv head that is ~50 % of the f32 FMA peak of one
+AVX-512 core, bound by loads.  The kernels here keep 16 query rows in the lanes of one zmm
+register instead, so every K or V value is loaded once per block and broadcast into 16
+multiply-adds:
+
+* Q is packed once per call, per kv head, in chunks of 16 rows (padded with rows that see no
+  cell): f32 Qt[j] = (q[r, j] for the 16 rows r), or bf16 Qp[j] = (q[r, 2j], q[r, 2j+1]);
+* per block of CB = 16 cells the block's K rows are converted once (shared by every row of the
+  kv head): to f32 (quant.kernels.decode_cache_rows) or to bf16.  Scores: S[c] += Qt[j] *
+  broadcast k[c, j] (f32 FMA) or dpbf16(Qp[j], broadcast k[c, 2j..2j+1]): 16 accumulators,
+  one per cell, of 16 rows;
+* online softmax in the log2 domain, rows in lanes, f32 (shared by both kinds);
+* P.V: acc[d] (16 rows, kept transposed) += P[c] * broadcast v[c, d], four d at a time (f32),
+  or dpbf16 over cell pairs with V interleaved per pair (bf16).  The softmax rescale rides along
+  the pass over acc.
+
+f32 (`kind="f32"`): the same arithmetic as the portable kernel in another order (outputs equal
+to ~1e-6).  Generic LLVM vector IR (fma.v16f32): it compiles on every CPU, and engine.flash_attn
+uses it where the CPU has AVX-512 (16-lane registers; on AVX2 the 16 accumulators would spill).
+Measured on the Intel AVX-512 VM, one thread, 16 rows of 576/512 over 3584 f16 cells: 1.5-1.6
+ms against 2.2-2.4 for the portable kernel (README, twenty-fourth session).
+
+bf16 (`kind="bf16"`): vdpbf16ps does 32 bf16 multiply-adds into 16 f32 lanes, twice the f32
+FMA rate where 512-bit FMAs are single-issue (AMD Zen 4/5); on Intel cores with two 512-bit
+FMA units it is no faster (measured: slower than the f32 kernels on random data on the Intel
+VM).  The dot instructions are target intrinsics (llvm.x86.avx512bf16.dpbf16ps.512), so the
+bf16 kind may only be compiled on a CPU with avx512_bf16: callers check `bf16_available()`
+first.  Conversions to bf16 round to nearest even (vcvtne2ps2bf16, or a generic `fptrunc ... to
+bfloat`); K rows of f16 / f32 caches are converted in place, quantized ones go through
+quant.kernels.decode_cache_rows first.
+
+bf16 accuracy.  q, k, p and v carry 8 significant bits; products and sums are f32.  Scores in
+bf16 alone put ~1e-2 relative (L2) errors on the attention outputs of the 1B DeepSeek-shaped
+test model (576-wide latent heads, score std ~2.9): half from q, half from k.  So the scores that
+matter are refined: after the bf16 block product, every (row, cell) whose score is within
+REFINE_LOG2 (4) log2 units of the row's running max is recomputed as an f32 dot from the
+cache's own values (f16 -> f32 on the fly).  Cells further down carry weight <= 2**-4 of the
+max each and keep their bf16 scores.  On that model ~5-10 % of the pairs are refined and the
+output error drops to ~2.5e-3, what the rounding of p (~1.3e-3) and v (~1.8e-3) leaves.
+IKCLI_FA_REFINE=-1 turns refinement off.  Measured: a random 2.2B DeepSeek-shaped model's
+perplexity (chaotic: near-tie routing) 752486 -> 764758 (+1.6 %, 3 chunks of 512, -ub 4); the
+trained demo model's with the kernel on for every token 25.4972 -> 25.4964 (40 chunks).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+from quant.kernels import QK, decode_cache_rows
+from quant.simd import cpu_features
+from quant.types import BF16, F16, F32
+
+from .flash_common import _combine, _exp2, _prefetch_rows, _split_cells
+
+LANES = 16             # query rows per chunk = f32 lanes of one zmm
+CB = 16                # cells per block: one score accumulator per cell
+CHUNKS_PER_ITEM = 4    # row chunks per work item (T <= 4 with 16 heads: one item row)
+# scores within this many log2 units of the running max are recomputed in f32 (IKCLI_FA_REFINE;
+# a negative value turns it off)
+REFINE_LOG2 = float(os.environ.get("IKCLI_FA_REFINE", "4"))
+
+_F32 = ir.FloatType()
+_I16, _I32, _I64, _I8 = ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.IntType(8)
+
+
+class _BFloat(ir.Type):
+    """LLVM's `bfloat` (llvmlite has no such type)."""
+
+    def _to_string(self) -> str:
+        return "bfloat"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _BFloat)
+
+    def __hash__(self) -> int:
+        return hash("bfloat")
+
+
+_BF = _BFloat()
+
+
+def _vec(t: ir.Type, n: int) -> ir.VectorType:
+    return ir.VectorType(t, n)
+
+
+def bf16_available() -> bool:
+    """True when numba's target has AVX512-BF16 (whether it is used: engine.flash_attn)."""
+    return {"+avx512bf16", "+avx512bw", "+avx512f"} <= cpu_features()
+
+
+def f32_preferred() -> bool:
+    """True when the f32 kind should replace the portable kernel: 16-lane registers (AVX-512F)."""
+    return "+avx512f" in cpu_features()
+
+
+def bf16_preferred() -> bool:
+    """True where bf16 products measured faster than f32 ones: AVX512-BF16 on AMD cores (Zen 4
+    and later), whose 512-bit FMAs issue one a cycle.  The host's name is what LLVM reports."""
+    from llvmlite import binding as llb
+    return bf16_available() and llb.get_host_cpu_name().startswith("znver")
+
+
+# ----------------------------------------------------------------------------------------
+# IR helpers
+# ----------------------------------------------------------------------------------------
+def _ptr(context, builder, aty, arr, off_elems):
+    """i8* to element off_elems of a numba array."""
+    a = context.make_array(aty)(context, builder, arr)
+    return builder.bitcast(builder.gep(a.data, [off_elems]), _I8.as_pointer())
+
+
+def _at(builder, p, byte_off):
+    return builder.gep(p, [byte_off if isinstance(byte_off, ir.Value) else ir.Constant(_I64, byte_off)])
+
+
+def _load(builder, p, t, n=None):
+    ty = t if n is None else _vec(t, n)
+    return builder.load(builder.bitcast(p, ty.as_pointer()), align=1)
+
+
+def _store(builder, v, p):
+    builder.store(v, builder.bitcast(p, v.type.as_pointer()), align=1)
+
+
+def _splat_i32(builder, x):
+    v = builder.insert_element(ir.Constant(_vec(_I32, 16), None), x, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, v, ir.Constant(_vec(_I32, 16), [0] * 16))
+
+
+def _dp(builder, acc, a, b):
+    """acc (16 f32) += pairwise bf16 products of a, b (32 bf16 each)."""
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(_vec(_F32, 16), [_vec(_F32, 16), _vec(_BF, 32), _vec(_BF, 32)]),
+        "llvm.x86.avx512bf16.dpbf16ps.512")
+    return builder.call(fn, [acc, a, b])
+
+
+def _cvt2_fn(builder):
+    """vcvtne2ps2bf16: (a, b) -> 32 bf16, b's 16 values first."""
+    return cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(_vec(_BF, 32), [_vec(_F32, 16), _vec(_F32, 16)]),
+        "llvm.x86.avx512bf16.cvtne2ps2bf16.512")
+
+
+def _i64(v):
+    return ir.Constant(_I64, v)
+
+
+# ----------------------------------------------------------------------------------------
+# intrinsics
+# ----------------------------------------------------------------------------------------
+def _splat_word(builder, p, kind: str):
+    """The 4 bytes at p in all 16 lanes, as 16 f32 (kind f32) or 16 bf16 pairs (bf16)."""
+    v = builder.bitcast(_splat_i32(builder, _load(builder, p, _I32)), _vec(_F32, 16))
+    return v if kind == "f32" else builder.bitcast(v, _vec(_BF, 32))
+
+
+def _madd(builder, kind: str, acc, a, b):
+    """acc (16 f32) += a * b: an f32 FMA, or pairwise bf16 products (vdpbf16ps)."""
+    if kind == "bf16":
+        return _dp(builder, acc, a, b)
+    v16 = _vec(_F32, 16)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, v16, v16]), "llvm.fma.v16f32")
+    return builder.call(fn, [a, b, acc])
+
+
+def _qk_block_intrinsic(kind: str):
+    @intrinsic
+    def qk_block(typingctx, qp, qoff, kb, dk, s):
+        """s[c * 16 + r] = sum_j q[r, j] k[c, j] for CB cells c and 16 rows r.  f32: qp at element
+        qoff holds dk vectors of 16 rows, kb CB f32 rows of dk; bf16: qp (uint16 bf16 bits) dk/2
+        vectors of 16 row pairs, kb CB bf16 rows of dk.  Either way a step loads one 64-byte q
+        vector and broadcasts 4 bytes of each cell's row."""
+        if not all(isinstance(a, types.Array) for a in (qp, kb, s)):
+            return None
+        sig = types.none(qp, types.int64, kb, types.int64, s)
+
+        def codegen(context, builder, sig, args):
+            q0 = _ptr(context, builder, sig.args[0], args[0], args[1])
+            k0 = _ptr(context, builder, sig.args[2], args[2], _i64(0))
+            s0 = _ptr(context, builder, sig.args[4], args[4], _i64(0))
+            dk = args[3]
+            rowb = builder.mul(dk, _i64(4 if kind == "f32" else 2))     # bytes per K row of the block
+            zero = ir.Constant(_vec(_F32, 16), None)
+            accs = [cgutils.alloca_once_value(builder, zero) for _ in range(CB)]
+            kp = [builder.gep(k0, [builder.mul(rowb, _i64(c))]) for c in range(CB)]
+            steps = dk if kind == "f32" else builder.udiv(dk, _i64(2))
+            with cgutils.for_range(builder, steps) as loop:
+                j = loop.index
+                qv = _load(builder, _at(builder, q0, builder.mul(j, _i64(64))), *((_F32, 16) if kind == "f32"
+                                                                                    else (_BF, 32)))
+                jb = builder.mul(j, _i64(4))
+                for c in range(CB):
+                    kv = _splat_word(builder, builder.gep(kp[c], [jb]), kind)
+                    builder.store(_madd(builder, kind, builder.load(accs[c]), qv, kv), accs[c])
+            for c in range(CB):
+                _store(builder, builder.load(accs[c]), _at(builder, s0, 64 * c))
+            return context.get_dummy_value()
+        return sig, codegen
+    return qk_block
+
+
+def _pv_block_intrinsic(kind: str):
+    # d values per pass: bf16 one accumulator chain at a time, 16 unrolled (as measured on Zen 4);
+    # f32 four interleaved chains (one chain of 16 FMAs would wait on their latency)
+    nd, unroll = (4, 1) if kind == "f32" else (1, 16)
+
+    @intrinsic
+    def pv_block(typingctx, s, vb, vrow, dv, acc, aoff, alpha, rescale):
+        """acc[aoff + 16 d + r] = acc[...] * alpha[r] (only if rescale) + sum_c p[c, r] v[c, d]:
+        p = s (CB cells x 16 rows, f32).  f32: vb holds CB f32 rows of vrow values (V: the first
+        dv); bf16: p is rounded to bf16 here and vb is the interleaved block, CB/2 cell pairs of
+        dv (v[2cp, d], v[2cp+1, d]) (vrow unused).  The softmax rescale rides along the pass over
+        acc: a separate numba loop over acc cost ~20 % of the kernel on random scores."""
+        if not all(isinstance(a, types.Array) for a in (s, vb, acc, alpha)):
+            return None
+        sig = types.none(s, vb, types.int64, types.int64, acc, types.int64, alpha, types.boolean)
+
+        def codegen(context, builder, sig, args):
+            s0 = _ptr(context, builder, sig.args[0], args[0], _i64(0))
+            v0 = _ptr(context, builder, sig.args[1], args[1], _i64(0))
+            a0 = _ptr(context, builder, sig.args[4], args[4], args[5])
+            al = _load(builder, _ptr(context, builder, sig.args[6], args[6], _i64(0)), _F32, 16)
+            vrow, dv = args[2], args[3]
+            if kind == "f32":         # one term per cell: p[c] (16 rows), v row c
+                P = [_load(builder, _at(builder, s0, 64 * c), _F32, 16) for c in range(CB)]
+                termb = builder.mul(vrow, _i64(4))
+            else:                     # one term per cell pair: (p[2cp], p[2cp+1]) interleaved
+                inter = ir.Constant(_vec(_I32, 32), [(i // 2) + 16 * (i % 2) for i in range(32)])
+                P = []
+                for cp in range(CB // 2):
+                    e = _load(builder, _at(builder, s0, 64 * (2 * cp)), _F32, 16)
+                    o = _load(builder, _at(builder, s0, 64 * (2 * cp + 1)), _F32, 16)
+                    P.append(builder.fptrunc(builder.shuffle_vector(e, o, inter), _vec(_BF, 32)))
+                termb = builder.mul(dv, _i64(4))
+            vp = [builder.gep(v0, [builder.mul(termb, _i64(t))]) for t in range(len(P))]
+
+            def pass_over_acc(scale: bool) -> None:
+                with cgutils.for_range(builder, builder.udiv(dv, _i64(nd * unroll))) as loop:
+                    base = builder.mul(loop.index, _i64(nd * unroll))
+                    for u in range(unroll):
+                        d0 = builder.add(base, _i64(u * nd))
+                        aps = [_at(builder, a0, builder.mul(builder.add(d0, _i64(k)), _i64(64))) for k in range(nd)]
+                        accs = [_load(builder, ap, _F32, 16) for ap in aps]
+                        if scale:
+                            accs = [builder.fmul(a, al) for a in accs]
+                        db = builder.mul(d0, _i64(4))
+                        for t in range(len(P)):
+                            for k in range(nd):
+                                vv = _splat_word(builder, builder.gep(vp[t], [builder.add(db, _i64(4 * k))]), kind)
+                                accs[k] = _madd(builder, kind, accs[k], P[t], vv)
+                        for a, ap in zip(accs, aps):
+                            _store(builder, a, ap)
+
+            with builder.if_else(builder.trunc(args[7], ir.IntType(1)) if args[7].type != ir.IntType(1) else args[7]) \
+                    as (then, otherwise):
+                with then:
+                    pass_over_acc(True)
+                with otherwise:
+                    pass_over_acc(False)
+            return context.get_dummy_value()
+        return sig, codegen
+    return pv_block
+
+
+_qk_f32 = _qk_block_intrinsic("f32")
+_qk_bf16 = _qk_block_intrinsic("bf16")
+_pv_f32 = _pv_block_intrinsic("f32")
+_pv_bf16 = _pv_block_intrinsic("bf16")
+
+
+def _rows_to_bf16_intrinsic(src_t: ir.Type, src_bytes: int):
+    @intrinsic
+    def rows_to_bf16(typingctx, src, off, stride, nrows, n, dst, dstride):
+        """dst[i * dstride + k] = bf16(row i at byte off + i * stride of src, value k), k < n
+        (n a multiple of 16)."""
+        if not (isinstance(src, types.Array) and isinstance(dst, types.Array)):
+            return None
+        sig = types.none(src, types.int64, types.int64, types.int64, types.int64, dst, types.int64)
+
+        def codegen(context, builder, sig, args):
+            s0 = _ptr(context, builder, sig.args[0], args[0], _i64(0))
+            d0 = _ptr(context, builder, sig.args[5], args[5], _i64(0))
+            off, stride, nrows, n, dstride = args[1], args[2], args[3], args[4], args[6]
+            with cgutils.for_range(builder, nrows) as rl:
+                i = rl.index
+                sp = _at(builder, s0, builder.add(off, builder.mul(i, stride)))
+                dp = _at(builder, d0, builder.mul(builder.mul(i, dstride), _i64(2)))
+                def step(k, w):                   # w values from value k on
+                    x = _load(builder, _at(builder, sp, builder.mul(k, _i64(src_bytes))), src_t, w)
+                    if src_t != _F32:
+                        x = builder.fpext(x, _vec(_F32, w))
+                    if w == 32:                   # one vcvtne2ps2bf16 instead of two converts + a join
+                        lo = builder.shuffle_vector(x, x, ir.Constant(_vec(_I32, 16), list(range(16))))
+                        hi = builder.shuffle_vector(x, x, ir.Constant(_vec(_I32, 16), list(range(16, 32))))
+                        y = builder.call(_cvt2_fn(builder), [hi, lo])
+                    else:
+                        y = builder.fptrunc(x, _vec(_BF, w))
+                    _store(builder, y, _at(builder, dp, builder.mul(k, _i64(2))))
+
+                with cgutils.for_range(builder, builder.udiv(n, _i64(32))) as cl:
+                    step(builder.mul(cl.index, _i64(32)), 32)
+                with builder.if_then(builder.icmp_unsigned("!=", builder.urem(n, _i64(32)), _i64(0))):
+                    step(builder.sub(n, _i64(16)), 16)
+            return context.get_dummy_value()
+        return sig, codegen
+    return rows_to_bf16
+
+
+_f16_rows_to_bf16 = _rows_to_bf16_intrinsic(ir.HalfType(), 2)
+_f32_rows_to_bf16 = _rows_to_bf16_intrinsic(_F32, 4)
+
+
+@intrinsic
+def _interleave_pairs(typingctx, kb, kstride, dv, vi):
+    """vi[(cp * dv + d) * 2 + e] = kb[(2 cp + e) * kstride + d]: cell pairs of a 16-row bf16
+    block interleaved for the P.V dots (dv a multiple of 16)."""
+    if not (isinstance(kb, types.Array) and isinstance(vi, types.Array)):
+        return None
+    sig = types.none(kb, types.int64, types.int64, vi)
+
+    def codegen(context, builder, sig, args):
+        k0 = _ptr(context, builder, sig.args[0], args[0], _i64(0))
+        v0 = _ptr(context, builder, sig.args[3], args[3], _i64(0))
+        kstride, dv = args[1], args[2]
+        rowb = builder.mul(kstride, _i64(2))
+        inter = ir.Constant(_vec(_I32, 32), [(i // 2) + 16 * (i % 2) for i in range(32)])
+        for cp in range(CB // 2):
+            ea = builder.gep(k0, [builder.mul(rowb, _i64(2 * cp))])
+            oa = builder.gep(k0, [builder.mul(rowb, _i64(2 * cp + 1))])
+            va = builder.gep(v0, [builder.mul(builder.mul(dv, _i64(4)), _i64(cp))])
+            with cgutils.for_range(builder, builder.udiv(dv, _i64(16))) as loop:
+                b = builder.mul(loop.index, _i64(32))
+                e = _load(builder, builder.gep(ea, [b]), _I16, 16)
+                o = _load(builder, builder.gep(oa, [b]), _I16, 16)
+                _store(builder, builder.shuffle_vector(e, o, inter), builder.gep(va, [builder.mul(b, _i64(2))]))
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+def _dot_intrinsic(kind: str):
+    @intrinsic
+    def dot(typingctx, q, qoff, src, off, n):
+        """f32 dot of q[qoff:qoff + n] (f32) with the n values at byte off of src, stored as
+        `kind` (f16, f32 or bf16); n a multiple of 16.  Four accumulators: one FMA chain
+        would wait on its latency."""
+        if not (isinstance(q, types.Array) and isinstance(src, types.Array)):
+            return None
+        sig = types.float32(q, types.int64, src, types.int64, types.int64)
+
+        def codegen(context, builder, sig, args):
+            q0 = _ptr(context, builder, sig.args[0], args[0], args[1])
+            s0 = _at(builder, _ptr(context, builder, sig.args[2], args[2], _i64(0)), args[3])
+            n = args[4]
+            zero = ir.Constant(_vec(_F32, 16), None)
+            accs = [cgutils.alloca_once_value(builder, zero) for _ in range(4)]
+
+            def step(k, accp):
+                x = builder.mul(k, _i64(16))
+                qv = _load(builder, _at(builder, q0, builder.mul(x, _i64(4))), _F32, 16)
+                if kind == "f16":
+                    kv = builder.fpext(_load(builder, _at(builder, s0, builder.mul(x, _i64(2))), ir.HalfType(), 16),
+                                       _vec(_F32, 16))
+                elif kind == "bf16":
+                    h = _load(builder, _at(builder, s0, builder.mul(x, _i64(2))), _I16, 16)
+                    kv = builder.bitcast(builder.shl(builder.zext(h, _vec(_I32, 16)),
+                                                     ir.Constant(_vec(_I32, 16), [16] * 16)), _vec(_F32, 16))
+                else:
+                    kv = _load(builder, _at(builder, s0, builder.mul(x, _i64(4))), _F32, 16)
+                # contract only: with reassoc LLVM merged the four chains back into one
+                prod = builder.fmul(qv, kv, flags=["contract"])
+                builder.store(builder.fadd(builder.load(accp), prod, flags=["contract"]), accp)
+
+            nv = builder.udiv(n, _i64(16))
+            with cgutils.for_range(builder, builder.udiv(nv, _i64(4))) as loop:
+                for j in range(4):
+                    step(builder.add(builder.mul(loop.index, _i64(4)), _i64(j)), accs[j])
+            tail0 = builder.mul(builder.udiv(nv, _i64(4)), _i64(4))
+            with cgutils.for_range_slice(builder, tail0, nv, _i64(1)) as (k, _):
+                step(k, accs[0])
+            acc = builder.fadd(builder.fadd(builder.load(accs[0]), builder.load(accs[1]), flags=["fast"]),
+                               builder.fadd(builder.load(accs[2]), builder.load(accs[3]), flags=["fast"]),
+                               flags=["fast"])
+            red = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32, _vec(_F32, 16)]),
+                                                 "llvm.vector.reduce.fadd.v16f32")
+            r = builder.call(red, [ir.Constant(_F32, 0.0), acc])
+            r.fastmath.add("reassoc")
+            return r
+        return sig, codegen
+    return dot
+
+
+_dot_f16 = _dot_intrinsic("f16")
+_dot_f32 = _dot_intrinsic("f32")
+_dot_bf16 = _dot_intrinsic("bf16")
+
+
+# ----------------------------------------------------------------------------------------
+# kernel
+# ----------------------------------------------------------------------------------------
+_opts = dict(cache=True, fastmath={"reassoc", "contract", "nsz", "arcp", "afn"}, nogil=True)
+NO_POS = np.iinfo(np.int64).min        # position of padding rows: they see no cell
+
+
+@njit(**_opts)
+def _block_to_bf16(buf, qt, base, stride, nb, n, lut, fb, dst, dstride):
+    """Rows base + i * stride (i < nb) of the cache, n values each, into the bf16 block dst;
+    rows nb..CB-1 are zeroed (their p is 0, but 0 * garbage could be NaN)."""
+    if qt == F16:
+        _f16_rows_to_bf16(buf, base, stride, nb, n, dst, dstride)
+    elif qt == F32:
+        _f32_rows_to_bf16(buf, base, stride, nb, n, dst, dstride)
+    elif qt == BF16:
+        src = buf.view(np.uint16)
+        for i in range(nb):
+            o = (base + i * stride) // 2
+            dst[i * dstride:i * dstride + n] = src[o:o + n]
+    else:                                 # quantized: the shared decoder, then round
+        decode_cache_rows(buf, qt, base, stride, nb, n, QK, lut, fb)
+        _f32_rows_to_bf16(fb, 0, fb.shape[1] * 4, nb, n, dst, dstride)
+    for i in range(nb, CB):
+        dst[i * dstride:i * dstride + n] = 0
+
+
+@njit(**_opts)
+def _exact_score(qf, qoff, buf, qt, base, fb, b, dk):
+    """q row (f32, at qoff of qf) . cell b of the block, in f32 from the cache's own values
+    (quantized types: their f32 decode in fb)."""
+    if qt == F16:
+        return _dot_f16(qf, qoff, buf, base, dk)
+    if qt == BF16:
+        return _dot_bf16(qf, qoff, buf, base, dk)
+    if qt == F32:
+        return _dot_f32(qf, qoff, buf, base, dk)
+    return _dot_f32(qf, qoff, fb, b * fb.shape[1] * 4, dk)
+
+
+@njit(**_opts)
+def _prefetch_next(kbuf, vbuf, v_is_k, j1, n, kstride, vstride):
+    """The next block's rows towards L2 while this one is computed: deep in a context the cache
+    comes from memory, and the kernel's compute phases leave the hardware prefetchers idle
+    (attn16 at 3584 cells, f32 kind, one thread: 1.75-2.04 against 1.90-2.44 ms a call in five
+    alternations; the bf16 kind did not move on the Intel VM)."""
+    if n > 0:
+        _prefetch_rows(kbuf, j1, n, kstride)
+        if not v_is_k:
+            _prefetch_rows(vbuf, j1, n, vstride)
+
+
+@njit(**_opts)
+def _start_item(m, l, acc, s, ch0, ch1):
+    """A work item's running max / sum / accumulators of row chunks ch0..ch1: -inf, 0, 0."""
+    for g in range(m.shape[0]):
+        for ch in range(ch0, ch1):
+            m[g, s, ch * LANES:(ch + 1) * LANES] = -np.inf
+            l[g, s, ch * LANES:(ch + 1) * LANES] = 0.0
+            acc[g, s, ch] = 0.0
+
+
+@njit(**_opts)
+def _mask_and_max(S, cp, nb, maxpos, rp, mg, mnew):
+    """Scores of cells a row does not see (and of the block's padding cells) -> -inf; mnew = the
+    rows' running max over mg and this block.  All loops over r are branch-free 16-lane code."""
+    for b in range(CB):
+        sb = S[b * LANES:(b + 1) * LANES]
+        cb = cp[b] if b < nb else maxpos + 1
+        for r in range(LANES):
+            sb[r] = sb[r] if cb <= rp[r] else -np.inf
+    for r in range(LANES):
+        mnew[r] = mg[r]
+    for b in range(nb):
+        sb = S[b * LANES:(b + 1) * LANES]
+        for r in range(LANES):
+            mnew[r] = max(mnew[r], sb[r])
+
+
+@njit(**_opts)
+def _to_probabilities(S, mnew, mg, lg, alpha):
+    """Move the running max to mnew (alpha: the rescale of each row's sum and accumulator, 1 where
+    it stayed), scores -> probabilities in place, added to lg.  True when some max moved (rare
+    after the first blocks)."""
+    moved = False
+    for r in range(LANES):
+        if mnew[r] > mg[r]:
+            alpha[r] = _exp2(mg[r] - mnew[r]) if mg[r] > -np.inf else np.float32(0.0)
+            lg[r] *= alpha[r]
+            mg[r] = mnew[r]
+            moved = True
+        else:
+            alpha[r] = 1.0
+    for b in range(CB):
+        sb = S[b * LANES:(b + 1) * LANES]
+        for r in range(LANES):
+            p = _exp2(sb[r] - mg[r]) if sb[r] > -np.inf else np.float32(0.0)
+            sb[r] = p
+            lg[r] += p
+    return moved
+
+
+@njit(**_opts)
+def _attend_range_bf16(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, c0, c1, dk, dv,
+                       cell_pos, qp, qf, rpos, ch0, ch1, s, lut, refine, acc, m, l):
+    """Online softmax of row chunks ch0..ch1 of every kv head over cells [c0, c1).
+    qp (Hkv, nch, dk * 16) bf16 pairs, qf (Hkv, nch * 16, dk) the same rows in f32; rpos
+    (nch * 16) row positions; acc (Hkv, nsplit, nch, dv * 16) transposed accumulators; m / l
+    (Hkv, nsplit, nch * 16).  Scores within `refine` (log2 units) of the running max are
+    recomputed in f32 (see the module docstring)."""
+    hkv = qp.shape[0]
+    kb = np.zeros(CB * dk, dtype=np.uint16)
+    vb = kb if v_is_k else np.zeros(CB * dv, dtype=np.uint16)
+    vi = np.zeros(CB * dv, dtype=np.uint16)
+    fbk = np.zeros((CB, dk), dtype=np.float32)
+    fbv = np.zeros((CB, dv), dtype=np.float32)
+    S = np.empty(CB * LANES, dtype=np.float32)
+    mnew = np.empty(LANES, dtype=np.float32)
+    alpha = np.empty(LANES, dtype=np.float32)
+    thr = np.empty(LANES, dtype=np.float32)
+    maxpos = rpos[ch0 * LANES:ch1 * LANES].max()
+    _start_item(m, l, acc, s, ch0, ch1)
+    for j0 in range(c0, c1, CB):
+        nb = min(CB, c1 - j0)
+        cp = cell_pos[j0:j0 + nb]
+        if cp.min() > maxpos:
+            continue                      # no row sees any of these cells
+        _prefetch_next(kbuf, vbuf, v_is_k, j0 + CB, min(CB, c1 - j0 - CB), kstride, vstride)
+        for g in range(hkv):
+            kbase = g * khead + j0 * kstride
+            qrow0 = g * qf.shape[1] * dk      # flat offsets into qf: a view per refined score
+                                              # cost a shared refcount update (~200 ns)
+            _block_to_bf16(kbuf, kqt, kbase, kstride, nb, dk, lut, fbk, kb, dk)
+            if not v_is_k:
+                _block_to_bf16(vbuf, vqt, g * vhead + j0 * vstride, vstride, nb, dv, lut, fbv, vb, dv)
+            _interleave_pairs(vb, dk if v_is_k else dv, dv, vi)
+            for ch in range(ch0, ch1):
+                rp = rpos[ch * LANES:(ch + 1) * LANES]
+                mg = m[g, s, ch * LANES:(ch + 1) * LANES]
+                lg = l[g, s, ch * LANES:(ch + 1) * LANES]
+                _qk_bf16(qp[g, ch], 0, kb, dk, S)
+                _mask_and_max(S, cp, nb, maxpos, rp, mg, mnew)
+                # the cells that carry weight get their scores in f32: bf16 q and k alone put
+                # ~1 % errors on the outputs of a 576-wide latent head
+                for r in range(LANES):        # rows that see nothing (padding) refine nothing
+                    thr[r] = mnew[r] - refine if mnew[r] > -np.inf else np.inf
+                for b in range(nb):
+                    sb = S[b * LANES:(b + 1) * LANES]
+                    hits = 0
+                    for r in range(LANES):
+                        hits += sb[r] >= thr[r]
+                    if hits == 0:
+                        continue
+                    for r in range(LANES):
+                        if sb[r] >= thr[r]:
+                            x = _exact_score(qf, qrow0 + (ch * LANES + r) * dk, kbuf, kqt,
+                                             kbase + b * kstride, fbk, b, dk)
+                            sb[r] = x
+                            mnew[r] = max(mnew[r], x)
+                moved = _to_probabilities(S, mnew, mg, lg, alpha)
+                _pv_bf16(S, vi, 0, dv, acc[g, s, ch], 0, alpha, moved)
+
+
+@njit(**_opts)
+def _attend_range_f32(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, c0, c1, dk, dv,
+                      cell_pos, qp, rpos, ch0, ch1, s, lut, acc, m, l):
+    """_attend_range_bf16 with f32 products: qp (Hkv, nch, dk * 16) f32, Qt[j] of each chunk; the
+    block's rows are decoded to f32 once per kv head (V: the first dv values of K's rows when
+    v_is_k); no refinement."""
+    hkv = qp.shape[0]
+    kb = np.zeros((CB, dk), dtype=np.float32)
+    vb = kb if v_is_k else np.zeros((CB, dv), dtype=np.float32)
+    S = np.empty(CB * LANES, dtype=np.float32)
+    mnew = np.empty(LANES, dtype=np.float32)
+    alpha = np.empty(LANES, dtype=np.float32)
+    maxpos = rpos[ch0 * LANES:ch1 * LANES].max()
+    _start_item(m, l, acc, s, ch0, ch1)
+    for j0 in range(c0, c1, CB):
+        nb = min(CB, c1 - j0)
+        cp = cell_pos[j0:j0 + nb]
+        if cp.min() > maxpos:
+            continue                      # no row sees any of these cells
+        _prefetch_next(kbuf, vbuf, v_is_k, j0 + CB, min(CB, c1 - j0 - CB), kstride, vstride)
+        for g in range(hkv):
+            decode_cache_rows(kbuf, kqt, g * khead + j0 * kstride, kstride, nb, dk, QK, lut, kb)
+            if not v_is_k:
+                decode_cache_rows(vbuf, vqt, g * vhead + j0 * vstride, vstride, nb, dv, QK, lut, vb)
+            if nb < CB:                   # stale rows could hold inf: 0 * inf would be NaN
+                kb[nb:] = 0.0
+                vb[nb:] = 0.0
+            for ch in range(ch0, ch1):
+                rp = rpos[ch * LANES:(ch + 1) * LANES]
+                mg = m[g, s, ch * LANES:(ch + 1) * LANES]
+                lg = l[g, s, ch * LANES:(ch + 1) * LANES]
+                _qk_f32(qp[g, ch], 0, kb, dk, S)
+                _mask_and_max(S, cp, nb, maxpos, rp, mg, mnew)
+                moved = _to_probabilities(S, mnew, mg, lg, alpha)
+                _pv_f32(S, vb, vb.shape[1], dv, acc[g, s, ch], 0, alpha, moved)
+
+
+def _attend_range(qp, kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, c0, c1, dk, dv, cell_pos,
+                  qf, rpos, ch0, ch1, s, lut, refine, acc, m, l):
+    """The work item of the kind qp's dtype names (uint16: bf16 pairs, float32: f32)."""
+
+
+@overload(_attend_range)
+def _attend_range_kind(qp, kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, c0, c1, dk, dv, cell_pos,
+                       qf, rpos, ch0, ch1, s, lut, refine, acc, m, l):
+    # chosen while typing: the f32 kind never compiles the bf16 intrinsics (CPUs without them)
+    if qp.dtype == types.uint16:
+        def bf16(qp, kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, c0, c1, dk, dv, cell_pos,
+                 qf, rpos, ch0, ch1, s, lut, refine, acc, m, l):
+            _attend_range_bf16(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, c0, c1, dk, dv,
+                               cell_pos, qp, qf, rpos, ch0, ch1, s, lut, refine, acc, m, l)
+        return bf16
+
+    def f32(qp, kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, c0, c1, dk, dv, cell_pos,
+            qf, rpos, ch0, ch1, s, lut, refine, acc, m, l):
+        _attend_range_f32(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, c0, c1, dk, dv,
+                          cell_pos, qp, rpos, ch0, ch1, s, lut, acc, m, l)
+    return f32
+
+
+def _pack_lanes(qpad, qp):
+    """qpad's chunks of 16 rows into lanes: qp[g, ch] from rows ch * 16 .. ch * 16 + 15."""
+
+
+@overload(_pack_lanes)
+def _pack_lanes_kind(qpad, qp):
+    if qp.dtype == types.uint16:
+        def bf16(qpad, qp):
+            """qp[g, ch, (j * 16 + r) * 2 + e] = bf16 of row ch * 16 + r, value 2j + e (nearest even)."""
+            b = qpad.view(np.uint32)
+            for g in range(qp.shape[0]):
+                for ch in range(qp.shape[1]):
+                    for r in range(LANES):
+                        row = b[g, ch * LANES + r]
+                        for d in range(row.shape[0]):
+                            x = row[d]
+                            qp[g, ch, ((d >> 1) * LANES + r) * 2 + (d & 1)] = np.uint16(
+                                (x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+        return bf16
+
+    def f32(qpad, qp):
+        """qp[g, ch, j * 16 + r] = row ch * 16 + r, value j."""
+        for g in range(qp.shape[0]):
+            for ch in range(qp.shape[1]):
+                for r in range(LANES):
+                    row = qpad[g, ch * LANES + r]
+                    for d in range(row.shape[0]):
+                        qp[g, ch, d * LANES + r] = row[d]
+    return f32
+
+
+@njit(parallel=True, **_opts)
+def _fa_kernel(q, scale2, q_pos, hkv, kbuf, kqt, kstride, khead, vbuf, vqt, vstride, vhead, v_is_k, n_kv, dv,
+               cell_pos, nsplit, lut, refine, qp, out):
+    """The whole call in one compiled function: pack the query rows into qp (its dtype picks the
+    kind), one work item per (group of CHUNKS_PER_ITEM row chunks, range of cells), merge the
+    ranges into out (Hkv, R, dv).  Packing, attending and merging as three calls cost ~25 us of
+    dispatch and allocation a call, half of a 64-cell generation step."""
+    T, H, dk = q.shape
+    R = T * (H // hkv)
+    nch = (R + LANES - 1) // LANES
+    qpad = np.empty((hkv, nch * LANES, dk), dtype=np.float32)
+    rp = np.empty(nch * LANES, dtype=np.int64)
+    _pack_q(q, scale2, q_pos, qpad, rp)
+    _pack_lanes(qpad, qp)
+    acc = np.empty((hkv, nsplit, nch, dv * LANES), dtype=np.float32)
+    m = np.empty((hkv, nsplit, nch * LANES), dtype=np.float32)
+    l = np.zeros((hkv, nsplit, nch * LANES), dtype=np.float32)
+    ngr = (nch + CHUNKS_PER_ITEM - 1) // CHUNKS_PER_ITEM
+    for it in prange(ngr * nsplit):
+        gr, s = it // nsplit, it % nsplit
+        ch0, ch1 = gr * CHUNKS_PER_ITEM, min(nch, gr * CHUNKS_PER_ITEM + CHUNKS_PER_ITEM)
+        c0, c1 = _split_cells(n_kv, nsplit, s, CB)
+        if c0 < c1:
+            _attend_range(qp, kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, c0, c1, dk, dv,
+                          cell_pos, qpad, rp, ch0, ch1, s, lut, refine, acc, m, l)
+        else:
+            for g in range(hkv):
+                for ch in range(ch0, ch1):
+                    m[g, s, ch * LANES:(ch + 1) * LANES] = -np.inf
+    _combine(acc, m, l, R, LANES, out)
+
+
+@njit(**_opts)
+def _pack_q(q, scale2, q_pos, qpad, rp):
+    """The query rows of each kv head g, row t * G + i = head g * G + i of token t (G query heads
+    per kv head) times scale2, padded to chunks of 16 (zeros, position NO_POS: they see nothing).
+    One pass in numba with _pack_lanes: the NumPy version (scale, transpose, pad, round) cost ~30
+    us a call, its scale and transpose alone ~10 us in generation."""
+    T, H = q.shape[0], q.shape[1]
+    hkv = qpad.shape[0]
+    G = H // hkv
+    qpad[:] = 0.0
+    rp[:] = NO_POS
+    for t in range(T):
+        for i in range(G):
+            rp[t * G + i] = q_pos[t]
+            for g in range(hkv):
+                qpad[g, t * G + i] = q[t, g * G + i] * scale2
+
+
+def _to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """Round f32 to bf16 (nearest even), as uint16 bit patterns (finite inputs)."""
+    b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+
+
+def supports(n_rows: int, dk: int, dv: int) -> bool:
+    """Shapes the bf16 kernel takes: dk / dv in 16-value steps, and enough query rows per kv
+    head that padding them to chunks of 16 wastes at most a quarter of the lanes (a single
+    standard head per kv head would waste 15/16 of every dot)."""
+    if dk % 16 or dv % 16:
+        return False
+    nch = -(-n_rows // LANES)
+    return 4 * n_rows >= 3 * nch * LANES
+
+
+def flash_kernel_lanes(q: np.ndarray, scale2: float, q_pos: np.ndarray, hkv: int, k, v, n_kv: int, dk: int,
+                       dv: int, cell_pos: np.ndarray, nsplit: int, lut: np.ndarray, khead: int, vhead: int,
+                       kind: str = "f32") -> np.ndarray:
+    """q (T, H, dk) f32 query heads (C order), scale2 the score scale in the log2 domain, q_pos (T,)
+    their positions, hkv kv heads -> (Hkv, T * G, dv) f32, row t * G + i of kv head g = query head
+    g * G + i of token t.  k / v: RowStores (v None: V is the first dv values of each K head).
+    kind: "f32" or "bf16" products (bf16 only where bf16_available())."""
+    T, H, _ = q.shape
+    vs = k if v is None else v
+    nch = -(-T * (H // hkv) // LANES)
+    qp = np.empty((hkv, nch, dk * LANES), dtype=np.uint16 if kind == "bf16" else np.float32)
+    out = np.empty((hkv, T * (H // hkv), dv), dtype=np.float32)
+    _fa_kernel(q, np.float32(scale2), q_pos, hkv, k.data.reshape(-1), k.qtype, k.data.shape[1], khead,
+               vs.data.reshape(-1), vs.qtype, vs.data.shape[1], vhead, v is None, n_kv, dv, cell_pos, nsplit, lut,
+               np.float32(REFINE_LOG2), qp, out)
+    return out
