@@ -250,43 +250,56 @@ def test_matmul_few_and_many_tokens_agree(name):
         np.testing.assert_allclose(tiles, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
 
 
-@njit(cache=True)
+def _gemm_form_kernel(generic: bool):
+    """_gemm for one form: `generic` is a closure constant, so Numba prunes the other form's branch
+    before typing it (a runtime flag compiled both GEMMs into every type group's specialization:
+    IQ1_M_ROWS's native test 37.5 s cold, most of it the generic GEMM no test of that group runs)."""
+    @njit(cache=True)
+    def gemm(qtype, buf, stride, rows, cols, q, s, b16, out, r4, r8, per32, act256, small):
+        """quant.simd_gemm over every SG.ROWS-row run (tiles start as NaN: rows past `rows` stay so);
+        r4 / r8: the _R4 / _R8 packing (stride: of one row, groups of 4 / 8 rows); per32: the
+        per-32 form (SCALE32 types); act256: activations with one scale per 256; the packing's code
+        picks the mins' form.  The flags are always passed (bools): an omitted default is another
+        signature, another cold compile."""
+        tu = np.full(SG.ROWS * cols, 0x7F, np.uint8)
+        td = np.full(cols // 16 * SG.ROWS, np.nan, np.float32)
+        tw = np.full(cols // 16 * SG.ROWS, np.nan, np.float32)
+        c16 = np.empty((q.shape[0], cols // 16), np.int32)      # -128 * the per-16 sums of q
+        for t in range(q.shape[0]):
+            for i in range(cols // 16):
+                c16[t, i] = -128 * np.sum(q[t, 16 * i:16 * i + 16].astype(np.int32))
+        b32 = np.empty((q.shape[0], cols // 32), np.float32)    # per32 mins tiles take per-32 sums
+        for t in range(q.shape[0]):
+            for i in range(cols // 32):
+                b32[t, i] = b16[t, 2 * i] + b16[t, 2 * i + 1]
+        for r0 in range(0, rows, SG.ROWS):
+            n = min(SG.ROWS, rows - r0)
+            if r8:
+                code = SG.tile_pack_r8(qtype, buf, r0 * stride, 8 * stride, n // 8, cols, tu, td, tw)
+            elif r4:
+                code = SG.tile_pack_r4(qtype, buf, r0 * stride, 4 * stride, n // 4, cols, tu, td, tw)
+            else:
+                code = SG.tile_pack(qtype, buf, r0 * stride, stride, n, cols, tu, td, tw)
+            if code == SG.NOT_PACKED:
+                return False
+            m = code == SG.PACKED_MINS
+            bsums = b32 if per32 and m else b16
+            if generic:
+                SG.tile_gemm_generic(tu, td, tw, cols // 16, q, s, bsums, c16, 0, q.shape[0], out, r0, n, per32, m, act256,
+                                     small, qtype)
+            else:
+                SG.tile_gemm(tu, td, tw, cols // 16, q, s, bsums, c16, 0, q.shape[0], out, r0, n, per32, m, act256, small,
+                             qtype)
+        return True
+
+    return gemm
+
+
+_GEMMS = {True: _gemm_form_kernel(True), False: _gemm_form_kernel(False)}
+
+
 def _gemm(generic, qtype, buf, stride, rows, cols, q, s, b16, out, r4, r8, per32, act256, small):
-    """quant.simd_gemm over every SG.ROWS-row run (tiles start as NaN: rows past `rows` stay so);
-    r4 / r8: the _R4 / _R8 packing (stride: of one row, groups of 4 / 8 rows); per32: the
-    per-32 form (SCALE32 types); act256: activations with one scale per 256; the packing's code
-    picks the mins' form.  The flags are always passed (bools): an omitted default is another
-    signature, another cold compile."""
-    tu = np.full(SG.ROWS * cols, 0x7F, np.uint8)
-    td = np.full(cols // 16 * SG.ROWS, np.nan, np.float32)
-    tw = np.full(cols // 16 * SG.ROWS, np.nan, np.float32)
-    c16 = np.empty((q.shape[0], cols // 16), np.int32)      # -128 * the per-16 sums of q
-    for t in range(q.shape[0]):
-        for i in range(cols // 16):
-            c16[t, i] = -128 * np.sum(q[t, 16 * i:16 * i + 16].astype(np.int32))
-    b32 = np.empty((q.shape[0], cols // 32), np.float32)    # per32 mins tiles take per-32 sums
-    for t in range(q.shape[0]):
-        for i in range(cols // 32):
-            b32[t, i] = b16[t, 2 * i] + b16[t, 2 * i + 1]
-    for r0 in range(0, rows, SG.ROWS):
-        n = min(SG.ROWS, rows - r0)
-        if r8:
-            code = SG.tile_pack_r8(qtype, buf, r0 * stride, 8 * stride, n // 8, cols, tu, td, tw)
-        elif r4:
-            code = SG.tile_pack_r4(qtype, buf, r0 * stride, 4 * stride, n // 4, cols, tu, td, tw)
-        else:
-            code = SG.tile_pack(qtype, buf, r0 * stride, stride, n, cols, tu, td, tw)
-        if code == SG.NOT_PACKED:
-            return False
-        m = code == SG.PACKED_MINS
-        bsums = b32 if per32 and m else b16
-        if generic:
-            SG.tile_gemm_generic(tu, td, tw, cols // 16, q, s, bsums, c16, 0, q.shape[0], out, r0, n, per32, m, act256,
-                                 small, qtype)
-        else:
-            SG.tile_gemm(tu, td, tw, cols // 16, q, s, bsums, c16, 0, q.shape[0], out, r0, n, per32, m, act256, small,
-                         qtype)
-    return True
+    return _GEMMS[bool(generic)](qtype, buf, stride, rows, cols, q, s, b16, out, r4, r8, per32, act256, small)
 
 
 GEMM_TYPES = TYPES + sorted(SB.GEMM_ONLY)
