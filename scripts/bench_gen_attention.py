@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""Generation attention kernels side by side: one token of DeepSeek's latent heads (16 rows of
+576/512, V a view of K) over a cache of --n-kv cells, through engine.flash_attn's kernel path
+with each kernel forced in turn:
+
+    python scripts/bench_gen_attention.py [--threads 1] [--n-kv 3584] [--type f16] [--rounds 3]
+
+Kernels: portable (engine.flash_attn's own), f32 and bf16 (engine.flash_lanes; bf16 only where
+the CPU has AVX512-BF16).  Each round times every kernel warm (best of 15) and after writing a
+64 MiB buffer before each call (best of 15).  Random q and cache: the bf16 kind refines more
+scores here than on a model's data.  The machine is shared and noisy: compare within a round.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import numpy as np
+
+from engine import flash_attn as fa
+from engine.kv_cache import CACHE_TYPES, RowStore
+from quant.matmul import set_num_threads
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--n-kv", type=int, default=3584)
+    ap.add_argument("--type", default="f16", choices=sorted(CACHE_TYPES))
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    set_num_threads(a.threads)
+    rng = np.random.default_rng(0)
+    n = a.n_kv
+    k = RowStore(n, 576, CACHE_TYPES[a.type])
+    k.write(0, rng.standard_normal((n, 576), dtype=np.float32))
+    q = rng.standard_normal((1, 16, 576)).astype(np.float32)
+    cp, qp = np.arange(n, dtype=np.int64), np.array([n - 1], np.int64)
+    fa._lanes_kind(16, 576, 512)                      # loads engine.flash_lanes, reads the host
+    kinds = ["portable", "f32"] + (["bf16"] if fa._HOST[0] else [])
+
+    def run(kind: str) -> np.ndarray:
+        fa.USE_BF16 = kind == "bf16"
+        fa.USE_LANES = kind != "portable"
+        fa._HOST = (fa._HOST[0], fa._HOST[1], True)  # f32 lanes even without AVX-512
+        return fa.flash_attn(q, k, None, n, 1, 576, 512, cp, qp, 0.04, path="kernel")
+
+    ref = run("portable")
+    for kind in kinds[1:]:
+        out = run(kind)
+        print(f"{kind}: relative L2 difference from portable {np.linalg.norm(out - ref) / np.linalg.norm(ref):.2e}")
+    junk = np.ones(64 << 20, np.uint8)
+    print(f"{n} {a.type} cells, 16 rows of 576/512, {a.threads} thread(s): ms, warm / after a 64 MiB write")
+    for _ in range(a.rounds):
+        cols = []
+        for kind in kinds:
+            best = []
+            for flush in (False, True):
+                b = 1e9
+                for _ in range(15):
+                    if flush:
+                        junk[::64] += 1
+                    t = time.perf_counter()
+                    run(kind)
+                    b = min(b, time.perf_counter() - t)
+                best.append(b * 1e3)
+            cols.append(f"{kind} {best[0]:.3f} / {best[1]:.3f}")
+        print("  ".join(cols))
+
+
+if __name__ == "__main__":
+    main()
