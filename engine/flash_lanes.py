@@ -507,23 +507,19 @@ def _to_probabilities(S, mnew, mg, lg, alpha):
 
 
 @njit(**_opts)
-def _attend_range_bf16(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, c0, c1, dk, dv,
-                       cell_pos, qp, qf, rpos, ch0, ch1, s, lut, refine, acc, m, l):
-    """Online softmax of row chunks ch0..ch1 of every kv head over cells [c0, c1).
-    qp (Hkv, nch, dk * 16) bf16 pairs, qf (Hkv, nch * 16, dk) the same rows in f32; rpos
-    (nch * 16) row positions; acc (Hkv, nsplit, nch, dv * 16) transposed accumulators; m / l
-    (Hkv, nsplit, nch * 16).  Scores within `refine` (log2 units) of the running max are
-    recomputed in f32 (see the module docstring)."""
+def _attend_range(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, c0, c1, dk, dv, cell_pos,
+                  qp, qf, rpos, ch0, ch1, s, lut, refine, acc, m, l):
+    """Online softmax of row chunks ch0..ch1 of every kv head over cells [c0, c1), in the kind
+    qp's dtype names (the hooks below are chosen while typing: the f32 kind never compiles a
+    bf16 intrinsic).  qp (Hkv, nch, dk * 16): Qt[j] (f32) or bf16 pairs of each chunk; qf (Hkv,
+    nch * 16, dk) the same rows in f32; rpos (nch * 16) row positions; acc (Hkv, nsplit, nch,
+    dv * 16) transposed accumulators; m / l (Hkv, nsplit, nch * 16).  bf16: scores within
+    `refine` (log2 units) of the running max are recomputed in f32 (module docstring)."""
     hkv = qp.shape[0]
-    kb = np.zeros(CB * dk, dtype=np.uint16)
-    vb = kb if v_is_k else np.zeros(CB * dv, dtype=np.uint16)
-    vi = np.zeros(CB * dv, dtype=np.uint16)
-    fbk = np.zeros((CB, dk), dtype=np.float32)
-    fbv = np.zeros((CB, dv), dtype=np.float32)
+    blk = _new_block(qp, dk, dv, v_is_k)
     S = np.empty(CB * LANES, dtype=np.float32)
     mnew = np.empty(LANES, dtype=np.float32)
     alpha = np.empty(LANES, dtype=np.float32)
-    thr = np.empty(LANES, dtype=np.float32)
     maxpos = rpos[ch0 * LANES:ch1 * LANES].max()
     _start_item(m, l, acc, s, ch0, ch1)
     for j0 in range(c0, c1, CB):
@@ -534,97 +530,124 @@ def _attend_range_bf16(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_i
         _prefetch_next(kbuf, vbuf, v_is_k, j0 + CB, min(CB, c1 - j0 - CB), kstride, vstride)
         for g in range(hkv):
             kbase = g * khead + j0 * kstride
-            qrow0 = g * qf.shape[1] * dk      # flat offsets into qf: a view per refined score
-                                              # cost a shared refcount update (~200 ns)
-            _block_to_bf16(kbuf, kqt, kbase, kstride, nb, dk, lut, fbk, kb, dk)
-            if not v_is_k:
-                _block_to_bf16(vbuf, vqt, g * vhead + j0 * vstride, vstride, nb, dv, lut, fbv, vb, dv)
-            _interleave_pairs(vb, dk if v_is_k else dv, dv, vi)
+            _fill_block(qp, blk, kbuf, kqt, kbase, kstride, vbuf, vqt, g * vhead + j0 * vstride, vstride, v_is_k,
+                        nb, dk, dv, lut)
             for ch in range(ch0, ch1):
                 rp = rpos[ch * LANES:(ch + 1) * LANES]
                 mg = m[g, s, ch * LANES:(ch + 1) * LANES]
                 lg = l[g, s, ch * LANES:(ch + 1) * LANES]
-                _qk_bf16(qp[g, ch], 0, kb, dk, S)
+                _block_scores(qp[g, ch], blk, dk, S)
                 _mask_and_max(S, cp, nb, maxpos, rp, mg, mnew)
-                # the cells that carry weight get their scores in f32: bf16 q and k alone put
-                # ~1 % errors on the outputs of a 576-wide latent head
-                for r in range(LANES):        # rows that see nothing (padding) refine nothing
-                    thr[r] = mnew[r] - refine if mnew[r] > -np.inf else np.inf
-                for b in range(nb):
-                    sb = S[b * LANES:(b + 1) * LANES]
-                    hits = 0
-                    for r in range(LANES):
-                        hits += sb[r] >= thr[r]
-                    if hits == 0:
-                        continue
-                    for r in range(LANES):
-                        if sb[r] >= thr[r]:
-                            x = _exact_score(qf, qrow0 + (ch * LANES + r) * dk, kbuf, kqt,
-                                             kbase + b * kstride, fbk, b, dk)
-                            sb[r] = x
-                            mnew[r] = max(mnew[r], x)
+                _refine_scores(qp, qf, (g * qf.shape[1] + ch * LANES) * dk, kbuf, kqt, kbase, kstride, blk, nb, dk,
+                               S, mnew, refine)
                 moved = _to_probabilities(S, mnew, mg, lg, alpha)
-                _pv_bf16(S, vi, 0, dv, acc[g, s, ch], 0, alpha, moved)
+                _block_values(qp, S, blk, dv, acc[g, s, ch], alpha, moved)
 
 
-@njit(**_opts)
-def _attend_range_f32(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, c0, c1, dk, dv,
-                      cell_pos, qp, rpos, ch0, ch1, s, lut, acc, m, l):
-    """_attend_range_bf16 with f32 products: qp (Hkv, nch, dk * 16) f32, Qt[j] of each chunk; the
-    block's rows are decoded to f32 once per kv head (V: the first dv values of K's rows when
-    v_is_k); no refinement."""
-    hkv = qp.shape[0]
-    kb = np.zeros((CB, dk), dtype=np.float32)
-    vb = kb if v_is_k else np.zeros((CB, dv), dtype=np.float32)
-    S = np.empty(CB * LANES, dtype=np.float32)
-    mnew = np.empty(LANES, dtype=np.float32)
-    alpha = np.empty(LANES, dtype=np.float32)
-    maxpos = rpos[ch0 * LANES:ch1 * LANES].max()
-    _start_item(m, l, acc, s, ch0, ch1)
-    for j0 in range(c0, c1, CB):
-        nb = min(CB, c1 - j0)
-        cp = cell_pos[j0:j0 + nb]
-        if cp.min() > maxpos:
-            continue                      # no row sees any of these cells
-        _prefetch_next(kbuf, vbuf, v_is_k, j0 + CB, min(CB, c1 - j0 - CB), kstride, vstride)
-        for g in range(hkv):
-            decode_cache_rows(kbuf, kqt, g * khead + j0 * kstride, kstride, nb, dk, QK, lut, kb)
-            if not v_is_k:
-                decode_cache_rows(vbuf, vqt, g * vhead + j0 * vstride, vstride, nb, dv, QK, lut, vb)
-            if nb < CB:                   # stale rows could hold inf: 0 * inf would be NaN
-                kb[nb:] = 0.0
-                vb[nb:] = 0.0
-            for ch in range(ch0, ch1):
-                rp = rpos[ch * LANES:(ch + 1) * LANES]
-                mg = m[g, s, ch * LANES:(ch + 1) * LANES]
-                lg = l[g, s, ch * LANES:(ch + 1) * LANES]
-                _qk_f32(qp[g, ch], 0, kb, dk, S)
-                _mask_and_max(S, cp, nb, maxpos, rp, mg, mnew)
-                moved = _to_probabilities(S, mnew, mg, lg, alpha)
-                _pv_f32(S, vb, vb.shape[1], dv, acc[g, s, ch], 0, alpha, moved)
+# ---- the kinds' hooks, chosen by the packed query's dtype (uint16: bf16 pairs, float32: f32) ----
+def _is_bf16(qp) -> bool:
+    return qp.dtype == types.uint16
 
 
-def _attend_range(qp, kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, c0, c1, dk, dv, cell_pos,
-                  qf, rpos, ch0, ch1, s, lut, refine, acc, m, l):
-    """The work item of the kind qp's dtype names (uint16: bf16 pairs, float32: f32)."""
+def _new_block(qp, dk, dv, v_is_k):
+    """A block's scratch: bf16 (K rows, V rows, V interleaved per cell pair, f32 K rows, f32 V rows),
+    f32 (K rows, V rows: the same array when v_is_k)."""
 
 
-@overload(_attend_range)
-def _attend_range_kind(qp, kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, c0, c1, dk, dv, cell_pos,
-                       qf, rpos, ch0, ch1, s, lut, refine, acc, m, l):
-    # chosen while typing: the f32 kind never compiles the bf16 intrinsics (CPUs without them)
-    if qp.dtype == types.uint16:
-        def bf16(qp, kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, c0, c1, dk, dv, cell_pos,
-                 qf, rpos, ch0, ch1, s, lut, refine, acc, m, l):
-            _attend_range_bf16(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, c0, c1, dk, dv,
-                               cell_pos, qp, qf, rpos, ch0, ch1, s, lut, refine, acc, m, l)
+@overload(_new_block)
+def _new_block_kind(qp, dk, dv, v_is_k):
+    if _is_bf16(qp):
+        def bf16(qp, dk, dv, v_is_k):
+            kb = np.zeros(CB * dk, dtype=np.uint16)
+            vb = kb if v_is_k else np.zeros(CB * dv, dtype=np.uint16)
+            return (kb, vb, np.zeros(CB * dv, dtype=np.uint16), np.zeros((CB, dk), dtype=np.float32),
+                    np.zeros((CB, dv), dtype=np.float32))
         return bf16
 
-    def f32(qp, kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, c0, c1, dk, dv, cell_pos,
-            qf, rpos, ch0, ch1, s, lut, refine, acc, m, l):
-        _attend_range_f32(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, c0, c1, dk, dv,
-                          cell_pos, qp, rpos, ch0, ch1, s, lut, acc, m, l)
+    def f32(qp, dk, dv, v_is_k):
+        kb = np.zeros((CB, dk), dtype=np.float32)
+        return kb, kb if v_is_k else np.zeros((CB, dv), dtype=np.float32)
     return f32
+
+
+def _fill_block(qp, blk, kbuf, kqt, kbase, kstride, vbuf, vqt, vbase, vstride, v_is_k, nb, dk, dv, lut):
+    """The nb cache rows of a block (kv head slices at kbase / vbase, one row per stride) into blk."""
+
+
+@overload(_fill_block)
+def _fill_block_kind(qp, blk, kbuf, kqt, kbase, kstride, vbuf, vqt, vbase, vstride, v_is_k, nb, dk, dv, lut):
+    if _is_bf16(qp):
+        def bf16(qp, blk, kbuf, kqt, kbase, kstride, vbuf, vqt, vbase, vstride, v_is_k, nb, dk, dv, lut):
+            kb, vb, vi, fbk, fbv = blk
+            _block_to_bf16(kbuf, kqt, kbase, kstride, nb, dk, lut, fbk, kb, dk)
+            if not v_is_k:
+                _block_to_bf16(vbuf, vqt, vbase, vstride, nb, dv, lut, fbv, vb, dv)
+            _interleave_pairs(vb, dk if v_is_k else dv, dv, vi)
+        return bf16
+
+    def f32(qp, blk, kbuf, kqt, kbase, kstride, vbuf, vqt, vbase, vstride, v_is_k, nb, dk, dv, lut):
+        kb, vb = blk
+        decode_cache_rows(kbuf, kqt, kbase, kstride, nb, dk, QK, lut, kb)
+        if not v_is_k:
+            decode_cache_rows(vbuf, vqt, vbase, vstride, nb, dv, QK, lut, vb)
+        if nb < CB:                       # stale rows could hold inf: 0 * inf would be NaN
+            kb[nb:] = 0.0
+            vb[nb:] = 0.0
+    return f32
+
+
+def _block_scores(qc, blk, dk, S):
+    """S[c * 16 + r] = q row r of the chunk qc . K row c of the block."""
+
+
+@overload(_block_scores)
+def _block_scores_kind(qc, blk, dk, S):
+    if _is_bf16(qc):
+        return lambda qc, blk, dk, S: _qk_bf16(qc, 0, blk[0], dk, S)
+    return lambda qc, blk, dk, S: _qk_f32(qc, 0, blk[0], dk, S)
+
+
+def _refine_scores(qp, qf, qoff, kbuf, kqt, kbase, kstride, blk, nb, dk, S, mnew, refine):
+    """bf16: the scores within `refine` of the rows' running max mnew recomputed in f32 (the cells
+    that carry weight: bf16 q and k alone put ~1 % errors on the outputs of a 576-wide latent head);
+    f32: nothing.  qoff: flat offset of the chunk's first row in qf (a view per refined score cost
+    a shared refcount update, ~200 ns)."""
+
+
+@overload(_refine_scores)
+def _refine_scores_kind(qp, qf, qoff, kbuf, kqt, kbase, kstride, blk, nb, dk, S, mnew, refine):
+    if not _is_bf16(qp):
+        return lambda qp, qf, qoff, kbuf, kqt, kbase, kstride, blk, nb, dk, S, mnew, refine: None
+
+    def bf16(qp, qf, qoff, kbuf, kqt, kbase, kstride, blk, nb, dk, S, mnew, refine):
+        fbk = blk[3]
+        thr = np.empty(LANES, dtype=np.float32)
+        for r in range(LANES):            # rows that see nothing (padding) refine nothing
+            thr[r] = mnew[r] - refine if mnew[r] > -np.inf else np.inf
+        for b in range(nb):
+            sb = S[b * LANES:(b + 1) * LANES]
+            hits = 0
+            for r in range(LANES):
+                hits += sb[r] >= thr[r]
+            if hits == 0:
+                continue
+            for r in range(LANES):
+                if sb[r] >= thr[r]:
+                    x = _exact_score(qf, qoff + r * dk, kbuf, kqt, kbase + b * kstride, fbk, b, dk)
+                    sb[r] = x
+                    mnew[r] = max(mnew[r], x)
+    return bf16
+
+
+def _block_values(qp, S, blk, dv, a, alpha, moved):
+    """a (dv * 16, transposed) = a * alpha (if moved) + the probabilities S times the block's V rows."""
+
+
+@overload(_block_values)
+def _block_values_kind(qp, S, blk, dv, a, alpha, moved):
+    if _is_bf16(qp):
+        return lambda qp, S, blk, dv, a, alpha, moved: _pv_bf16(S, blk[2], 0, dv, a, 0, alpha, moved)
+    return lambda qp, S, blk, dv, a, alpha, moved: _pv_f32(S, blk[1], blk[1].shape[1], dv, a, 0, alpha, moved)
 
 
 def _pack_lanes(qpad, qp):
@@ -681,8 +704,8 @@ def _fa_kernel(q, scale2, q_pos, hkv, kbuf, kqt, kstride, khead, vbuf, vqt, vstr
         ch0, ch1 = gr * CHUNKS_PER_ITEM, min(nch, gr * CHUNKS_PER_ITEM + CHUNKS_PER_ITEM)
         c0, c1 = _split_cells(n_kv, nsplit, s, CB)
         if c0 < c1:
-            _attend_range(qp, kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, c0, c1, dk, dv,
-                          cell_pos, qpad, rp, ch0, ch1, s, lut, refine, acc, m, l)
+            _attend_range(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, c0, c1, dk, dv,
+                          cell_pos, qp, qpad, rp, ch0, ch1, s, lut, refine, acc, m, l)
         else:
             for g in range(hkv):
                 for ch in range(ch0, ch1):
