@@ -21,13 +21,14 @@ multiply-adds:
 f32 (`kind="f32"`): the same arithmetic as the portable kernel in another order (outputs equal
 to ~1e-6).  Generic LLVM vector IR (fma.v16f32): it compiles on every CPU, and engine.flash_attn
 uses it where the CPU has AVX-512 (16-lane registers; on AVX2 the 16 accumulators would spill).
-Measured on the Intel AVX-512 VM, one thread, 16 rows of 576/512 over 3584 f16 cells: 1.5-1.6
-ms against 2.2-2.4 for the portable kernel (README, twenty-fourth session).
+Measured on the Intel AVX-512 VM, one thread, 16 rows of 576/512 over 3584 f16 cells: 1.29-1.38
+ms against 1.65-1.77 for the portable kernel (scripts/bench_gen_attention.py; README,
+twenty-fourth session).
 
-bf16 (`kind="bf16"`): vdpbf16ps does 32 bf16 multiply-adds into 16 f32 lanes, twice the f32
-FMA rate where 512-bit FMAs are single-issue (AMD Zen 4/5); on Intel cores with two 512-bit
-FMA units it is no faster (measured: slower than the f32 kernels on random data on the Intel
-VM).  The dot instructions are target intrinsics (llvm.x86.avx512bf16.dpbf16ps.512), so the
+bf16 (`kind="bf16"`): vdpbf16ps does 32 bf16 multiply-adds into 16 f32 lanes, twice an f32
+FMA's.  It pays where it issues as often as an FMA (AMD Zen 4: ~1.7x the portable kernel,
+measured; later AMD cores are assumed alike, unmeasured); Intel cores issue it once a cycle beside
+two 512-bit FMAs (measured on the Intel VM: 2.2-2.4x slower than the f32 kind, random data).  The dot instructions are target intrinsics (llvm.x86.avx512bf16.dpbf16ps.512), so the
 bf16 kind may only be compiled on a CPU with avx512_bf16: callers check `bf16_available()`
 first.  Conversions to bf16 round to nearest even (vcvtne2ps2bf16, or a generic `fptrunc ... to
 bfloat`); K rows of f16 / f32 caches are converted in place, quantized ones go through
