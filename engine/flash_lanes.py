@@ -449,8 +449,8 @@ def _exact_score(qf, qoff, buf, qt, base, fb, b, dk):
 def _prefetch_next(kbuf, vbuf, v_is_k, j1, n, kstride, vstride):
     """The next block's rows towards L2 while this one is computed: deep in a context the cache
     comes from memory, and the kernel's compute phases leave the hardware prefetchers idle
-    (attn16 at 3584 cells, f32 kind, one thread: 1.75-2.04 against 1.90-2.44 ms a call in five
-    alternations; the bf16 kind did not move on the Intel VM)."""
+    (attn16 at 3584 cells, f32 kind, one thread: 1.53-2.04 against 1.54-2.44 ms a call, lower in
+    each of five pairs of runs; the bf16 kind did not move on the Intel VM)."""
     if n > 0:
         _prefetch_rows(kbuf, j1, n, kstride)
         if not v_is_k:
