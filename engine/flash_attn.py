@@ -17,10 +17,11 @@ cache, scratch is bounded by the block sizes.  Two paths, picked by `use_kernel_
   16) and there is no sliding window or sink, engine.flash_lanes runs instead: the same
   split-K structure with 16 query rows in the lanes of a vector, so each cached value is
   loaded once and broadcast into 16 multiply-adds.  Its products are f32 where the CPU has
-  AVX-512 (1.24-1.47x this module's speed for 16 latent heads of 576/512 at 3584 cells, one
+  AVX-512 (1.20-1.52x this module's speed for 16 latent heads of 576/512 at 3584 cells, one
   thread, Intel: scripts/bench_gen_attention.py), bf16 (AVX512-BF16, outputs within ~2.5e-3 of
-  f32) on AMD Zen 4 and later, where it measured ~1.7x faster than this module's kernel.  IKCLI_FA_BF16=1 / 0 forces bf16
-  on / off, IKCLI_FA_LANES=0 keeps this module's kernel for f32.
+  f32) on AMD cores (Zen 4: ~1.7x faster than this module's kernel, measured; later cores
+  assumed alike).  IKCLI_FA_BF16=1 / 0 forces bf16 on (where the CPU has AVX512-BF16) / off,
+  IKCLI_FA_LANES=0 keeps this module's kernel for f32.
 * many queries (prompt processing): tiles of cells are decoded to f32 once per query tile
   and every kv head is updated with two batched BLAS products (scores, P·V) around one
   Numba pass for the masked online softmax; tiles no query of the query tile sees are

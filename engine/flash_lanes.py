@@ -104,8 +104,8 @@ def f32_preferred() -> bool:
 
 
 def bf16_preferred() -> bool:
-    """True where bf16 products measured faster than f32 ones: AVX512-BF16 on AMD cores (Zen 4
-    and later), whose 512-bit FMAs issue one a cycle.  The host's name is what LLVM reports."""
+    """True where bf16 products measured faster than f32 ones: AVX512-BF16 on AMD cores (measured
+    on Zen 4, later ones assumed alike).  The host's name is what LLVM reports."""
     from llvmlite import binding as llb
     return bf16_available() and llb.get_host_cpu_name().startswith("znver")
 
@@ -657,7 +657,7 @@ def _pack_lanes(qpad, qp):
 
 @overload(_pack_lanes)
 def _pack_lanes_kind(qpad, qp):
-    if qp.dtype == types.uint16:
+    if _is_bf16(qp):
         def bf16(qpad, qp):
             """qp[g, ch, (j * 16 + r) * 2 + e] = bf16 of row ch * 16 + r, value 2j + e (nearest even)."""
             b = qpad.view(np.uint32)
@@ -739,7 +739,7 @@ def _to_bf16_bits(x: np.ndarray) -> np.ndarray:
 
 
 def supports(n_rows: int, dk: int, dv: int) -> bool:
-    """Shapes the bf16 kernel takes: dk / dv in 16-value steps, and enough query rows per kv
+    """Shapes the lanes kernels take: dk / dv in 16-value steps, and enough query rows per kv
     head that padding them to chunks of 16 wastes at most a quarter of the lanes (a single
     standard head per kv head would waste 15/16 of every dot)."""
     if dk % 16 or dv % 16:

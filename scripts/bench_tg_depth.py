@@ -41,6 +41,9 @@ KERNELS = {  # name: (flash_attn.USE_BF16, flash_attn.USE_LANES, flash_lanes.REF
 
 def use(kernel: str) -> None:
     flash_attn.USE_BF16, flash_attn.USE_LANES, flash_lanes.REFINE_LOG2 = KERNELS[kernel]
+    flash_attn._lanes_kind(16, 16, 16)                  # reads the host once
+    # the f32 lanes kernel when asked for, also on a CPU without AVX-512 (not the engine's choice there)
+    flash_attn._HOST = (*flash_attn._HOST[:2], True)
 
 
 FA_TIME = [0.0]                             # seconds inside flash_attn (--fa-time)
