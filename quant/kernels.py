@@ -87,6 +87,7 @@ from .kquants import decode_row_kquants  # noqa: E402
 from .legacy import decode_row_legacy  # noqa: E402
 from .numeric import F16_TO_F32, f16_at as _f16_at  # noqa: E402,F401
 from .types import BY_ID as _BY_ID  # noqa: E402
+from . import fnptr as _fnptr  # noqa: E402
 from .typetag import QType, as_group, by_type, make_tag, qid  # noqa: E402
 
 F32_ID, F16_ID, Q4_0_ID, Q8_0_ID, BF16_ID, Q6_0_ID = 0, 1, 2, 8, 30, 133
@@ -754,7 +755,7 @@ def _silu_mul(g, u):
 _iopts = dict(cache=True, nogil=True)
 
 
-@njit(**_iopts)
+@njit(inline="always", **_iopts)      # into run (_make_run_kernel): one library holds the group's code
 def _gemm_rows(qtype, weave, buf, ebase, stride, r0, r1, k0, k1, cols, q, s, b16, c16, out):
     """out[k, r] for rows r0:r1 (<= 16; weave 4 / 8: an _R4 / _R8 layout, whole groups; 0:
     plain rows) and pairs k0:k1 through quant.simd_gemm (False: the type has no record there,
@@ -834,7 +835,7 @@ def _row_dot_act_pairs(qtype, q, gb, cols, b16, c16):
     return qr
 
 
-@njit(**_iopts)
+@njit(inline="always", **_iopts)      # into run (_make_run_kernel): one library holds the group's code
 def _int_run(qtype, buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, bs, b16, c16, b32, out, qr):
     """out[k, r] = row r . activation k for rows r0:r1 (from byte ebase on), pairs k0:k1.
     Interleaved types go 4 or 8 rows at a time (r0, r1 are multiples of that for them).
@@ -902,48 +903,75 @@ def _silu_mul_run(r0, r1, k0, k1, out, outb):
             o[r] = _silu_mul(o[r], ob[r])
 
 
+def _make_run_kernel(proto: QType):
+    """_int_run for proto's type group, called by its address (quant.fnptr) with the type id as
+    a plain int: the drivers below then compile once for every group, and the group's code is
+    compiled once, here (Q2_K's group, a cold few-token product: 47 -> 18 s)."""
+    @njit(**_iopts)
+    def run(qt, buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, bs, b16, c16, b32, out, qr):
+        _int_run(as_group(qt, proto), buf, ebase, stride, r0, r1, k0, k1, nb, qk, lut, q, s, bs, b16, c16, b32,
+                 out, qr)
+    return run
+
+
+_RUN_KERNELS: dict = {}      # (group's Numba type, writable buffer) -> the address of its run kernel
+_I64 = types.int64
+
+
+def run_address(qtype, buf: np.ndarray) -> int:
+    """The address of _int_run compiled for qtype's group and buf's kind of array (compiled, or
+    loaded from the cache, on first use)."""
+    gty = (qtype if isinstance(qtype, QType) else tag(int(qtype)))._numba_type_
+    key = (gty, buf.flags.writeable)
+    addr = _RUN_KERNELS.get(key)
+    if addr is None:
+        # the group's smallest id as the closure's tag: the same cache entry whichever type asks first
+        proto = make_tag(min(gty.group), gty.group)
+        i8, f32, i32 = (types.Array(dt, 2, "C") for dt in (types.int8, types.float32, types.int32))
+        sig = (_I64, numba.typeof(buf), _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
+               types.Array(types.float32, 1, "C"), i8, f32, i32, f32, i32, f32, f32, i8)
+        addr = _RUN_KERNELS[key] = _fnptr.jit_address(_make_run_kernel(proto), sig)
+    return addr
+
+
 @njit(parallel=True, **_iopts)
-def matvec_int(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut, q, s, bs, b16, c16, ge, gb, out,
-               outb):
-    """INT_DOT_TYPES weights . int8 activations (q, s, bs from quantize_act_q8, b16 and c16 from
-    block_sums16, one row per pair), integer block sums.  out, outb: (n_pairs, nrows)."""
+def _matvec_rows(qt, run, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut, q, s, bs, b16, c16, ge, gb,
+                 out, outb):
+    """matvec_int's loop: qt a plain type id, run the address of its group's _int_run."""
     nb = cols // qk
     nrun = (nrows + ROW_RUN - 1) // ROW_RUN
     nch = (nrun + FUSED_RUNS - 1) // FUSED_RUNS if fused else nrun
-    qt = qid(qtype)
     b32 = _sums32(b16) if qt < 400 and _GEMM_MINS32[qt] and c16.shape[1] else b16    # c16: some expert tiles
-    qr = _row_dot_act_pairs(qtype, q, gb, cols, b16, c16)
+    qr = _row_dot_act_pairs(qt, q, gb, cols, b16, c16)
+    per = FUSED_RUNS * ROW_RUN if fused else ROW_RUN
     for i in prange(ge.shape[0] * nch):
         g = i // nch
-        c = i - g * nch
-        if not fused:
-            r0 = c * ROW_RUN
-            r1 = min(nrows, r0 + ROW_RUN)
-            _int_run(qtype, bufa, ge[g] * esa, sa, r0, r1, gb[g], gb[g + 1], nb, qk, lut, q, s, bs, b16, c16, b32,
-                     out, qr)
-            continue
-        c0 = c * FUSED_RUNS * ROW_RUN
-        c1 = min(nrows, c0 + FUSED_RUNS * ROW_RUN)
-        for r0 in range(c0, c1, ROW_RUN):
-            _int_run(qtype, bufa, ge[g] * esa, sa, r0, min(c1, r0 + ROW_RUN), gb[g], gb[g + 1], nb, qk, lut,
-                     q, s, bs, b16, c16, b32, out, qr)
-        for r0 in range(c0, c1, ROW_RUN):
-            _int_run(qtype, bufb, ge[g] * esb, sb, r0, min(c1, r0 + ROW_RUN), gb[g], gb[g + 1], nb, qk, lut,
-                     q, s, bs, b16, c16, b32, outb, qr)
-        _silu_mul_run(c0, c1, gb[g], gb[g + 1], out, outb)
+        c0 = (i - g * nch) * per
+        c1 = min(nrows, c0 + per)
+        nr = (c1 - c0 + ROW_RUN - 1) // ROW_RUN
+        for j in range(2 * nr if fused else nr):      # a's runs, then (fused) b's
+            b = j >= nr
+            r0 = c0 + (j - nr if b else j) * ROW_RUN
+            # the arguments' types are run's signature (run_address): scalars made int64 here
+            _fnptr.call_at(run, (np.int64(qt), bufb if b else bufa, np.int64(ge[g] * (esb if b else esa)),
+                                 np.int64(sb if b else sa), np.int64(r0), np.int64(min(c1, r0 + ROW_RUN)),
+                                 np.int64(gb[g]), np.int64(gb[g + 1]), np.int64(nb), np.int64(qk), lut, q, s, bs,
+                                 b16, c16, b32, outb if b else out, qr))
+        if fused:
+            _silu_mul_run(c0, c1, gb[g], gb[g + 1], out, outb)
 
 
-_matvec_int = matvec_int      # matvec_act's own reference: scripts that wrap K.matvec_int do not change it
+def matvec_int(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut, q, s, bs, b16, c16, ge, gb, out,
+               outb) -> None:
+    """INT_DOT_TYPES weights . int8 activations (q, s, bs from quantize_act_q8, b16 and c16 from
+    block_sums16, one row per pair), integer block sums.  out, outb: (n_pairs, nrows)."""
+    _matvec_rows(int(qtype), run_address(qtype, bufa), bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut,
+                 q, s, bs, b16, c16, ge, gb, out, outb)
 
 
 @njit(**_iopts)
-def matvec_act(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut, x, sums16, rows, ge, gb,
-               out, outb):
-    """matvec_int for a few activation rows x (f32, x.size small): x quantized here (as
-    quantize_act_q8_serial; per-16 sums when sums16) and row rows[k] of it given to pair k (rows
-    empty: pair k = row k).  One compiled call for a generated token's product instead of
-    quant.matmul's activation arrays, quantizer call and matvec call: in generation the glue
-    runs with caches emptied by the weights streaming past (~30 us a product, measured)."""
+def _matvec_act(qt, run, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut, x, sums16, rows, ge, gb,
+                out, outb):
     n = x.shape[0]
     q = np.empty((n, cols), np.int8)
     s = np.empty((n, cols // QK), np.float32)
@@ -953,8 +981,19 @@ def matvec_act(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut,
     quantize_act_q8_serial(x, QK, q, s, bs, b16, c16)
     if rows.shape[0]:
         q, s, bs, b16 = q[rows], s[rows], bs[rows], b16[rows]
-    _matvec_int(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut, q, s, bs, b16, c16, ge, gb,
-               out, outb)
+    _matvec_rows(qt, run, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut, q, s, bs, b16, c16, ge, gb,
+                 out, outb)
+
+
+def matvec_act(qtype, bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut, x, sums16, rows, ge, gb,
+               out, outb) -> None:
+    """matvec_int for a few activation rows x (f32, x.size small): x quantized here (as
+    quantize_act_q8_serial; per-16 sums when sums16) and row rows[k] of it given to pair k (rows
+    empty: pair k = row k).  One compiled call for a generated token's product instead of
+    quant.matmul's activation arrays, quantizer call and matvec call: in generation the glue
+    runs with caches emptied by the weights streaming past (~30 us a product, measured)."""
+    _matvec_act(int(qtype), run_address(qtype, bufa), bufa, esa, sa, bufb, esb, sb, fused, nrows, cols, qk, lut,
+                x, sums16, rows, ge, gb, out, outb)
 
 
 @njit(parallel=True, **_opts)

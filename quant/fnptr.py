@@ -1,0 +1,51 @@
+"""Kernels called through their address, so that a driver compiles once for every type group.
+
+Numba copies a callee's machine code into every caller: a parallel driver over a type group's
+row kernel holds that kernel's code in five libraries (the driver, its parfor gufunc, two
+gufunc wrappers, and the non-parallel entry above it), and LLVM optimizes and generates machine
+code for it in each.  Measured on Q2_K's group, a cold compile of the few-token product: 47 s,
+about 5 s a library.  Called through an address instead, the group's kernel is compiled once,
+on its own, and the driver, whose code no longer depends on the group, once for all groups.
+
+`jit_address(dispatcher, argtypes)` compiles (or loads from the cache) a kernel for the given
+Numba types and returns the address of its compiled function; `call_at(addr, args)` calls it
+from jitted code with Numba's own calling convention (exceptions propagate as from a direct
+call).  The address is process-specific: it is an argument, never a constant, so the drivers
+stay cacheable.
+"""
+from __future__ import annotations
+
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+
+@intrinsic
+def call_at(typingctx, addr, args):
+    """Call the compiled function at addr (an int64 from jit_address) with the tuple args; its
+    Numba signature must be none(*args' types) exactly (jit_address was given those types)."""
+    if not isinstance(addr, types.Integer) or not isinstance(args, types.BaseTuple):
+        return None
+    argtys = tuple(args.types)
+
+    def codegen(context, builder, sig, llargs):
+        fnty = context.call_conv.get_function_type(types.none, argtys)
+        fn = builder.inttoptr(llargs[0], fnty.as_pointer())
+        vals = cgutils.unpack_tuple(builder, llargs[1], len(argtys))
+        status, _ = context.call_conv.call_function(builder, fn, types.none, argtys, vals)
+        with cgutils.if_unlikely(builder, status.is_error):
+            context.call_conv.return_status_propagate(builder, status)
+        return context.get_dummy_value()
+    return types.none(addr, args), codegen
+
+
+def jit_address(dispatcher, argtypes: tuple) -> int:
+    """The address of dispatcher's compiled function for these Numba argument types (compiled,
+    or loaded from Numba's cache, on the first request)."""
+    argtypes = tuple(argtypes)
+    dispatcher.compile(argtypes)
+    cres = dispatcher.overloads[argtypes]
+    return int(cres.library.get_pointer_to_function(cres.fndesc.llvm_func_name))
+
+
+__all__ = ["call_at", "jit_address"]
