@@ -74,7 +74,7 @@ from numba.extending import intrinsic  # noqa: E402
 # from the cache died with SIGSEGV until this line)
 numba.get_num_threads()
 
-from . import interleaved as _interleaved, registry as _reg, simd as _simd  # noqa: E402
+from . import fnptr as _fnptr, interleaved as _interleaved, registry as _reg, simd as _simd  # noqa: E402
 from . import simd_blocks as _blocks  # noqa: E402  (integer row dots of the other block types)
 from . import simd_r4 as _r4  # noqa: E402  (integer dots of the _R4 K-quant / IQK layouts)
 from . import simd_gemm as _gemm  # noqa: E402  (integer GEMM of the simd_blocks types)
@@ -87,7 +87,6 @@ from .kquants import decode_row_kquants  # noqa: E402
 from .legacy import decode_row_legacy  # noqa: E402
 from .numeric import F16_TO_F32, f16_at as _f16_at  # noqa: E402,F401
 from .types import BY_ID as _BY_ID  # noqa: E402
-from . import fnptr as _fnptr  # noqa: E402
 from .typetag import QType, as_group, by_type, make_tag, qid  # noqa: E402
 
 F32_ID, F16_ID, Q4_0_ID, Q8_0_ID, BF16_ID, Q6_0_ID = 0, 1, 2, 8, 30, 133
