@@ -302,6 +302,24 @@ def _gemm(generic, qtype, buf, stride, rows, cols, q, s, b16, out, r4, r8, per32
     return _GEMMS[bool(generic)](qtype, buf, stride, rows, cols, q, s, b16, out, r4, r8, per32, act256, small)
 
 
+def _gemm_native(qtype, buf, stride, rows, cols, q, s, bs, b16, out):
+    """The native GEMM as the products run it: K.matvec_int with GEMM_MIN or more activation rows
+    packs each 32-row run into a tile for quant.simd_gemm (its run kernel, compiled once per type
+    group, is the engine's own: no second copy of the GEMM compiled for the test)."""
+    n = q.shape[0]
+    assert n >= K.GEMM_MIN and K._GEMM_WEAVE[qtype] == 0
+    tu = np.full(SG.ROWS * cols, SG.LEVEL_OFF, np.uint8)
+    # the rows pack (else the kernel would take its row dots for them, and this tested those)
+    for r in range(rows):
+        assert _pack_code(K.tag(qtype), buf[r * stride:(r + 1) * stride], stride, cols, 0, tu) != SG.NOT_PACKED
+    c16 = (-128 * q.reshape(n, -1, 16).astype(np.int32).sum(axis=2)).astype(np.int32)
+    ro = K.readonly(buf)
+    res = np.empty((n, rows), np.float32)
+    K.matvec_int(K.tag(qtype), ro, 0, stride, ro, 0, stride, False, rows, cols, type_info(qtype).block_size,
+                 K.F16_TO_F32, q, s, bs, b16, c16, np.zeros(1, np.int64), np.array([0, n], np.int64), res, res)
+    out[...] = res
+
+
 GEMM_TYPES = TYPES + sorted(SB.GEMM_ONLY)
 # The generic form of the GEMM runs on no CPU (quant.kernels takes it only with VNNI or AVX2): it
 # stands in for the VNNI form's structure where VNNI is missing.  Its packing is the native form's,
@@ -462,8 +480,11 @@ def test_tile_gemm_matches_decoder_on_random_bytes(qtype, form):
         buf, y = np.concatenate(rows), np.stack(ys)
         q, s, bs, b16, xa = _act(rng, cols, 15, fmt.act256)
         out = np.full((15, 53), np.nan, np.float32)
-        assert _gemm(form == "generic", K.tag(qtype), buf, rb, 53, cols, q, s, b16, out, False, False, qtype in SG.SCALE32,
-                     fmt.act256, qtype in SG.SMALL)
+        if form == "generic":
+            assert _gemm(True, K.tag(qtype), buf, rb, 53, cols, q, s, b16, out, False, False, qtype in SG.SCALE32,
+                         fmt.act256, qtype in SG.SMALL)
+        else:
+            _gemm_native(qtype, buf, rb, 53, cols, q, s, bs, b16, out)
         want, mag = xa @ y.T, np.abs(xa) @ np.abs(y).T
         assert np.all(np.abs(out - want) <= 2e-5 * mag + 1e-30), (cols, out, want)
 
