@@ -33,7 +33,11 @@ rows, where per row cost ~13 ns); for Q8_0 / Q4_0 that was measured
 within 1-6 % of the former separate matvec_q8_0 / matvec_q4_0 (4096 x 4096, n = 1 and 4;
 the float family within 1-6 % of the former matvec_float).
 An earlier generic version (block dot inlined per block, or passed as a first-class
-function) was 1.9-5x slower for Q4_0: the block loop stopped vectorizing.
+function) was 1.9-5x slower for Q4_0: the block loop stopped vectorizing.  What is called
+through an address now is a whole run of 32 rows (run_address, quant.fnptr): matvec_int's
+parallel loop compiles once for every type group, and each group's row dots and GEMM once, on
+their own (a cold compile of the K-quants' products 43.7 -> 19.1 s, the IQK types' 54.9 ->
+15.0 s, scripts/bench_compile.py; token times unchanged).
 
 Inner loops index slices with the bare loop counter (`wv[j]`, not `buf[o + j]`): numba
 must allow negative indices on `o + j`, and that wrap-around check blocks vectorization.
