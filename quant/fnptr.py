@@ -41,7 +41,8 @@ def call_at(typingctx, addr, args):
 
 def jit_address(dispatcher, argtypes: tuple) -> int:
     """The address of dispatcher's compiled function for these Numba argument types (compiled,
-    or loaded from Numba's cache, on the first request)."""
+    or loaded from Numba's cache, on the first request).  The caller keeps the dispatcher for as
+    long as it uses the address: the compiled code is the dispatcher's."""
     argtypes = tuple(argtypes)
     dispatcher.compile(argtypes)
     cres = dispatcher.overloads[argtypes]

@@ -917,7 +917,9 @@ def _make_run_kernel(proto: QType):
     return run
 
 
-_RUN_KERNELS: dict = {}      # (group's Numba type, writable buffer) -> the address of its run kernel
+# (group's Numba type, writable buffer) -> (run kernel, its address); the dispatcher is kept so
+# that its compiled code lives as long as the address is handed out
+_RUN_KERNELS: dict = {}
 _I64 = types.int64
 
 
@@ -926,15 +928,16 @@ def run_address(qtype, buf: np.ndarray) -> int:
     loaded from the cache, on first use)."""
     gty = (qtype if isinstance(qtype, QType) else tag(int(qtype)))._numba_type_
     key = (gty, buf.flags.writeable)
-    addr = _RUN_KERNELS.get(key)
-    if addr is None:
+    kern = _RUN_KERNELS.get(key)
+    if kern is None:
         # the group's smallest id as the closure's tag: the same cache entry whichever type asks first
         proto = make_tag(min(gty.group), gty.group)
         i8, f32, i32 = (types.Array(dt, 2, "C") for dt in (types.int8, types.float32, types.int32))
         sig = (_I64, numba.typeof(buf), _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
                types.Array(types.float32, 1, "C"), i8, f32, i32, f32, i32, f32, f32, i8)
-        addr = _RUN_KERNELS[key] = _fnptr.jit_address(_make_run_kernel(proto), sig)
-    return addr
+        run = _make_run_kernel(proto)
+        kern = _RUN_KERNELS[key] = (run, _fnptr.jit_address(run, sig))
+    return kern[1]
 
 
 @njit(parallel=True, **_iopts)
