@@ -1,11 +1,12 @@
 """Kernels called through their address, so that a driver compiles once for every type group.
 
-Numba copies a callee's machine code into every caller: a parallel driver over a type group's
-row kernel holds that kernel's code in five libraries (the driver, its parfor gufunc, two
-gufunc wrappers, and the non-parallel entry above it), and LLVM optimizes and generates machine
-code for it in each.  Measured on Q2_K's group, a cold compile of the few-token product: 47 s,
-about 5 s a library.  Called through an address instead, the group's kernel is compiled once,
-on its own, and the driver, whose code no longer depends on the group, once for all groups.
+Numba copies a callee's code into every caller's library, and LLVM optimizes it and generates
+machine code for it there again.  The few-token products of one type group held the group's row
+dots and GEMM in seven libraries (the two helpers around them, the parallel loop, its parfor
+gufunc and two gufunc wrappers, and the non-parallel entry above), 4-6 s of LLVM time each:
+a cold compile of the K-quants' products took 43.7 s (scripts/bench_compile.py).  Called
+through an address instead, the group's kernel is compiled once, on its own, and the driver,
+whose code no longer depends on the group, once for all groups (19.1 s).
 
 `jit_address(dispatcher, argtypes)` compiles (or loads from the cache) a kernel for the given
 Numba types and returns the address of its compiled function; `call_at(addr, args)` calls it
