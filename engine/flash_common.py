@@ -4,13 +4,11 @@ of cache rows."""
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
-from llvmlite.binding import llvm_version_info
 from numba import njit, types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 from quant.kernels import _bits_to_f32
+from quant.simd import prefetch as simd_prefetch
 
 # no "ninf"/"nnan": the softmax compares against -inf (masked cells), which LLVM folds away under ninf
 _opts = dict(cache=True, fastmath={"reassoc", "contract", "nsz", "arcp", "afn"}, nogil=True)
@@ -72,22 +70,16 @@ def _combine(acc, m, l, R, lanes, out):
                 o[d] *= inv
 
 
-# the intrinsic's name carries the pointer type: opaque pointers from LLVM 15 on
-_PREFETCH = "llvm.prefetch.p0" if llvm_version_info[0] >= 15 else "llvm.prefetch.p0i8"
-
-
 @intrinsic
 def _prefetch(typingctx, arr, idx):
-    """Prefetch the cache line holding arr[idx] (1-D array) into L2 (prefetcht1)."""
+    """Prefetch the cache line holding arr[idx] (1-D array) into L2 (prefetcht1; the weight
+    kernels' quant.simd.prefetch, locality 2)."""
     if not isinstance(arr, types.Array) or not isinstance(idx, types.Integer):
         return None
 
     def codegen(context, builder, sig, args):
         ptr = builder.gep(context.make_array(sig.args[0])(context, builder, args[0]).data, [args[1]])
-        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                                            _PREFETCH)
-        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
+        simd_prefetch(builder, ptr, 0, 64, locality=2)
         return context.get_dummy_value()
     return types.none(arr, idx), codegen
 

@@ -57,7 +57,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from quant.kernels import QK, decode_cache_rows
-from quant.simd import cpu_features
+from quant.simd import _const_i64 as _i64
+from quant.simd import _vec, cpu_features
 from quant.types import BF16, F16, F32
 
 from .flash_common import _combine, _exp2, _prefetch_rows, _split_cells
@@ -87,10 +88,6 @@ class _BFloat(ir.Type):
 
 
 _BF = _BFloat()
-
-
-def _vec(t: ir.Type, n: int) -> ir.VectorType:
-    return ir.VectorType(t, n)
 
 
 def bf16_available() -> bool:
@@ -150,10 +147,6 @@ def _cvt2_fn(builder):
     return cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(_vec(_BF, 32), [_vec(_F32, 16), _vec(_F32, 16)]),
         "llvm.x86.avx512bf16.cvtne2ps2bf16.512")
-
-
-def _i64(v):
-    return ir.Constant(_I64, v)
 
 
 # ----------------------------------------------------------------------------------------
@@ -730,12 +723,6 @@ def _pack_q(q, scale2, q_pos, qpad, rp):
             rp[t * G + i] = q_pos[t]
             for g in range(hkv):
                 qpad[g, t * G + i] = q[t, g * G + i] * scale2
-
-
-def _to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """Round f32 to bf16 (nearest even), as uint16 bit patterns (finite inputs)."""
-    b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    return ((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
 
 
 def supports(n_rows: int, dk: int, dv: int) -> bool:

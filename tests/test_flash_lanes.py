@@ -23,6 +23,7 @@ from engine import flash_attn as fa
 from engine import flash_lanes as fl
 from engine.kv_cache import CACHE_TYPES, RowStore
 from quant.kernels import F16_TO_F32
+from quant.numeric import bf16_bits_to_f32, f32_to_bf16_bits
 
 needs_bf16 = pytest.mark.skipif(not fl.bf16_available(), reason="CPU (numba target) without AVX512-BF16")
 KINDS = ["f32", pytest.param("bf16", marks=needs_bf16)]
@@ -34,7 +35,7 @@ TOL_ROUNDED = 3e-3  # vs f64 attention on bf16-rounded q, k, v
 
 def bf16(x: np.ndarray) -> np.ndarray:
     """Round to bf16 (nearest even), back as f32."""
-    return (fl._to_bf16_bits(x).astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return bf16_bits_to_f32(f32_to_bf16_bits(x))
 
 
 def bf16_q(q: np.ndarray, scale: float) -> np.ndarray:
