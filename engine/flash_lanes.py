@@ -666,12 +666,14 @@ def _pack_lanes_kind(qpad, qp):
 
     def f32(qpad, qp):
         """qp[g, ch, j * 16 + r] = row ch * 16 + r, value j."""
+        dk = qpad.shape[2]
         for g in range(qp.shape[0]):
             for ch in range(qp.shape[1]):
+                t = qp[g, ch].reshape(dk, LANES)        # bare loop counters: no wrap-around checks
                 for r in range(LANES):
                     row = qpad[g, ch * LANES + r]
-                    for d in range(row.shape[0]):
-                        qp[g, ch, d * LANES + r] = row[d]
+                    for d in range(dk):
+                        t[d, r] = row[d]
     return f32
 
 
@@ -713,16 +715,18 @@ def _pack_q(q, scale2, q_pos, qpad, rp):
     per kv head) times scale2, padded to chunks of 16 (zeros, position NO_POS: they see nothing).
     One pass in numba with _pack_lanes: the NumPy version (scale, transpose, pad, round) cost ~30
     us a call, its scale and transpose alone ~10 us in generation."""
-    T, H = q.shape[0], q.shape[1]
+    T, H, dk = q.shape
     hkv = qpad.shape[0]
     G = H // hkv
-    qpad[:] = 0.0
-    rp[:] = NO_POS
+    qpad[:, T * G:] = 0.0
+    rp[T * G:] = NO_POS
     for t in range(T):
         for i in range(G):
             rp[t * G + i] = q_pos[t]
             for g in range(hkv):
-                qpad[g, t * G + i] = q[t, g * G + i] * scale2
+                src, dst = q[t, g * G + i], qpad[g, t * G + i]
+                for d in range(dk):             # a loop: the array expression allocated per row
+                    dst[d] = src[d] * scale2
 
 
 def supports(n_rows: int, dk: int, dv: int) -> bool:
