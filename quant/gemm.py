@@ -33,7 +33,8 @@ from numba.extending import intrinsic
 
 from . import blas_threads
 from . import simd_sgemm as _own
-from .kernels import decode_rows_at
+from .fnptr import call_at
+from .kernels import rows_address
 from .simd import cpu_features
 from .typetag import QType
 
@@ -225,9 +226,11 @@ def _gemm_batched(fn, fnv, ilp64, transb, a, b, c, beta, nsplit, own):
 
 
 @njit(parallel=True, **_opts)
-def _gemm_tiles(fn, ilp64, buf, qtype, stride, n_rows, cols, qk, lut, x, out, tile_rows, parts):
+def _gemm_tiles(fn, ilp64, qt, rows, buf, stride, n_rows, cols, qk, lut, x, out, tile_rows, parts):
     """out = x @ W.T for packed weight rows (row r at byte r * stride of buf): each pool thread
-    decodes its share of the rows tile_rows at a time into its own f32 scratch and multiplies."""
+    decodes its share of the rows tile_rows at a time into its own f32 scratch and multiplies.
+    qt: the plain type id; rows: the address of its group's row decoder (quant.kernels.rows_address),
+    so this loop compiles once for every type."""
     st = _shares(n_rows, parts, 16)
     M = x.shape[0]
     for p in prange(parts):
@@ -237,7 +240,8 @@ def _gemm_tiles(fn, ilp64, buf, qtype, stride, n_rows, cols, qk, lut, x, out, ti
         tile = np.empty((min(tile_rows, r1 - r0), cols), dtype=np.float32)
         for a in range(r0, r1, tile_rows):
             n = min(tile_rows, r1 - a)
-            decode_rows_at(buf, qtype, a * stride, stride, n, cols, qk, lut, tile)
+            call_at(rows, (np.int64(qt), buf, np.int64(a * stride), np.int64(stride), np.int64(n), np.int64(cols),
+                           np.int64(qk), lut, tile))
             _sgemm(fn, ilp64, True, M, n, cols, x, 0, x.strides[0] // 4, tile, 0, cols,
                    np.float32(0.0), out, a, out.strides[0] // 4)
 
@@ -321,4 +325,5 @@ def gemm_tiles(buf: np.ndarray, qtype: int | QType, stride: int, n_rows: int, co
     decoded by each pool thread tile_rows at a time (qtype: an id, or a quant.typetag tag).
     x, out: f32 with contiguous rows.  Requires available()."""
     fn, _, ilp64 = _find()
-    _gemm_tiles(fn, ilp64, buf, qtype, stride, n_rows, cols, qk, lut, x, out, tile_rows, numba.get_num_threads())
+    _gemm_tiles(fn, ilp64, int(qtype), rows_address(qtype, buf, lut), buf, stride, n_rows, cols, qk, lut, x, out,
+                tile_rows, numba.get_num_threads())

@@ -475,10 +475,20 @@ def decode_row(buf, qtype, base, cols, qk, lut, y):
 
 
 @njit(parallel=True, **_opts)
-def dequant_rows(buf, qtype, stride, row_ids, cols, qk, lut, out):
-    """out[i, :] = row row_ids[i] as f32, in parallel over i.  out: (len(row_ids), cols)."""
+def _dequant_rows_switch(buf, qtype, stride, row_ids, cols, qk, lut, out):
+    """dequant_rows compiled for qtype itself: an int compiles every type's decoder into it."""
     for i in prange(row_ids.shape[0]):
         decode_row(buf, qtype, row_ids[i] * stride, cols, qk, lut, out[i])
+
+
+def dequant_rows(buf, qtype, stride, row_ids, cols, qk, lut, out) -> None:
+    """out[i, :] = row row_ids[i] as f32, in parallel over i.  out: (len(row_ids), cols).  A tag
+    (quant.typetag) decodes through its group's row kernel, called by address (rows_address):
+    the loop compiles once for every group; an int through the decoder of every type."""
+    if isinstance(qtype, QType):
+        _dequant_by_address(qtype, False, buf, stride, row_ids, cols, qk, lut, out)
+    else:
+        _dequant_rows_switch(buf, qtype, stride, row_ids, cols, qk, lut, out)
 
 
 def _pick_unscaled(g: frozenset[int] | None):
@@ -498,12 +508,65 @@ def _pick_unscaled(g: frozenset[int] | None):
 _row_unscaled = by_type(1, _pick_unscaled)
 
 
-@njit(parallel=True, **_opts)
-def dequant_rows_unscaled(buf, qtype, stride, row_ids, cols, qk, lut, out):
+def dequant_rows_unscaled(buf, qtype, stride, row_ids, cols, qk, lut, out) -> None:
     """dequant_rows as ik's dequantize_row gives the rows (its get_rows): without the matmul
     factor the trellis types' decoders carry (quant.registry.TypeTraits.matmul_scale)."""
+    _dequant_by_address(qtype if isinstance(qtype, QType) else tag(int(qtype)), True, buf, stride, row_ids, cols,
+                        qk, lut, out)
+
+
+def _dequant_by_address(qtype: QType, unscaled: bool, buf, stride, row_ids, cols, qk, lut, out) -> None:
+    rows = np.ascontiguousarray(row_ids, dtype=np.int64)
+    dst = out if out.flags.c_contiguous and out.dtype == np.float32 else np.empty(out.shape, np.float32)
+    _dequant_rows_at(int(qtype), rows_address(qtype, buf, lut, unscaled), buf, stride, rows, cols, qk, lut, dst)
+    if dst is not out:
+        out[...] = dst
+
+
+@njit(parallel=True, **_opts)
+def _dequant_rows_at(qt, rows, buf, stride, row_ids, cols, qk, lut, out):
+    """dequant_rows' loop: qt a plain type id, rows the address of its group's row kernel."""
     for i in prange(row_ids.shape[0]):
-        _row_unscaled(buf, qtype, row_ids[i] * stride, cols, qk, lut, out[i])
+        # the arguments' types are the kernel's signature (rows_address): scalars made int64 here
+        _fnptr.call_at(rows, (np.int64(qt), buf, np.int64(row_ids[i] * stride), np.int64(0), np.int64(1),
+                              np.int64(cols), np.int64(qk), lut, out[i].reshape(1, cols)))
+
+
+def _make_rows_kernel(proto: QType, unscaled: bool):
+    """decode_rows_at (unscaled: ik's get_rows values, _row_unscaled) for proto's type group,
+    called by its address with the type id as a plain int: the parallel loops around it
+    (dequant_rows, quant.gemm's tiles) compile once for every group, and the group's decoders
+    once, here, instead of once in each loop, its parfor gufunc and their wrappers."""
+    if unscaled:
+        @njit(**_opts)
+        def rows_unscaled(qt, buf, base, stride, n, cols, qk, lut, y):
+            t = as_group(qt, proto)
+            for i in range(n):
+                _row_unscaled(buf, t, base + i * stride, cols, qk, lut, y[i])
+        return rows_unscaled
+
+    @njit(**_opts)
+    def rows(qt, buf, base, stride, n, cols, qk, lut, y):
+        decode_rows_at(buf, as_group(qt, proto), base, stride, n, cols, qk, lut, y)
+    return rows
+
+
+_ROWS_KERNELS: dict = {}      # (group's Numba type, buf's, lut's, unscaled) -> (kernel, its address)
+
+
+def rows_address(qtype, buf: np.ndarray, lut: np.ndarray, unscaled: bool = False) -> int:
+    """The address of the row decoder of qtype's group for these kinds of buf and lut: a
+    function (qt, buf, base, stride, n, cols, qk, lut, y) with int64 scalars and y a C-contiguous
+    (n, cols) f32 array, as decode_rows_at (compiled, or loaded from the cache, on first use)."""
+    gty = (qtype if isinstance(qtype, QType) else tag(int(qtype)))._numba_type_
+    bty, lty = numba.typeof(buf), numba.typeof(lut)
+    key = (gty, bty, lty, unscaled)
+    kern = _ROWS_KERNELS.get(key)
+    if kern is None:
+        run = _make_rows_kernel(make_tag(min(gty.group), gty.group), unscaled)
+        sig = (_I64, bty, _I64, _I64, _I64, _I64, _I64, lty, types.Array(types.float32, 2, "C"))
+        kern = _ROWS_KERNELS.setdefault(key, (run, _fnptr.jit_address(run, sig)))
+    return kern[1]
 
 
 # ----------------------------------------------------------------------------------------

@@ -50,3 +50,31 @@ def test_run_kernels_are_one_per_group():
     q2, q4, q8 = (type_info(n).id for n in ("Q2_K", "Q4_K", "Q8_0"))
     assert K.run_address(q2, buf) == K.run_address(K.tag(q4), buf)       # one group: the K-quants
     assert K.run_address(q8, buf) != K.run_address(q4, buf)
+
+
+def test_row_decoders_are_one_per_group_and_decode_as_the_switch():
+    """dequant_rows with a tag goes through its group's row kernel (rows_address): the rows
+    decode_row gives, in any order (tests/test_typetag.py compares it with every type's switch)."""
+    from quant.matmul import quantize_tensor
+    rng = np.random.default_rng(0)
+    lut = K.F16_TO_F32
+    buf = np.zeros(16, np.uint8)
+    buf.flags.writeable = False
+    q2, q4, q8 = (type_info(n).id for n in ("Q2_K", "Q4_K", "Q8_0"))
+    assert K.rows_address(q2, buf, lut) == K.rows_address(K.tag(q4), buf, lut)
+    assert K.rows_address(q8, buf, lut) != K.rows_address(q4, buf, lut)
+    assert K.rows_address(q4, buf, lut) != K.rows_address(q4, buf, lut, unscaled=True)
+    for name in ("Q4_K", "Q8_0"):
+        t = type_info(name).id
+        w = quantize_tensor(rng.standard_normal((7, 512)).astype(np.float32), t)
+        raw = K.readonly(np.ascontiguousarray(w.data).reshape(-1))
+        ids = np.array([6, 0, 3, 3], np.int64)
+        a = np.full((4, 512), np.nan, np.float32)
+        b = np.full((4, 512), np.nan, np.float32)
+        K.dequant_rows(raw, K.tag(t), w.data.shape[1], ids, 512, K.QK, lut, a)
+        for i, r in enumerate(ids):
+            K.decode_row(raw, K.tag(t), r * w.data.shape[1], 512, K.QK, lut, b[i])
+        np.testing.assert_array_equal(a, b)
+        c = np.full((512, 4), np.nan, np.float32).T          # rows not contiguous: written through a copy
+        K.dequant_rows(raw, K.tag(t), w.data.shape[1], ids, 512, K.QK, lut, c)
+        np.testing.assert_array_equal(c, b)
