@@ -7,6 +7,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from .device import on_device
+
 
 def yarn_corr_dims(n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: float, beta_slow: float) -> tuple[float, float]:
     def corr_dim(n_rot: float) -> float:
@@ -57,13 +59,16 @@ def _rope_consts(n_dims: int, freq_base: float, freq_scale: float, ext_factor: f
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndarray:
     """Rotate x of shape (n_tok, n_head, n_dims) in place; cos/sin are (n_tok, n_dims // 2).
-    The same f32 products and differences as apply_rope_reference, in one compiled pass (the
-    NumPy form's strided copies took ~10 us a call in token generation, ~0.3 ms for a 512-token
-    batch of 16 heads)."""
-    from .device import on_device
+    x may be a view (the rope part of each head: q[:, :, nope:]).  The same f32 products and
+    differences as apply_rope_reference, in one compiled pass (the NumPy form's strided copies
+    took ~10 us a call in token generation, ~0.3 ms for a 512-token batch of 16 heads)."""
     if on_device(x):
         from . import cuda_backend
-        return cuda_backend.apply_rope(x, cos, sin, neox)
+        part = x.contiguous()                 # a view is rotated apart and written back
+        cuda_backend.apply_rope(part, cos, sin, neox)
+        if part is not x:
+            x[...] = part
+        return x
     if x.dtype != np.float32 or x.ndim != 3 or cos.shape != (x.shape[0], x.shape[2] // 2) or x.shape[2] % 2:
         return apply_rope_reference(x, cos, sin, neox)
     c = np.ascontiguousarray(cos, dtype=np.float32)

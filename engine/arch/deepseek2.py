@@ -187,13 +187,14 @@ class DeepSeek2Arch:
         else:
             q = matmul(L["wq"], h)
         q = q.reshape(T, H, dk)
+        apply_rope(q[:, :, nope:], cos, sin, False)              # in place: the rope part of each head
+        # the latent cache row [norm(c) | rope(k_pe)], made in kvr itself
         kvr = matmul(L["wkv_a"], h)
         c = rms_norm(contiguous(kvr[:, :lora]), L["kv_a_norm"], hp.rms_eps)
-        k_pe = contiguous(kvr[:, lora:]).reshape(T, 1, rope)
-        q_pe = contiguous(q[:, :, nope:])
-        apply_rope(q_pe, cos, sin, False)
-        apply_rope(k_pe, cos, sin, False)
-        q[:, :, nope:] = q_pe
+        row = kvr.reshape(T, 1, lora + rope)
+        apply_rope(row[:, :, lora:], cos, sin, False)
+        k_pe = row[:, :, lora:]
+        row = row.reshape(T, lora + rope)
         a = empty_like_side((T, H, dv), q)
         if opts.mla == 0:
             kv = matmul(L["wkv_b"], c).reshape(T, H, nope + dv)
@@ -202,9 +203,7 @@ class DeepSeek2Arch:
             k[:, :, nope:] = k_pe
             a = cached_attention(ub, cache, il, q, k, kv[:, :, nope:], self.kq_scale, opts)
         else:
-            row = empty_like_side((T, lora + rope), c)
             row[:, :lora] = c
-            row[:, lora:] = k_pe.reshape(T, rope)
             for sg in ub.segs(cache):
                 lc, sl, n = sg.cache.layers[il], slice(sg.t0, sg.t1), sg.t1 - sg.t0
                 lc.k.write(sg.cell0, row[sl])
