@@ -3,7 +3,7 @@
 576/512, V a view of K) over a cache of --n-kv cells, through engine.flash_attn's kernel path
 with each kernel forced in turn:
 
-    python scripts/bench_gen_attention.py [--threads 1] [--n-kv 3584] [--type f16] [--rounds 3]
+    python scripts/bench_gen_attention.py [--threads 1] [--n-kv 3584] [--type f16] [--rounds 3] [--heads 16]
 
 Kernels: portable (engine.flash_attn's own), f32 and bf16 (engine.flash_lanes; bf16 only where
 the CPU has AVX512-BF16).  Each round times every kernel warm (best of 15) and after writing a
@@ -32,15 +32,16 @@ def main() -> None:
     ap.add_argument("--n-kv", type=int, default=3584)
     ap.add_argument("--type", default="f16", choices=sorted(CACHE_TYPES))
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--heads", type=int, default=16, help="query heads (DeepSeek-V3: 128)")
     a = ap.parse_args()
     set_num_threads(a.threads)
     rng = np.random.default_rng(0)
     n = a.n_kv
     k = RowStore(n, 576, CACHE_TYPES[a.type])
     k.write(0, rng.standard_normal((n, 576), dtype=np.float32))
-    q = rng.standard_normal((1, 16, 576)).astype(np.float32)
+    q = rng.standard_normal((1, a.heads, 576)).astype(np.float32)
     cp, qp = np.arange(n, dtype=np.int64), np.array([n - 1], np.int64)
-    fa._lanes_kind(16, 576, 512)                      # loads engine.flash_lanes, reads the host
+    fa._lanes_kind(a.heads, 576, 512)                 # loads engine.flash_lanes, reads the host
     kinds = ["portable", "f32"] + (["bf16"] if fa._HOST[0] else [])
 
     def run(kind: str) -> np.ndarray:
@@ -54,7 +55,7 @@ def main() -> None:
         out = run(kind)
         print(f"{kind}: relative L2 difference from portable {np.linalg.norm(out - ref) / np.linalg.norm(ref):.2e}")
     junk = np.ones(64 << 20, np.uint8)
-    print(f"{n} {a.type} cells, 16 rows of 576/512, {a.threads} thread(s): ms, warm / after a 64 MiB write")
+    print(f"{n} {a.type} cells, {a.heads} rows of 576/512, {a.threads} thread(s): ms, warm / after a 64 MiB write")
     for _ in range(a.rounds):
         cols = []
         for kind in kinds:
