@@ -52,10 +52,12 @@ import os
 
 import numpy as np
 from llvmlite import ir
+import numba
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from quant.fnptr import call_at, jit_address
 from quant.kernels import QK, decode_cache_rows
 from quant.simd import _const_i64 as _i64
 from quant.simd import _vec, cpu_features
@@ -679,11 +681,13 @@ def _pack_lanes_kind(qpad, qp):
 
 @njit(parallel=True, **_opts)
 def _fa_kernel(q, scale2, q_pos, hkv, kbuf, kqt, kstride, khead, vbuf, vqt, vstride, vhead, v_is_k, n_kv, dv,
-               cell_pos, nsplit, lut, refine, qp, out):
+               cell_pos, nsplit, lut, refine, qp, out, attend):
     """The whole call in one compiled function: pack the query rows into qp (its dtype picks the
     kind), one work item per (group of CHUNKS_PER_ITEM row chunks, range of cells), merge the
     ranges into out (Hkv, R, dv).  Packing, attending and merging as three calls cost ~25 us of
-    dispatch and allocation a call, half of a 64-cell generation step."""
+    dispatch and allocation a call, half of a 64-cell generation step.  attend: the address of
+    _attend_range compiled for these arguments (_attend_address): called by address, its code is
+    compiled once, not again in the parallel loop's gufunc and its wrappers (quant.fnptr)."""
     T, H, dk = q.shape
     R = T * (H // hkv)
     nch = (R + LANES - 1) // LANES
@@ -699,9 +703,11 @@ def _fa_kernel(q, scale2, q_pos, hkv, kbuf, kqt, kstride, khead, vbuf, vqt, vstr
         gr, s = it // nsplit, it % nsplit
         ch0, ch1 = gr * CHUNKS_PER_ITEM, min(nch, gr * CHUNKS_PER_ITEM + CHUNKS_PER_ITEM)
         c0, c1 = _split_cells(n_kv, nsplit, s, CB)
-        if c0 < c1:
-            _attend_range(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, c0, c1, dk, dv,
-                          cell_pos, qp, qpad, rp, ch0, ch1, s, lut, refine, acc, m, l)
+        if c0 < c1:       # the arguments' types are _attend_address's signature: scalars made int64 here
+            call_at(attend, (kbuf, np.int64(kqt), np.int64(khead), np.int64(kstride), vbuf, np.int64(vqt),
+                             np.int64(vhead), np.int64(vstride), v_is_k, np.int64(c0), np.int64(c1), np.int64(dk),
+                             np.int64(dv), cell_pos, qp, qpad, rp, np.int64(ch0), np.int64(ch1), np.int64(s), lut,
+                             refine, acc, m, l))
         else:
             for g in range(hkv):
                 for ch in range(ch0, ch1):
@@ -751,7 +757,29 @@ def flash_kernel_lanes(q: np.ndarray, scale2: float, q_pos: np.ndarray, hkv: int
     nch = -(-T * (H // hkv) // LANES)
     qp = np.empty((hkv, nch, dk * LANES), dtype=np.uint16 if kind == "bf16" else np.float32)
     out = np.empty((hkv, T * (H // hkv), dv), dtype=np.float32)
-    _fa_kernel(q, np.float32(scale2), q_pos, hkv, k.data.reshape(-1), k.qtype, k.data.shape[1], khead,
-               vs.data.reshape(-1), vs.qtype, vs.data.shape[1], vhead, v is None, n_kv, dv, cell_pos, nsplit, lut,
-               np.float32(REFINE_LOG2), qp, out)
+    kbuf, vbuf = k.data.reshape(-1), vs.data.reshape(-1)
+    _fa_kernel(q, np.float32(scale2), q_pos, hkv, kbuf, k.qtype, k.data.shape[1], khead, vbuf, vs.qtype,
+               vs.data.shape[1], vhead, v is None, n_kv, dv, cell_pos, nsplit, lut, np.float32(REFINE_LOG2), qp, out,
+               _attend_address(kbuf, vbuf, cell_pos, qp, lut))
     return out
+
+
+# (argument kinds) -> _attend_range's address for them; _attend_range (module level) keeps the code
+_ATTEND: dict = {}
+_INT = types.int64
+_F32_3 = types.Array(types.float32, 3, "C")
+
+
+def _attend_address(kbuf: np.ndarray, vbuf: np.ndarray, cell_pos: np.ndarray, qp: np.ndarray, lut: np.ndarray) -> int:
+    """The address of _attend_range compiled for _fa_kernel's argument types (the arrays it makes
+    itself have fixed types), compiled or loaded from the cache on first use."""
+    key = tuple((a.dtype.char, a.ndim, a.flags.c_contiguous, a.flags.writeable, a.flags.aligned)
+                for a in (kbuf, vbuf, cell_pos, qp, lut))
+    addr = _ATTEND.get(key)
+    if addr is None:
+        ty = numba.typeof
+        sig = (ty(kbuf), _INT, _INT, _INT, ty(vbuf), _INT, _INT, _INT, types.boolean, _INT, _INT, _INT, _INT,
+               ty(cell_pos), ty(qp), _F32_3, types.Array(types.int64, 1, "C"), _INT, _INT, _INT, ty(lut),
+               types.float32, types.Array(types.float32, 4, "C"), _F32_3, _F32_3)
+        addr = _ATTEND.setdefault(key, jit_address(_attend_range, sig))
+    return addr
