@@ -33,14 +33,15 @@ import os
 
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
 
 import quant.gemm as _qgemm
 from quant.gemm import gemm, gemm_t
+from quant.fnptr import call_at, jit_address
 from quant.kernels import F16_TO_F32, QK, decode_cache_rows
 
 from .device import on_device, to_host
-from .flash_common import _combine, _exp2, _prefetch_rows, _split_cells
+from .flash_common import _combine, _exp2, _prefetch_rows, _split_cells, arrays_key
 from .kv_cache import RowStore
 
 F32_ID = 0
@@ -277,17 +278,39 @@ def _attend_range(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, 
 
 @njit(parallel=True, **_opts)
 def _fa_kernel(kbuf, kqt, kstride, khead, vbuf, vqt, vstride, vhead, v_is_k, n_kv, dk, dv, cell_pos,
-               qg, rpos, rlo, B, RB, nsplit, lut, acc, m, l):
+               qg, rpos, rlo, B, RB, nsplit, lut, acc, m, l, attend):
     """qg (Hkv, R, dk); acc (Hkv, nsplit, R, dv), m / l (Hkv, nsplit, R): one work item per
-    (block of query rows, range of cells)."""
+    (block of query rows, range of cells).  attend: _attend_range's address for these arguments
+    (_attend_address): called by address, its code is not compiled again into this loop's
+    parfor gufunc and wrappers (quant.fnptr)."""
     R = qg.shape[1]
     nrb = (R + RB - 1) // RB
     for it in prange(nrb * nsplit):
         rb, s = it // nsplit, it % nsplit
         r0, r1 = rb * RB, min(R, rb * RB + RB)
         c0, c1 = _split_cells(n_kv, nsplit, s, B)
-        _attend_range(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, c0, c1, dk, dv,
-                      cell_pos, qg, rpos, rlo, r0, r1, s, B, lut, acc, m, l)
+        # the arguments' types are _attend_address's signature: scalars made int64 here
+        call_at(attend, (kbuf, np.int64(kqt), np.int64(khead), np.int64(kstride), vbuf, np.int64(vqt),
+                         np.int64(vhead), np.int64(vstride), v_is_k, np.int64(c0), np.int64(c1), np.int64(dk),
+                         np.int64(dv), cell_pos, qg, rpos, rlo, np.int64(r0), np.int64(r1), np.int64(s), np.int64(B),
+                         lut, acc, m, l))
+
+
+_ATTEND: dict = {}      # arrays_key of the varying arguments -> _attend_range's address for their types
+
+
+def _attend_address(kbuf, vbuf, cell_pos, qg, rpos, rlo, lut) -> int:
+    """The address of _attend_range compiled for _fa_kernel's argument types (acc, m, l are
+    always C-contiguous f32), compiled or loaded from the cache on first use."""
+    key = arrays_key(kbuf, vbuf, cell_pos, qg, rpos, rlo, lut)
+    addr = _ATTEND.get(key)
+    if addr is None:
+        ty, i64 = numba.typeof, types.int64
+        f3 = types.Array(types.float32, 3, "C")
+        sig = (ty(kbuf), i64, i64, i64, ty(vbuf), i64, i64, i64, types.boolean, i64, i64, i64, i64, ty(cell_pos),
+               ty(qg), ty(rpos), ty(rlo), i64, i64, i64, i64, ty(lut), types.Array(types.float32, 4, "C"), f3, f3)
+        addr = _ATTEND.setdefault(key, jit_address(_attend_range, sig))
+    return addr
 
 
 def _n_splits(n_items: int, n_kv: int) -> int:
@@ -504,9 +527,10 @@ def _flash_kernel(q, k, v, n_kv, hkv, dk, dv, cell_pos, q_pos, q_lo, scale, sink
     l = np.empty((hkv, nsplit, R), dtype=np.float32)
     kbuf = k.data.reshape(-1)
     vs = k if v is None else v
-    _fa_kernel(kbuf, k.qtype, k.data.shape[1], _head_bytes(k, hkv), vs.data.reshape(-1), vs.qtype,
-               vs.data.shape[1], _head_bytes(vs, hkv), v is None, n_kv, dk, dv, cell_pos, qg, rpos, rlo,
-               BLOCK, ROW_BLOCK, nsplit, F16_TO_F32, acc, m, l)
+    vbuf = vs.data.reshape(-1)
+    _fa_kernel(kbuf, k.qtype, k.data.shape[1], _head_bytes(k, hkv), vbuf, vs.qtype, vs.data.shape[1],
+               _head_bytes(vs, hkv), v is None, n_kv, dk, dv, cell_pos, qg, rpos, rlo, BLOCK, ROW_BLOCK, nsplit,
+               F16_TO_F32, acc, m, l, _attend_address(kbuf, vbuf, cell_pos, qg, rpos, rlo, F16_TO_F32))
     if sink2 is not None:       # the sinks as one more split: their logit, weight 1, no value
         acc = np.concatenate([acc, np.zeros((hkv, 1, R, dv), dtype=np.float32)], axis=1)
         m = np.concatenate([m, _sink_rows(sink2, hkv, G, R)[:, None, :]], axis=1)

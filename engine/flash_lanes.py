@@ -63,7 +63,7 @@ from quant.simd import _const_i64 as _i64
 from quant.simd import _vec, cpu_features
 from quant.types import BF16, F16, F32
 
-from .flash_common import _combine, _exp2, _prefetch_rows, _split_cells
+from .flash_common import _combine, _exp2, _prefetch_rows, _split_cells, arrays_key
 
 LANES = 16             # query rows per chunk = f32 lanes of one zmm
 CB = 16                # cells per block: one score accumulator per cell
@@ -773,8 +773,7 @@ _F32_3 = types.Array(types.float32, 3, "C")
 def _attend_address(kbuf: np.ndarray, vbuf: np.ndarray, cell_pos: np.ndarray, qp: np.ndarray, lut: np.ndarray) -> int:
     """The address of _attend_range compiled for _fa_kernel's argument types (the arrays it makes
     itself have fixed types), compiled or loaded from the cache on first use."""
-    key = tuple((a.dtype.char, a.ndim, a.flags.c_contiguous, a.flags.writeable, a.flags.aligned)
-                for a in (kbuf, vbuf, cell_pos, qp, lut))
+    key = arrays_key(kbuf, vbuf, cell_pos, qp, lut)
     addr = _ATTEND.get(key)
     if addr is None:
         ty = numba.typeof
