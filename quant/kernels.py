@@ -551,7 +551,7 @@ def _make_rows_kernel(proto: QType, unscaled: bool):
     return rows
 
 
-_ROWS_KERNELS: dict = {}      # (group's Numba type, buf's, lut's, unscaled) -> (kernel, its address)
+_ROWS_KERNELS: dict = {}      # (group's Numba type, unscaled, buf's and lut's kinds) -> (kernel, its address)
 
 
 def rows_address(qtype, buf: np.ndarray, lut: np.ndarray, unscaled: bool = False) -> int:
@@ -559,12 +559,15 @@ def rows_address(qtype, buf: np.ndarray, lut: np.ndarray, unscaled: bool = False
     function (qt, buf, base, stride, n, cols, qk, lut, y) with int64 scalars and y a C-contiguous
     (n, cols) f32 array, as decode_rows_at (compiled, or loaded from the cache, on first use)."""
     gty = (qtype if isinstance(qtype, QType) else tag(int(qtype)))._numba_type_
-    bty, lty = numba.typeof(buf), numba.typeof(lut)
-    key = (gty, bty, lty, unscaled)
+    # what the arrays' Numba types depend on (numba.typeof itself took ~15 us a call: once per
+    # generated token for the embedding rows)
+    key = (gty, unscaled) + tuple((a.dtype.char, a.ndim, a.flags.c_contiguous, a.flags.writeable, a.flags.aligned)
+                                  for a in (buf, lut))
     kern = _ROWS_KERNELS.get(key)
     if kern is None:
         run = _make_rows_kernel(make_tag(min(gty.group), gty.group), unscaled)
-        sig = (_I64, bty, _I64, _I64, _I64, _I64, _I64, lty, types.Array(types.float32, 2, "C"))
+        sig = (_I64, numba.typeof(buf), _I64, _I64, _I64, _I64, _I64, numba.typeof(lut),
+               types.Array(types.float32, 2, "C"))
         kern = _ROWS_KERNELS.setdefault(key, (run, _fnptr.jit_address(run, sig)))
     return kern[1]
 
