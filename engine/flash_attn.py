@@ -37,11 +37,11 @@ from numba import njit, prange, types
 
 import quant.gemm as _qgemm
 from quant.gemm import gemm, gemm_t
-from quant.fnptr import call_at, jit_address
+from quant.fnptr import arrays_key, cached_address, call_at
 from quant.kernels import F16_TO_F32, QK, decode_cache_rows
 
 from .device import on_device, to_host
-from .flash_common import _combine, _exp2, _prefetch_rows, _split_cells, arrays_key
+from .flash_common import _combine, _exp2, _prefetch_rows, _split_cells
 from .kv_cache import RowStore
 
 F32_ID = 0
@@ -296,21 +296,19 @@ def _fa_kernel(kbuf, kqt, kstride, khead, vbuf, vqt, vstride, vhead, v_is_k, n_k
                          lut, acc, m, l))
 
 
-_ATTEND: dict = {}      # arrays_key of the varying arguments -> _attend_range's address for their types
+_ATTEND: dict = {}      # arrays_key of the varying arguments -> (_attend_range, its address for their types)
 
 
 def _attend_address(kbuf, vbuf, cell_pos, qg, rpos, rlo, lut) -> int:
     """The address of _attend_range compiled for _fa_kernel's argument types (acc, m, l are
     always C-contiguous f32), compiled or loaded from the cache on first use."""
-    key = arrays_key(kbuf, vbuf, cell_pos, qg, rpos, rlo, lut)
-    addr = _ATTEND.get(key)
-    if addr is None:
+    def make():
         ty, i64 = numba.typeof, types.int64
         f3 = types.Array(types.float32, 3, "C")
-        sig = (ty(kbuf), i64, i64, i64, ty(vbuf), i64, i64, i64, types.boolean, i64, i64, i64, i64, ty(cell_pos),
-               ty(qg), ty(rpos), ty(rlo), i64, i64, i64, i64, ty(lut), types.Array(types.float32, 4, "C"), f3, f3)
-        addr = _ATTEND.setdefault(key, jit_address(_attend_range, sig))
-    return addr
+        return _attend_range, (ty(kbuf), i64, i64, i64, ty(vbuf), i64, i64, i64, types.boolean, i64, i64, i64, i64,
+                               ty(cell_pos), ty(qg), ty(rpos), ty(rlo), i64, i64, i64, i64, ty(lut),
+                               types.Array(types.float32, 4, "C"), f3, f3)
+    return cached_address(_ATTEND, arrays_key(kbuf, vbuf, cell_pos, qg, rpos, rlo, lut), make)
 
 
 def _n_splits(n_items: int, n_kv: int) -> int:

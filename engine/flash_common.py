@@ -14,12 +14,6 @@ from quant.simd import prefetch as simd_prefetch
 _opts = dict(cache=True, fastmath={"reassoc", "contract", "nsz", "arcp", "afn"}, nogil=True)
 
 
-def arrays_key(*arrays) -> tuple:
-    """What Numba's types of these arrays depend on (dtype, rank, layout, writability,
-    alignment): the key under which a kernel's address for their types is kept (quant.fnptr)."""
-    return tuple((a.dtype.char, a.ndim, a.flags.c_contiguous, a.flags.writeable, a.flags.aligned) for a in arrays)
-
-
 @njit(**_opts)
 def _exp2(t):
     """2**t for t <= 0 (relative error ~2e-7); t < -126 gives ~1e-38, callers zero masked cells."""

@@ -57,13 +57,13 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from quant.fnptr import call_at, jit_address
+from quant.fnptr import arrays_key, cached_address, call_at
 from quant.kernels import QK, decode_cache_rows
 from quant.simd import _const_i64 as _i64
 from quant.simd import _vec, cpu_features
 from quant.types import BF16, F16, F32
 
-from .flash_common import _combine, _exp2, _prefetch_rows, _split_cells, arrays_key
+from .flash_common import _combine, _exp2, _prefetch_rows, _split_cells
 
 LANES = 16             # query rows per chunk = f32 lanes of one zmm
 CB = 16                # cells per block: one score accumulator per cell
@@ -764,7 +764,7 @@ def flash_kernel_lanes(q: np.ndarray, scale2: float, q_pos: np.ndarray, hkv: int
     return out
 
 
-# (argument kinds) -> _attend_range's address for them; _attend_range (module level) keeps the code
+# (argument kinds) -> (_attend_range, its address for them)
 _ATTEND: dict = {}
 _INT = types.int64
 _F32_3 = types.Array(types.float32, 3, "C")
@@ -773,12 +773,9 @@ _F32_3 = types.Array(types.float32, 3, "C")
 def _attend_address(kbuf: np.ndarray, vbuf: np.ndarray, cell_pos: np.ndarray, qp: np.ndarray, lut: np.ndarray) -> int:
     """The address of _attend_range compiled for _fa_kernel's argument types (the arrays it makes
     itself have fixed types), compiled or loaded from the cache on first use."""
-    key = arrays_key(kbuf, vbuf, cell_pos, qp, lut)
-    addr = _ATTEND.get(key)
-    if addr is None:
+    def make():
         ty = numba.typeof
-        sig = (ty(kbuf), _INT, _INT, _INT, ty(vbuf), _INT, _INT, _INT, types.boolean, _INT, _INT, _INT, _INT,
-               ty(cell_pos), ty(qp), _F32_3, types.Array(types.int64, 1, "C"), _INT, _INT, _INT, ty(lut),
-               types.float32, types.Array(types.float32, 4, "C"), _F32_3, _F32_3)
-        addr = _ATTEND.setdefault(key, jit_address(_attend_range, sig))
-    return addr
+        return _attend_range, (ty(kbuf), _INT, _INT, _INT, ty(vbuf), _INT, _INT, _INT, types.boolean, _INT, _INT, _INT,
+                               _INT, ty(cell_pos), ty(qp), _F32_3, types.Array(types.int64, 1, "C"), _INT, _INT, _INT,
+                               ty(lut), types.float32, types.Array(types.float32, 4, "C"), _F32_3, _F32_3)
+    return cached_address(_ATTEND, arrays_key(kbuf, vbuf, cell_pos, qp, lut), make)

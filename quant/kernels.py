@@ -559,17 +559,12 @@ def rows_address(qtype, buf: np.ndarray, lut: np.ndarray, unscaled: bool = False
     function (qt, buf, base, stride, n, cols, qk, lut, y) with int64 scalars and y a C-contiguous
     (n, cols) f32 array, as decode_rows_at (compiled, or loaded from the cache, on first use)."""
     gty = (qtype if isinstance(qtype, QType) else tag(int(qtype)))._numba_type_
-    # what the arrays' Numba types depend on (numba.typeof itself took ~15 us a call: once per
-    # generated token for the embedding rows)
-    key = (gty, unscaled) + tuple((a.dtype.char, a.ndim, a.flags.c_contiguous, a.flags.writeable, a.flags.aligned)
-                                  for a in (buf, lut))
-    kern = _ROWS_KERNELS.get(key)
-    if kern is None:
-        run = _make_rows_kernel(make_tag(min(gty.group), gty.group), unscaled)
-        sig = (_I64, numba.typeof(buf), _I64, _I64, _I64, _I64, _I64, numba.typeof(lut),
-               types.Array(types.float32, 2, "C"))
-        kern = _ROWS_KERNELS.setdefault(key, (run, _fnptr.jit_address(run, sig)))
-    return kern[1]
+
+    def make():
+        return (_make_rows_kernel(make_tag(min(gty.group), gty.group), unscaled),
+                (_I64, numba.typeof(buf), _I64, _I64, _I64, _I64, _I64, numba.typeof(lut),
+                 types.Array(types.float32, 2, "C")))
+    return _fnptr.cached_address(_ROWS_KERNELS, (gty, unscaled) + _fnptr.arrays_key(buf, lut), make)
 
 
 # ----------------------------------------------------------------------------------------
@@ -983,8 +978,7 @@ def _make_run_kernel(proto: QType):
     return run
 
 
-# (group's Numba type, writable buffer) -> (run kernel, its address); the dispatcher is kept so
-# that its compiled code lives as long as the address is handed out
+# (group's Numba type, buffer's kind) -> (run kernel, its address)
 _RUN_KERNELS: dict = {}
 _I64 = types.int64
 
@@ -993,18 +987,14 @@ def run_address(qtype, buf: np.ndarray) -> int:
     """The address of _int_run compiled for qtype's group and buf's kind of array (compiled, or
     loaded from the cache, on first use)."""
     gty = (qtype if isinstance(qtype, QType) else tag(int(qtype)))._numba_type_
-    key = (gty, buf.flags.writeable)
-    kern = _RUN_KERNELS.get(key)
-    if kern is None:
+
+    def make():
         # the group's smallest id as the closure's tag: the same cache entry whichever type asks first
-        proto = make_tag(min(gty.group), gty.group)
         i8, f32, i32 = (types.Array(dt, 2, "C") for dt in (types.int8, types.float32, types.int32))
-        sig = (_I64, numba.typeof(buf), _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
-               types.Array(types.float32, 1, "C"), i8, f32, i32, f32, i32, f32, f32, i8)
-        run = _make_run_kernel(proto)
-        # setdefault: of two threads asking at once, both get the first one's kernel
-        kern = _RUN_KERNELS.setdefault(key, (run, _fnptr.jit_address(run, sig)))
-    return kern[1]
+        return (_make_run_kernel(make_tag(min(gty.group), gty.group)),
+                (_I64, numba.typeof(buf), _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
+                 types.Array(types.float32, 1, "C"), i8, f32, i32, f32, i32, f32, f32, i8))
+    return _fnptr.cached_address(_RUN_KERNELS, (gty,) + _fnptr.arrays_key(buf), make)
 
 
 @njit(parallel=True, **_iopts)
