@@ -73,8 +73,42 @@ class StampedLocator:
                 break
         else:
             return None
+        _lock_cache_saves()
         digest = digest_for(py_file)
         return inner if digest is None else _Stamped(inner, digest)
+
+
+def _lock_cache_saves() -> None:
+    """Make numba's cache saves atomic across processes (flock on a file beside the index).
+    numba's save reads the index, picks the first unused data file name for a new key, writes
+    the index, then the data: two processes saving two overloads of one kernel at once (two
+    test workers, or a server and a perplexity run on a first use; the run kernels of two type
+    groups are one function with two closures) can both pick `.1.nbc`, and the index may then
+    name the other one's code under a key.  Under the lock the index is read after the other's
+    save."""
+    from numba.core import caching
+    cls = caching.IndexDataCacheFile
+    if getattr(cls, "_ikcli_locked", False):
+        return
+    try:
+        import fcntl
+    except ImportError:          # no flock (Windows): numba's own behaviour
+        return
+    save = cls.save
+
+    def locked_save(self, key, data):
+        try:
+            f = open(self._index_path + ".lock", "a")
+        except OSError:
+            return save(self, key, data)
+        with f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                return save(self, key, data)
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+    cls.save = locked_save
+    cls._ikcli_locked = True
 
 
 def install() -> None:
