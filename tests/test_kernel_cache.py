@@ -78,3 +78,35 @@ def test_sources_digest_follows_every_file(tmp_path):
     second = digest(("quant",), tmp_path)
     (tmp_path / "quant" / "b.py").write_text("")
     assert len({first, second, digest(("quant",), tmp_path)}) == 3
+
+
+def test_concurrent_saves_of_two_overloads_keep_both(tmp_path, monkeypatch):
+    """Two savers of one kernel's cache, each with a new overload, must not both take `.1.nbc`:
+    numba reads the index, picks the first unused data name, then writes the index, so without
+    quant.numba_stamp's lock the slower saver's index drops the other's key (a pause after the
+    index read makes that interleaving certain here)."""
+    import threading
+    import time
+
+    from numba.core import caching
+
+    from quant.numba_stamp import _lock_cache_saves
+    _lock_cache_saves()
+    cls = caching.IndexDataCacheFile
+    read_index = cls._load_index
+
+    def slow_read(self):
+        overloads = read_index(self)
+        time.sleep(0.2)
+        return overloads
+    monkeypatch.setattr(cls, "_load_index", slow_read)
+    stamp = ("stamp", 1)
+    savers = [cls(str(tmp_path), "kernel-1", stamp) for _ in range(2)]
+    threads = [threading.Thread(target=s.save, args=((f"sig{i}",), f"code{i}")) for i, s in enumerate(savers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    monkeypatch.setattr(cls, "_load_index", read_index)
+    reader = cls(str(tmp_path), "kernel-1", stamp)
+    assert [reader.load((f"sig{i}",)) for i in range(2)] == ["code0", "code1"]
