@@ -20,7 +20,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .simd import _F32, _I32, _const_i64, _splat, _vec
+from .simd import _F32, _I32, _I64, _const_i64, _splat, _vec
 
 _V16 = _vec(_F32, 16)
 ROWS, COLS = 8, 32
@@ -29,6 +29,28 @@ ROWS, COLS = 8, 32
 def _fma(b: ir.IRBuilder, x, y, acc):
     fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(_V16, [_V16, _V16, _V16]), "llvm.fma.v16f32")
     return b.call(fn, [x, y, acc])
+
+
+def _store_lanes(module: ir.Module) -> ir.Function:
+    """void store_lanes(<16 x float> x, float* p, i64 step, i64 n, i1 accumulate): p[l * step]
+    (+)= x[l] for l < n.  One out-of-line loop instead of 16 unrolled scalar stores at each of the
+    kernel's block sites: inlined, they took LLVM ~10 s for the _t kernel, and the stores are a
+    small part of a block (8 x 32 outputs after K vector FMAs)."""
+    fnty = ir.FunctionType(ir.VoidType(), [_V16, _F32.as_pointer(), _I64, _I64, ir.IntType(1)])
+    fn = cgutils.get_or_insert_function(module, fnty, "ikcli_sgemm_store_lanes")
+    if not fn.is_declaration:
+        return fn
+    fn.linkage = "internal"
+    fn.attributes.add("noinline")
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    x, p, step, n, accum = fn.args
+    with cgutils.for_range(b, n) as ll:
+        v = b.extract_element(x, b.trunc(ll.index, _I32))
+        sp = b.gep(p, [b.mul(ll.index, step)])
+        v = b.select(accum, b.fadd(v, b.load(sp)), v)
+        b.store(v, sp)
+    b.ret_void()
+    return fn
 
 
 def _codegen(transc: bool):
@@ -64,12 +86,13 @@ def _codegen(transc: bool):
                     if transc or ncols is not None:
                         # lane by lane: C's row may end inside the vector, or (transc) each lane is
                         # C[j0 + 16 v + lane, i0 + r], in a column of its own
-                        with cgutils.for_range(b, _const_i64(16) if ncols is None else ncols) as ll:
-                            x = b.extract_element(res, b.trunc(ll.index, _I32))
-                            sp = b.gep(cp, [b.add(b.mul(b.add(b.add(j0, _const_i64(16 * v)), ll.index), ldc),
-                                                  b.add(i0, _const_i64(r)))]) if transc else b.gep(dst, [ll.index])
-                            x = b.select(accum, b.fadd(x, b.load(sp)), x)
-                            b.store(x, sp)
+                        if transc:
+                            sp = b.gep(cp, [b.add(b.mul(b.add(j0, _const_i64(16 * v)), ldc), b.add(i0, _const_i64(r)))])
+                            step = ldc
+                        else:
+                            sp, step = dst, _const_i64(1)
+                        b.call(_store_lanes(b.module), [res, sp, step, _const_i64(16) if ncols is None else ncols,
+                                                        accum])
                     else:
                         vp = b.bitcast(dst, _V16.as_pointer())
                         with b.if_then(accum):
