@@ -103,8 +103,11 @@ def f32_preferred() -> bool:
 
 
 def bf16_preferred() -> bool:
-    """True where bf16 products measured faster than f32 ones: AVX512-BF16 on AMD cores (measured
-    on Zen 4, later ones assumed alike).  The host's name is what LLVM reports."""
+    """True where bf16 products measured faster than f32 ones: AVX512-BF16 on AMD cores (LLVM's
+    host name znver*).  Zen 4; Zen 5 too, in the model (scripts/bench_tg_depth.py, ds2b-recipe at
+    3584 cells, one thread: 4.11 / 3.84 against 5.13 / 4.55 ms of attention a token), although
+    scripts/bench_gen_attention.py's random data, where the bf16 kind refines many more scores,
+    shows it slower than f32 there (1.45 against ~1.0 ms)."""
     from llvmlite import binding as llb
     return bf16_available() and llb.get_host_cpu_name().startswith("znver")
 

@@ -11,7 +11,7 @@ depth (deepest first; the shallower ones remove the cells past them) every kerne
 `--tokens` single-token decodes, kernels interleaved, `--repeats` rounds, best kept.
 Kernels: `f32` (engine.flash_lanes with f32 products; the engine's default on AVX-512 hosts
 without bf16 preference), `portable` (engine.flash_attn's own kernel), `bf16` (engine.flash_lanes
-with bf16 products, where the CPU has AVX512-BF16; the default on AMD Zen 4 and later),
+with bf16 products, where the CPU has AVX512-BF16; the default on AMD Zen 4 and Zen 5, measured in the model),
 `bf16-norefine` (bf16 scores without the f32 refinement).
 The machine is shared and noisy: compare kernels within one run.
 """
