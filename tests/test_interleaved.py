@@ -200,10 +200,11 @@ def test_matmul_runs_every_r_type_like_its_plain_type(name):
         assert np.allclose(M.matmul_id(wr, a, ids, np.arange(n)), want, rtol=0, atol=2e-5 * scale)
 
 
-@pytest.mark.parametrize("qt", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("qt", ["Q8_0", "Q4_0", "Q5_0", "Q6_0", "IQ4_NL"])
 def test_short_rows_are_multiplied_in_r8_form(qt, monkeypatch):
     """Q8_0 / Q4_0 matrices of rows <= quant.matmul.SHORT_ROWS values (DeepSeek's per-head attn_k_b /
-    attn_v_b) go to products of a few rows in their _R8 form (with VNNI): the few-row view holds
+    attn_v_b) go to products of a few rows in their _R8 form (with VNNI), and Q5_0 / Q6_0 / IQ4_NL
+    ones (attn_k_b's fallback types) in Q8_0_R8 holding the same values: the few-row view holds
     the repacked bytes, 2-D and 3-D (per head) alike, and products of many rows keep the plain
     layout; products equal the plain kernels' within f32 rounding and the dequantized reference
     within the activations' quantization; get_rows still reads the plain rows; row counts that
@@ -212,7 +213,7 @@ def test_short_rows_are_multiplied_in_r8_form(qt, monkeypatch):
     from quant import matmul as M
     from quant.tensor import QTensor
     tid = type_info(qt).id
-    r8 = interleaved_form(tid).id
+    r8 = interleaved_form(type_info("Q8_0").id if tid in M._EXACT_IN_Q8_0 else tid).id
     rng = np.random.default_rng(tid)
     cases = [((16, 128), True), ((4, 16, 64), True), ((3, 8, 512), True), ((12, 128), False),
              ((16, M.SHORT_ROWS + 32), False)]
@@ -238,6 +239,32 @@ def test_short_rows_are_multiplied_in_r8_form(qt, monkeypatch):
             scale = float(np.abs(ref).max())
             assert np.allclose(got, want, rtol=0, atol=2e-5 * scale), (shape, n)
             assert np.allclose(got, ref, rtol=0, atol=2e-2 * scale), (shape, n)
+        if len(shape) == 3:         # the one-token per-head product (matmul_heads' own plan)
+            a = rng.standard_normal((1, shape[0], shape[-1])).astype(np.float32)
+            want = np.einsum("thc,hrc->thr", a, deq)
+            got, plain_got = M.matmul_heads(w, a), M.matmul_heads(plain, a)
+            assert np.allclose(got, plain_got, rtol=0, atol=2e-5 * float(np.abs(want).max())), shape
+            assert np.allclose(got, want, rtol=0, atol=2e-2 * float(np.abs(want).max())), shape
         if len(shape) == 2:
             ids = np.array([3, 0, 15 if shape[0] > 15 else 1])
             assert np.array_equal(M.get_rows(w, ids), deq[0][ids])
+
+
+@pytest.mark.parametrize("qt", ["Q5_0", "Q6_0", "IQ4_NL"])
+def test_exact_q8_0_form_holds_the_same_values(qt):
+    """quant.matmul._exact_q8_0: the Q8_0 rows decode to exactly the values of the source rows
+    (extreme levels included); a block whose scale is not finite leaves the rows in their type."""
+    from quant import matmul as M
+    from quant.tensor import QTensor
+    tid, q8 = type_info(qt).id, type_info("Q8_0").id
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((8, 128)).astype(np.float32)
+    x[0, :32] = np.linspace(-1, 1, 32)          # both ends of the level range
+    x[1, 32:64] = 0.0                           # a zero scale
+    raw = reference.quantize(x, tid).reshape(8, -1)
+    out = M._exact_q8_0(raw, tid, 128)
+    assert out is not None and out.shape == (8, 4 * 34)
+    assert np.array_equal(M.dequantize(QTensor(out, q8, (8, 128))), M.dequantize(QTensor(raw, tid, (8, 128))))
+    bad = raw.copy()
+    bad[2, :2] = np.array([np.inf], np.float16).view(np.uint8)
+    assert M._exact_q8_0(bad, tid, 128) is None
