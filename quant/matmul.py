@@ -170,14 +170,12 @@ def _exact_q8_0(rows: np.ndarray, qtype: int, cols: int) -> np.ndarray | None:
     n, nb = rows.shape[0], cols // 32
     d16 = np.ascontiguousarray(rows.reshape(n, nb, -1)[:, :, :2]).view(np.float16)[:, :, 0]
     vals = get_rows(QTensor(rows, qtype, (n, cols)), np.arange(n)).reshape(n, nb, 32)
-    d = d16.astype(np.float32)[:, :, None]
-    with np.errstate(all="ignore"):
-        lev = np.where(d != 0, vals / d, np.float32(0.0))
-    if not (np.all(np.abs(lev) <= 127) and np.array_equal(np.rint(lev) * d, np.where(d != 0, vals, 0))):
+    q = np.empty((n, nb, 32), np.int8)
+    if not K.int8_levels(vals, d16.astype(np.float32), q):
         return None
     out = np.empty((n, nb, 34), np.uint8)
     out[:, :, :2] = d16.view(np.uint8).reshape(n, nb, 2)
-    out[:, :, 2:] = np.rint(lev).astype(np.int8).view(np.uint8)
+    out[:, :, 2:] = q.view(np.uint8)
     return out.reshape(n, nb * 34)
 
 
