@@ -160,7 +160,9 @@ _SHORT_R8 = {t: f.id for t in _Q8_SIMD if (f := interleaved_form(t)) is not None
 # rows holding the same values exactly (each level stored as an int8 under the same d).  DeepSeek's
 # attn_k_b falls back to such a type where 128-value rows rule out the 256-blocks; its one-token
 # product, 16 heads x 512 x 128 in Q5_0, took 109 us against Q8_0's 31 (one thread; 128 heads
-# 791 against 221): the generic block dots pay a reduction and a store per 4-block row.
+# 791 against 221): the generic block dots pay a reduction and a store per 4-block row.  ik's
+# default mixtures and the seeds' recipes keep attn_k_b in Q8_0; --pure files and recipes that
+# put attention in a K-quant / IQK type reach these fallbacks.
 _EXACT_IN_Q8_0 = frozenset(type_info(n).id for n in ("Q5_0", "Q6_0", "IQ4_NL"))
 
 
@@ -572,12 +574,14 @@ def _mul_id(wa: QTensor, wb: QTensor | None, x: np.ndarray, ids: np.ndarray,
         return out
     # every activation row quantized once; the per-16 sums of Q8_0 / Q4_0 only when one expert
     # gets enough pairs for the GEMM
-    act_x = () if va.qtype == F32 else _act(va.qtype, x, int(counts.max()))
+    # the few-row form may be another type's (_short_rows_form), with activation blocks of its own:
+    # x is then quantized for it, and for the plain type only when pairs go to the tiles too
+    fa = _view(wa, True) if few else None
+    own = fa is not None and fa.qtype != va.qtype and registry.traits(fa.qtype).act != registry.traits(va.qtype).act
+    act_x = () if va.qtype == F32 or (own and few == P) else _act(va.qtype, x, int(counts.max()))
     if few:
         po = order[:few]                            # the few-pair pairs, grouped by expert
-        fa = _view(wa, True)
-        # the few-row form may be another type's (_short_rows_form): its own activation blocks
-        act = act_x if (fa.qtype in _Q8_SIMD) == (va.qtype in _Q8_SIMD) else _act(fa.qtype, x, int(counts.max()))
+        act = _act(fa.qtype, x, int(counts.max())) if own else act_x
         if not (rows_identity and few == x.shape[0]):
             act = tuple(_gather(a, x_rows[po]) for a in act)   # one row per pair
         identity = few == P and order_identity

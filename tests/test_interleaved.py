@@ -239,6 +239,15 @@ def test_short_rows_are_multiplied_in_r8_form(qt, monkeypatch):
             scale = float(np.abs(ref).max())
             assert np.allclose(got, want, rtol=0, atol=2e-5 * scale), (shape, n)
             assert np.allclose(got, ref, rtol=0, atol=2e-2 * scale), (shape, n)
+        if len(shape) == 3:         # one expert with enough pairs for the integer GEMM, the others few
+            n = 40
+            ids = np.where(np.arange(n) < 30, 0, rng.integers(1, shape[0], n))
+            a = rng.standard_normal((n, shape[-1])).astype(np.float32)
+            got, want = M.matmul_id(w, a, ids, np.arange(n)), M.matmul_id(plain, a, ids, np.arange(n))
+            ref = np.einsum("nc,nrc->nr", a, deq[ids])
+            scale = float(np.abs(ref).max())
+            assert np.allclose(got, want, rtol=0, atol=2e-5 * scale), (shape, "skewed")
+            assert np.allclose(got, ref, rtol=0, atol=2e-2 * scale), (shape, "skewed")
         if len(shape) == 3:         # the one-token per-head product (matmul_heads' own plan)
             a = rng.standard_normal((1, shape[0], shape[-1])).astype(np.float32)
             want = np.einsum("thc,hrc->thr", a, deq)
