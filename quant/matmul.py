@@ -149,10 +149,12 @@ def _view(w: QTensor, few: bool = False) -> _View:
 # finish 8 rows together.  scripts/bench_matmul.py, one token, one thread: Q8_0 8192 x 128 43
 # against Q8_0_R8 87 GFLOP/s, Q4_0 42 / 96, Q8_0 2048 x 512 64 / 112.  Only with VNNI, where this
 # was measured.  Many-row products keep the plain view: the GEMM is as fast on it, and the
-# tensors made per call (row_block's, in prompt attention) are not repacked each time.
+# tensors made per call (row_block's, in prompt attention) are not repacked each time.  The
+# K-quant / IQK types with _R4 kernels go the same way: DeepSeek's attn_v_b (16 heads x 128 x
+# 512) in IQ4_K took 135 us a token call at two threads (4.4 GB/s), IQ4_K_R4 33-45 us.
 SHORT_ROWS = 512
-_SHORT_R8 = {t: f.id for t in _Q8_SIMD if (f := interleaved_form(t)) is not None and f.interleave == 8
-             and has_interleaved_kernel(f.id)}      # plain type id -> its _R8 type id
+_SHORT_R8 = {t: f.id for t in registry.TRAITS if (f := interleaved_form(t)) is not None
+             and has_interleaved_kernel(f.id)}      # plain type id -> its _R4 / _R8 type id
 
 
 # 32-value blocks of one f16 scale d whose values are d times an integer level within int8
@@ -184,7 +186,7 @@ def _exact_q8_0(rows: np.ndarray, qtype: int, cols: int) -> np.ndarray | None:
 def _short_rows_form(v: _View) -> _View:
     qt = Q8_0 if v.qtype in _EXACT_IN_Q8_0 else v.qtype
     r8 = _SHORT_R8.get(qt)
-    if r8 is None or not K.HAS_SHORT_R8 or v.cols > SHORT_ROWS or v.rows % 8 or v.rows == 0:
+    if r8 is None or not K.HAS_SHORT_R8 or v.cols > SHORT_ROWS or v.rows % type_info(r8).interleave or v.rows == 0:
         return v
     from .interleaved import repack
     n = v.n_expert * v.rows

@@ -259,6 +259,47 @@ def test_short_rows_are_multiplied_in_r8_form(qt, monkeypatch):
             assert np.array_equal(M.get_rows(w, ids), deq[0][ids])
 
 
+@pytest.mark.parametrize("qt", ["Q4_K", "IQ4_K"])
+def test_short_rows_of_block_types_are_multiplied_in_r4_form(qt, monkeypatch):
+    """K-quant / IQK matrices of rows <= quant.matmul.SHORT_ROWS values (DeepSeek's attn_v_b in an
+    IQK mixture) go to products of a few rows in their _R4 form (with VNNI), row counts a multiple
+    of 4; products equal the plain kernels' within f32 rounding (2-D, per expert, per head) and
+    the dequantized reference within the activations' quantization."""
+    from quant import kernels as K
+    from quant import matmul as M
+    from quant.tensor import QTensor
+    tid = type_info(qt).id
+    r4 = interleaved_form(tid).id
+    rng = np.random.default_rng(tid)
+    for shape, short in (((16, 256), True), ((3, 8, 512), True), ((6, 256), False), ((8, M.SHORT_ROWS + 256), False)):
+        x = rng.standard_normal(shape).astype(np.float32)
+        raw = reference.quantize(x.reshape(-1, shape[-1]), tid)
+        w = QTensor(raw.reshape(*shape[:-1], -1), tid, shape)
+        assert M._view(w, few=True).qtype == (r4 if short and K.HAS_SHORT_R8 else tid), shape
+        monkeypatch.setattr(M, "_SHORT_R8", {})
+        plain = QTensor(raw.reshape(*shape[:-1], -1), tid, shape)
+        assert M._view(plain, few=True).qtype == tid
+        monkeypatch.undo()
+        deq = M.dequantize(plain).reshape(-1, shape[-2], shape[-1])
+        for n in (1, 3, 20):
+            a = rng.standard_normal((n, shape[-1])).astype(np.float32)
+            if len(shape) == 2:
+                got, want, ref = M.matmul(w, a), M.matmul(plain, a), a @ deq[0].T
+            else:
+                ids = rng.integers(0, shape[0], n)
+                got, want = M.matmul_id(w, a, ids, np.arange(n)), M.matmul_id(plain, a, ids, np.arange(n))
+                ref = np.einsum("nc,nrc->nr", a, deq[ids])
+            scale = float(np.abs(ref).max())
+            assert np.allclose(got, want, rtol=0, atol=2e-5 * scale), (shape, n)
+            assert np.allclose(got, ref, rtol=0, atol=3e-2 * scale), (shape, n)
+        if len(shape) == 3:
+            a = rng.standard_normal((1, shape[0], shape[-1])).astype(np.float32)
+            want = np.einsum("thc,hrc->thr", a, deq)
+            scale = float(np.abs(want).max())
+            assert np.allclose(M.matmul_heads(w, a), M.matmul_heads(plain, a), rtol=0, atol=2e-5 * scale), shape
+            assert np.allclose(M.matmul_heads(w, a), want, rtol=0, atol=3e-2 * scale), shape
+
+
 @pytest.mark.parametrize("qt", ["Q5_0", "Q6_0", "IQ4_NL"])
 def test_exact_q8_0_form_holds_the_same_values(qt):
     """quant.matmul._exact_q8_0: the Q8_0 rows decode to exactly the values of the source rows
