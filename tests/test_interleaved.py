@@ -200,6 +200,30 @@ def test_matmul_runs_every_r_type_like_its_plain_type(name):
         assert np.allclose(M.matmul_id(wr, a, ids, np.arange(n)), want, rtol=0, atol=2e-5 * scale)
 
 
+def _few_row_products_agree(w, plain, deq, shape, rng, ns, ref_atol: float) -> None:
+    """Products of n in ns activation rows (matmul for 2-D, matmul_id for 3-D weights, and for
+    3-D matmul_heads of one token) through w's few-row form equal the plain kernels' within f32
+    rounding and the dequantized reference deq within ref_atol (relative to the largest)."""
+    from quant import matmul as M
+    for n in ns:
+        a = rng.standard_normal((n, shape[-1])).astype(np.float32)
+        if len(shape) == 2:
+            got, want, ref = M.matmul(w, a), M.matmul(plain, a), a @ deq[0].T
+        else:
+            ids = rng.integers(0, shape[0], n)
+            got, want = M.matmul_id(w, a, ids, np.arange(n)), M.matmul_id(plain, a, ids, np.arange(n))
+            ref = np.einsum("nc,nrc->nr", a, deq[ids])
+        scale = float(np.abs(ref).max())
+        assert np.allclose(got, want, rtol=0, atol=2e-5 * scale), (shape, n)
+        assert np.allclose(got, ref, rtol=0, atol=ref_atol * scale), (shape, n)
+    if len(shape) == 3:
+        a = rng.standard_normal((1, shape[0], shape[-1])).astype(np.float32)
+        want = np.einsum("thc,hrc->thr", a, deq)
+        scale = float(np.abs(want).max())
+        assert np.allclose(M.matmul_heads(w, a), M.matmul_heads(plain, a), rtol=0, atol=2e-5 * scale), shape
+        assert np.allclose(M.matmul_heads(w, a), want, rtol=0, atol=ref_atol * scale), shape
+
+
 @pytest.mark.parametrize("qt", ["Q8_0", "Q4_0", "Q5_0", "Q6_0", "IQ4_NL"])
 def test_short_rows_are_multiplied_in_r8_form(qt, monkeypatch):
     """Q8_0 / Q4_0 matrices of rows <= quant.matmul.SHORT_ROWS values (DeepSeek's per-head attn_k_b /
@@ -228,17 +252,7 @@ def test_short_rows_are_multiplied_in_r8_form(qt, monkeypatch):
         assert M._view(plain, few=True).qtype == tid
         monkeypatch.undo()
         deq = M.dequantize(plain).reshape(-1, shape[-2], shape[-1])
-        for n in (1, 5, 40):
-            a = rng.standard_normal((n, shape[-1])).astype(np.float32)
-            if len(shape) == 2:
-                got, want, ref = M.matmul(w, a), M.matmul(plain, a), a @ deq[0].T
-            else:
-                ids = rng.integers(0, shape[0], n)
-                got, want = M.matmul_id(w, a, ids, np.arange(n)), M.matmul_id(plain, a, ids, np.arange(n))
-                ref = np.einsum("nc,nrc->nr", a, deq[ids])
-            scale = float(np.abs(ref).max())
-            assert np.allclose(got, want, rtol=0, atol=2e-5 * scale), (shape, n)
-            assert np.allclose(got, ref, rtol=0, atol=2e-2 * scale), (shape, n)
+        _few_row_products_agree(w, plain, deq, shape, rng, (1, 5, 40), 2e-2)
         if len(shape) == 3:         # one expert with enough pairs for the integer GEMM, the others few
             n = 40
             ids = np.where(np.arange(n) < 30, 0, rng.integers(1, shape[0], n))
@@ -248,12 +262,6 @@ def test_short_rows_are_multiplied_in_r8_form(qt, monkeypatch):
             scale = float(np.abs(ref).max())
             assert np.allclose(got, want, rtol=0, atol=2e-5 * scale), (shape, "skewed")
             assert np.allclose(got, ref, rtol=0, atol=2e-2 * scale), (shape, "skewed")
-        if len(shape) == 3:         # the one-token per-head product (matmul_heads' own plan)
-            a = rng.standard_normal((1, shape[0], shape[-1])).astype(np.float32)
-            want = np.einsum("thc,hrc->thr", a, deq)
-            got, plain_got = M.matmul_heads(w, a), M.matmul_heads(plain, a)
-            assert np.allclose(got, plain_got, rtol=0, atol=2e-5 * float(np.abs(want).max())), shape
-            assert np.allclose(got, want, rtol=0, atol=2e-2 * float(np.abs(want).max())), shape
         if len(shape) == 2:
             ids = np.array([3, 0, 15 if shape[0] > 15 else 1])
             assert np.array_equal(M.get_rows(w, ids), deq[0][ids])
@@ -281,23 +289,7 @@ def test_short_rows_of_block_types_are_multiplied_in_r4_form(qt, monkeypatch):
         assert M._view(plain, few=True).qtype == tid
         monkeypatch.undo()
         deq = M.dequantize(plain).reshape(-1, shape[-2], shape[-1])
-        for n in (1, 3, 20):
-            a = rng.standard_normal((n, shape[-1])).astype(np.float32)
-            if len(shape) == 2:
-                got, want, ref = M.matmul(w, a), M.matmul(plain, a), a @ deq[0].T
-            else:
-                ids = rng.integers(0, shape[0], n)
-                got, want = M.matmul_id(w, a, ids, np.arange(n)), M.matmul_id(plain, a, ids, np.arange(n))
-                ref = np.einsum("nc,nrc->nr", a, deq[ids])
-            scale = float(np.abs(ref).max())
-            assert np.allclose(got, want, rtol=0, atol=2e-5 * scale), (shape, n)
-            assert np.allclose(got, ref, rtol=0, atol=3e-2 * scale), (shape, n)
-        if len(shape) == 3:
-            a = rng.standard_normal((1, shape[0], shape[-1])).astype(np.float32)
-            want = np.einsum("thc,hrc->thr", a, deq)
-            scale = float(np.abs(want).max())
-            assert np.allclose(M.matmul_heads(w, a), M.matmul_heads(plain, a), rtol=0, atol=2e-5 * scale), shape
-            assert np.allclose(M.matmul_heads(w, a), want, rtol=0, atol=3e-2 * scale), shape
+        _few_row_products_agree(w, plain, deq, shape, rng, (1, 3, 20), 3e-2)
 
 
 @pytest.mark.parametrize("qt", ["Q5_0", "Q6_0", "IQ4_NL"])
