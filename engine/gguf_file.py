@@ -17,7 +17,6 @@ from quant.tensor import QTensor
 from quant.types import type_info
 
 from . import gguf_scan
-from .gguf_scan import printable
 
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)      # Linux's value
 _MADV_POPULATE_READ = 22        # Linux >= 5.14; Python's mmap module has no name for it before 3.12

@@ -65,9 +65,7 @@ per type, 0.96-1.3x ik's own single-thread time.
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
-from numba import literally, njit, types
-from numba.extending import intrinsic
+from numba import literally, njit
 
 from . import iquants
 from .f32ops import MAGIC, f16_bits, f32_bits as _f32_bits, fma_f32, quantizer_rows

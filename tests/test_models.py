@@ -81,7 +81,7 @@ def reference_deepseek2(path, toks):
     mf = open_model_file(path)
     hp = read_hparams(mf)
     W = {n: dequantize(t.qtensor()).reshape(t.shape).astype(np.float64) for n, t in mf.tensors.items()}
-    T, H, E = len(toks), hp.n_head, hp.n_embd
+    T, H = len(toks), hp.n_head
     nope, rope, dv, lora = hp.n_embd_head_k - hp.n_rot, hp.n_rot, hp.n_embd_head_v, hp.kv_lora_rank
     pos = np.arange(T, dtype=np.float64)
     x = W["token_embd.weight"][toks]
