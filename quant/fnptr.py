@@ -69,4 +69,20 @@ def cached_address(cache: dict, key, make: Callable[[], tuple]) -> int:
     return kern[1]
 
 
-__all__ = ["arrays_key", "cached_address", "call_at", "jit_address"]
+_CLOSED: set = set()     # ids of the dispatchers one_form has closed
+
+
+def one_form(dispatcher, argtypes: tuple):
+    """dispatcher, compiled (or loaded from Numba's cache) for argtypes only, on the first call,
+    and then closed to new compiles: calls with other array kinds (C-contiguous for 'A', writable
+    for read-only) convert to these types instead of compiling a form of their own.  For large
+    parallel loops that read their arrays through strides and pointers only (a form per layout mix
+    is a copy of the same code)."""
+    if id(dispatcher) not in _CLOSED:
+        dispatcher.compile(tuple(argtypes))
+        dispatcher.disable_compile()
+        _CLOSED.add(id(dispatcher))
+    return dispatcher
+
+
+__all__ = ["arrays_key", "cached_address", "call_at", "jit_address", "one_form"]

@@ -33,7 +33,7 @@ from numba.extending import intrinsic
 
 from . import blas_threads
 from . import simd_sgemm as _own
-from .fnptr import call_at
+from .fnptr import call_at, one_form
 from .kernels import rows_address
 from .simd import cpu_features
 from .typetag import QType
@@ -194,6 +194,15 @@ def _item(it, nsplit, st):
     return it // nsplit, st[p], st[p + 1]
 
 
+# the batched loops' one form each (quant.fnptr.one_form): operands as strided ('A') arrays, the
+# inputs read-only, whatever the callers' layouts (a test run had compiled 9 forms of _gemm_batched)
+_A3 = types.Array(types.float32, 3, "A")
+_A3_IN = types.Array(types.float32, 3, "A", readonly=True)
+_BATCHED_SIG = (types.int64, types.int64, types.boolean, types.boolean, _A3_IN, _A3_IN, _A3, types.float32,
+                types.int64, types.boolean)
+_T_BATCHED_SIG = (_A3_IN, _A3_IN, _A3, types.int64)
+
+
 @njit(parallel=True, **_opts)
 def _gemm_batched(fn, fnv, ilp64, transb, a, b, c, beta, nsplit, own):
     """c[g] = a[g] . op(b[g]) + beta c[g] for every g, one work item per (g, share of c's columns);
@@ -284,7 +293,7 @@ def gemm(a: np.ndarray, b: np.ndarray, out: np.ndarray, trans_b: bool = True, ac
     fn, fnv, ilp64 = _find()
     nt = numba.get_num_threads()
     nsplit = max(1, -(-nt // c3.shape[0]))
-    _gemm_batched(fn, fnv, ilp64, bool(trans_b), a3, b3, c3, np.float32(1.0 if accumulate else 0.0), nsplit, OWN)
+    one_form(_gemm_batched, _BATCHED_SIG)(fn, fnv, ilp64, bool(trans_b), a3, b3, c3, np.float32(1.0 if accumulate else 0.0), nsplit, OWN)
     return out
 
 
@@ -315,7 +324,7 @@ def gemm_t(a: np.ndarray, bt: np.ndarray, out: np.ndarray) -> np.ndarray:
     if a.strides[2] != 4 or bt.strides[2] != 4 or out.strides[2] != 4 or bt.shape[2] < -(-out.shape[1] // 16) * 16:
         raise ValueError("gemm_t: last axes must be contiguous and bt's rows padded to 16 columns")
     nsplit = max(1, -(-numba.get_num_threads() // out.shape[0]))
-    _gemm_t_batched(a, bt, out, nsplit)
+    one_form(_gemm_t_batched, _T_BATCHED_SIG)(a, bt, out, nsplit)
     return out
 
 

@@ -561,10 +561,14 @@ def rows_address(qtype, buf: np.ndarray, lut: np.ndarray, unscaled: bool = False
     gty = (qtype if isinstance(qtype, QType) else tag(int(qtype)))._numba_type_
 
     def make():
+        # buf typed read-only whether it is or not (the kernel only reads it; both kinds share
+        # one data model): weights and quantized caches then share one compiled decoder
+        bty = numba.typeof(buf)
         return (_make_rows_kernel(make_tag(min(gty.group), gty.group), unscaled),
-                (_I64, numba.typeof(buf), _I64, _I64, _I64, _I64, _I64, numba.typeof(lut),
+                (_I64, bty.copy(readonly=True), _I64, _I64, _I64, _I64, _I64, numba.typeof(lut),
                  types.Array(types.float32, 2, "C")))
-    return _fnptr.cached_address(_ROWS_KERNELS, (gty, unscaled) + _fnptr.arrays_key(buf, lut), make)
+    key = (gty, unscaled, buf.dtype.char, buf.ndim, buf.flags.c_contiguous, buf.flags.aligned)
+    return _fnptr.cached_address(_ROWS_KERNELS, key + _fnptr.arrays_key(lut), make)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")

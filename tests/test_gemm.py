@@ -86,6 +86,43 @@ def test_gemm_out_view_and_single_rows(pool_always):
     _close(out, a3 @ b.T)
 
 
+@needs_blas
+def test_every_layout_runs_through_one_compiled_form(pool_always):
+    """C-contiguous, strided, read-only and broadcast operands: one compiled form of the batched
+    loop for all of them (quant.fnptr.one_form), each product still numpy's."""
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((3, 4, 40), dtype=np.float32)
+    b = rng.standard_normal((3, 24, 40), dtype=np.float32)
+    ro = b.copy()
+    ro.flags.writeable = False
+    wide = np.zeros((3, 4, 64), dtype=np.float32)
+    cases = [(a, b, np.empty((3, 4, 24), np.float32)), (a[:, :, :32], b[:, :, :32], np.empty((3, 4, 24), np.float32)),
+             (a, ro, wide[:, :, 8:32]), (a[:, :1], np.broadcast_to(b[0], (3, 24, 40)), np.empty((3, 1, 24), np.float32))]
+    for x, w, out in cases:
+        G.gemm(x, w, out)
+        _close(out, np.matmul(x, np.swapaxes(w, -1, -2)))
+    assert list(G._gemm_batched.overloads) == [G._BATCHED_SIG]
+
+
+def test_read_only_and_writable_weights_share_one_row_decoder():
+    """rows_address types the weight bytes read-only either way (a mapped file's tensors and a
+    quantized cache or freshly quantized rows): one compiled decoder and address for both."""
+    rng = np.random.default_rng(4)
+    w = Q.quantize_tensor(rng.standard_normal((8, 64), dtype=np.float32), Q8_0)
+    v = Q._view(w)
+    wr = np.array(v.buf)                      # a writable copy of the same bytes
+    ro = wr.copy()
+    ro.flags.writeable = False
+    assert K.rows_address(v.tag, wr, K.F16_TO_F32) == K.rows_address(v.tag, ro, K.F16_TO_F32)
+    outs = []
+    for buf in (wr, ro):
+        out = np.empty((8, 64), np.float32)
+        K.dequant_rows(buf, v.tag, v.stride, np.arange(8), 64, 32, K.F16_TO_F32, out)
+        outs.append(out)
+    np.testing.assert_array_equal(outs[0], Q.dequantize(w))
+    np.testing.assert_array_equal(outs[1], outs[0])
+
+
 def test_gemm_small_products_stay_on_numpy_and_agree():
     rng = np.random.default_rng(2)
     a = rng.standard_normal((1, 1024), dtype=np.float32)
