@@ -270,12 +270,14 @@ def _operand(m: np.ndarray) -> np.ndarray:
 def gemm(a: np.ndarray, b: np.ndarray, out: np.ndarray, trans_b: bool = True, accumulate: bool = False) -> np.ndarray:
     """out = a @ b.T (trans_b) or a @ b; accumulate: out += instead.  2-D (M, K) operands, or 3-D
     with a leading batch axis; out (.., M, N) f32 whose last axis is contiguous.  Parallel over
-    numba's pool; numpy's matmul for products under SMALL_WORK multiply-adds, or where
-    available() is False."""
+    numba's pool; numpy's matmul for products under SMALL_WORK multiply-adds, for an out that is
+    not an aligned, writable f32 array, or where available() is False."""
     # small products stay on the calling thread: the router's 1 x 64 x 1024 took 3.7 us in numpy,
     # 10 us through the pool
     small = a.shape[-2] * out.shape[-1] * a.shape[-1] * (out.shape[0] if out.ndim == 3 else 1) < SMALL_WORK
-    if not available() or out.dtype != np.float32 or out.strides[-1] != 4 or small:
+    # (an out the pool's one compiled form cannot take, misaligned or read-only, goes to numpy too)
+    fits = out.dtype == np.float32 and out.strides[-1] == 4 and out.flags.aligned and out.flags.writeable
+    if not available() or not fits or small:
         r = np.matmul(a, np.swapaxes(b, -1, -2) if trans_b else b)
         if accumulate:
             out += r

@@ -102,6 +102,11 @@ def test_every_layout_runs_through_one_compiled_form(pool_always):
         G.gemm(x, w, out)
         _close(out, np.matmul(x, np.swapaxes(w, -1, -2)))
     assert list(G._gemm_batched.overloads) == [G._BATCHED_SIG]
+    # an output that form cannot take (misaligned) goes to numpy's matmul
+    odd = np.frombuffer(bytearray(4 * 96 + 1), dtype=np.float32, offset=1, count=96).reshape(1, 4, 24)
+    assert not odd.flags.aligned
+    G.gemm(a[:1], b[:1], odd)
+    _close(odd, np.matmul(a[:1], np.swapaxes(b[:1], -1, -2)))
 
 
 def test_read_only_and_writable_weights_share_one_row_decoder():
