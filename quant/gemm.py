@@ -295,7 +295,8 @@ def gemm(a: np.ndarray, b: np.ndarray, out: np.ndarray, trans_b: bool = True, ac
     fn, fnv, ilp64 = _find()
     nt = numba.get_num_threads()
     nsplit = max(1, -(-nt // c3.shape[0]))
-    one_form(_gemm_batched, _BATCHED_SIG)(fn, fnv, ilp64, bool(trans_b), a3, b3, c3, np.float32(1.0 if accumulate else 0.0), nsplit, OWN)
+    one_form(_gemm_batched, _BATCHED_SIG)(fn, fnv, ilp64, bool(trans_b), a3, b3, c3,
+                                          np.float32(1.0 if accumulate else 0.0), nsplit, OWN)
     return out
 
 

@@ -96,8 +96,10 @@ def test_every_layout_runs_through_one_compiled_form(pool_always):
     ro = b.copy()
     ro.flags.writeable = False
     wide = np.zeros((3, 4, 64), dtype=np.float32)
-    cases = [(a, b, np.empty((3, 4, 24), np.float32)), (a[:, :, :32], b[:, :, :32], np.empty((3, 4, 24), np.float32)),
-             (a, ro, wide[:, :, 8:32]), (a[:, :1], np.broadcast_to(b[0], (3, 24, 40)), np.empty((3, 1, 24), np.float32))]
+    cases = [(a, b, np.empty((3, 4, 24), np.float32)),
+             (a[:, :, :32], b[:, :, :32], np.empty((3, 4, 24), np.float32)),
+             (a, ro, wide[:, :, 8:32]),
+             (a[:, :1], np.broadcast_to(b[0], (3, 24, 40)), np.empty((3, 1, 24), np.float32))]
     for x, w, out in cases:
         G.gemm(x, w, out)
         _close(out, np.matmul(x, np.swapaxes(w, -1, -2)))
