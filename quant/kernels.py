@@ -567,8 +567,9 @@ def rows_address(qtype, buf: np.ndarray, lut: np.ndarray, unscaled: bool = False
         return (_make_rows_kernel(make_tag(min(gty.group), gty.group), unscaled),
                 (_I64, bty.copy(readonly=True), _I64, _I64, _I64, _I64, _I64, numba.typeof(lut),
                  types.Array(types.float32, 2, "C")))
-    key = (gty, unscaled, buf.dtype.char, buf.ndim, buf.flags.c_contiguous, buf.flags.aligned)
-    return _fnptr.cached_address(_ROWS_KERNELS, key + _fnptr.arrays_key(lut), make)
+    kb, kl = _fnptr.arrays_key(buf, lut)
+    # buf's writability left out of the key, as out of the kernel's type
+    return _fnptr.cached_address(_ROWS_KERNELS, (gty, unscaled, kb[:3] + kb[4:], kl), make)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
