@@ -10,7 +10,8 @@ multiply-adds:
 * Q is packed once per call, per kv head, in chunks of 16 rows (padded with rows that see no
   cell): f32 Qt[j] = (q[r, j] for the 16 rows r), or bf16 Qp[j] = (q[r, 2j], q[r, 2j+1]);
 * per block of CB = 16 cells the block's K rows are converted once (shared by every row of the
-  kv head): to f32 (quant.kernels.decode_cache_rows) or to bf16.  Scores: S[c] += Qt[j] *
+  kv head): to f32 (16 values a step for the float caches, quant.kernels.decode_cache_rows for
+  quantized ones) or to bf16.  Scratch and packed queries start on cache lines.  Scores: S[c] += Qt[j] *
   broadcast k[c, j] (f32 FMA) or dpbf16(Qp[j], broadcast k[c, 2j..2j+1]): 16 accumulators,
   one per cell, of 16 rows;
 * online softmax in the log2 domain, rows in lanes, f32 (shared by both kinds);
@@ -210,8 +211,9 @@ def _qk_block_intrinsic(kind: str):
 
 def _pv_block_intrinsic(kind: str):
     # d values per pass: bf16 one accumulator chain at a time, 16 unrolled (as measured on Zen 4);
-    # f32 four interleaved chains (one chain of 16 FMAs would wait on their latency)
-    nd, unroll = (4, 1) if kind == "f32" else (1, 16)
+    # f32 eight interleaved chains: two FMAs issue a cycle at a latency of four, and with four
+    # chains the kernel ran ~10 % slower (Intel VM, 3584 cells, one thread)
+    nd, unroll = (8, 1) if kind == "f32" else (1, 16)
 
     @intrinsic
     def pv_block(typingctx, s, vb, vrow, dv, acc, aoff, alpha, rescale):
@@ -317,6 +319,54 @@ def _rows_to_bf16_intrinsic(src_t: ir.Type, src_bytes: int):
 
 _f16_rows_to_bf16 = _rows_to_bf16_intrinsic(ir.HalfType(), 2)
 _f32_rows_to_bf16 = _rows_to_bf16_intrinsic(_F32, 4)
+
+
+def _rows_to_f32_intrinsic(src: str):
+    @intrinsic
+    def rows_to_f32(typingctx, buf, off, stride, nrows, dst):
+        """dst (CB, n) f32 = the rows i < nrows at byte off + i * stride of buf, stored as `src`
+        (f16, bf16 or f32); rows nrows..CB-1 zeroed (their p is 0, but 0 * inf would be NaN).  n
+        a multiple of 16.  16 values a step: LLVM's own loop converted 8 (ymm), ~35 % slower."""
+        if not (isinstance(buf, types.Array) and isinstance(dst, types.Array) and dst.ndim == 2):
+            return None
+        sig = types.none(buf, types.int64, types.int64, types.int64, dst)
+
+        def codegen(context, builder, sig, args):
+            b0 = _at(builder, _ptr(context, builder, sig.args[0], args[0], _i64(0)), args[1])
+            da = context.make_array(sig.args[4])(context, builder, args[4])
+            d0 = builder.bitcast(da.data, _I8.as_pointer())
+            n = cgutils.unpack_tuple(builder, da.shape, 2)[1]
+            stride, nrows = args[2], args[3]
+            v16 = _vec(_F32, 16)
+            with cgutils.for_range(builder, _i64(CB)) as rl:
+                c = rl.index
+                row = _at(builder, b0, builder.mul(c, stride))
+                dc = _at(builder, d0, builder.mul(c, builder.mul(n, _i64(4))))
+                with builder.if_else(builder.icmp_signed("<", c, nrows)) as (then, otherwise):
+                    with then:
+                        with cgutils.for_range(builder, builder.udiv(n, _i64(16))) as tl:
+                            t = tl.index
+                            if src == "f32":
+                                x = _load(builder, _at(builder, row, builder.mul(t, _i64(64))), _F32, 16)
+                            elif src == "f16":
+                                x = builder.fpext(_load(builder, _at(builder, row, builder.mul(t, _i64(32))),
+                                                        ir.HalfType(), 16), v16)
+                            else:                 # bf16 bits are the top half of an f32
+                                h = _load(builder, _at(builder, row, builder.mul(t, _i64(32))), _I16, 16)
+                                x = builder.bitcast(builder.shl(builder.zext(h, _vec(_I32, 16)),
+                                                                ir.Constant(_vec(_I32, 16), [16] * 16)), v16)
+                            _store(builder, x, _at(builder, dc, builder.mul(t, _i64(64))))
+                    with otherwise:
+                        with cgutils.for_range(builder, builder.udiv(n, _i64(16))) as tl:
+                            _store(builder, ir.Constant(v16, None), _at(builder, dc, builder.mul(tl.index, _i64(64))))
+            return context.get_dummy_value()
+        return sig, codegen
+    return rows_to_f32
+
+
+_f16_rows_to_f32 = _rows_to_f32_intrinsic("f16")
+_bf16_rows_to_f32 = _rows_to_f32_intrinsic("bf16")
+_f32_rows_to_f32 = _rows_to_f32_intrinsic("f32")
 
 
 @intrinsic
@@ -431,6 +481,34 @@ def _block_to_bf16(buf, qt, base, stride, nb, n, lut, fb, dst, dstride):
 
 
 @njit(**_opts)
+def _aligned_empty(n, like):
+    """n elements of like's dtype, uninitialised, from a 64-byte boundary: zmm loads and stores
+    across two cache lines cost up to twice as much (the f16 -> f32 block conversion ~35 % slower
+    from a 16-byte boundary)."""
+    raw = np.empty(n + 64 // like.itemsize, like.dtype)
+    o = ((-raw.ctypes.data) & 63) // like.itemsize
+    return raw[o:o + n]
+
+
+_F32_TOKEN = np.empty(0, np.float32)
+
+
+@njit(**_opts)
+def _block_to_f32(buf, qt, base, stride, nb, lut, dst):
+    """Rows base + i * stride (i < nb) of the cache into the f32 block dst (CB, n); rows nb..CB-1
+    zeroed.  The float types are converted here, quantized ones go through the shared decoder."""
+    if qt == F16:
+        _f16_rows_to_f32(buf, base, stride, nb, dst)
+    elif qt == F32:
+        _f32_rows_to_f32(buf, base, stride, nb, dst)
+    elif qt == BF16:
+        _bf16_rows_to_f32(buf, base, stride, nb, dst)
+    else:
+        decode_cache_rows(buf, qt, base, stride, nb, dst.shape[1], QK, lut, dst)
+        dst[nb:] = 0.0                    # stale rows could hold inf: 0 * inf would be NaN
+
+
+@njit(**_opts)
 def _exact_score(qf, qoff, buf, qt, base, fb, b, dk):
     """q row (f32, at qoff of qf) . cell b of the block, in f32 from the cache's own values
     (quantized types: their f32 decode in fb)."""
@@ -516,7 +594,7 @@ def _attend_range(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, 
     `refine` (log2 units) of the running max are recomputed in f32 (module docstring)."""
     hkv = qp.shape[0]
     blk = _new_block(qp, dk, dv, v_is_k)
-    S = np.empty(CB * LANES, dtype=np.float32)
+    S = _aligned_empty(CB * LANES, _F32_TOKEN)
     mnew = np.empty(LANES, dtype=np.float32)
     alpha = np.empty(LANES, dtype=np.float32)
     maxpos = rpos[ch0 * LANES:ch1 * LANES].max()
@@ -564,8 +642,8 @@ def _new_block_kind(qp, dk, dv, v_is_k):
         return bf16
 
     def f32(qp, dk, dv, v_is_k):
-        kb = np.zeros((CB, dk), dtype=np.float32)
-        return kb, kb if v_is_k else np.zeros((CB, dv), dtype=np.float32)
+        kb = _aligned_empty(CB * dk, _F32_TOKEN).reshape(CB, dk)
+        return kb, kb if v_is_k else _aligned_empty(CB * dv, _F32_TOKEN).reshape(CB, dv)
     return f32
 
 
@@ -586,12 +664,9 @@ def _fill_block_kind(qp, blk, kbuf, kqt, kbase, kstride, vbuf, vqt, vbase, vstri
 
     def f32(qp, blk, kbuf, kqt, kbase, kstride, vbuf, vqt, vbase, vstride, v_is_k, nb, dk, dv, lut):
         kb, vb = blk
-        decode_cache_rows(kbuf, kqt, kbase, kstride, nb, dk, QK, lut, kb)
+        _block_to_f32(kbuf, kqt, kbase, kstride, nb, lut, kb)
         if not v_is_k:
-            decode_cache_rows(vbuf, vqt, vbase, vstride, nb, dv, QK, lut, vb)
-        if nb < CB:                       # stale rows could hold inf: 0 * inf would be NaN
-            kb[nb:] = 0.0
-            vb[nb:] = 0.0
+            _block_to_f32(vbuf, vqt, vbase, vstride, nb, lut, vb)
     return f32
 
 
@@ -684,9 +759,9 @@ def _pack_lanes_kind(qpad, qp):
 
 @njit(parallel=True, **_opts)
 def _fa_kernel(q, scale2, q_pos, hkv, kbuf, kqt, kstride, khead, vbuf, vqt, vstride, vhead, v_is_k, n_kv, dv,
-               cell_pos, nsplit, lut, refine, qp, out, attend):
-    """The whole call in one compiled function: pack the query rows into qp (its dtype picks the
-    kind), one work item per (group of CHUNKS_PER_ITEM row chunks, range of cells), merge the
+               cell_pos, nsplit, lut, refine, qkind, out, attend):
+    """The whole call in one compiled function: pack the query rows into qp (qkind's dtype picks
+    the kind), one work item per (group of CHUNKS_PER_ITEM row chunks, range of cells), merge the
     ranges into out (Hkv, R, dv).  Packing, attending and merging as three calls cost ~25 us of
     dispatch and allocation a call, half of a 64-cell generation step.  attend: the address of
     _attend_range compiled for these arguments (_attend_address): called by address, its code is
@@ -697,8 +772,9 @@ def _fa_kernel(q, scale2, q_pos, hkv, kbuf, kqt, kstride, khead, vbuf, vqt, vstr
     qpad = np.empty((hkv, nch * LANES, dk), dtype=np.float32)
     rp = np.empty(nch * LANES, dtype=np.int64)
     _pack_q(q, scale2, q_pos, qpad, rp)
+    qp = _aligned_empty(hkv * nch * dk * LANES, qkind).reshape(hkv, nch, dk * LANES)
     _pack_lanes(qpad, qp)
-    acc = np.empty((hkv, nsplit, nch, dv * LANES), dtype=np.float32)
+    acc = _aligned_empty(hkv * nsplit * nch * dv * LANES, _F32_TOKEN).reshape(hkv, nsplit, nch, dv * LANES)
     m = np.empty((hkv, nsplit, nch * LANES), dtype=np.float32)
     l = np.zeros((hkv, nsplit, nch * LANES), dtype=np.float32)
     ngr = (nch + CHUNKS_PER_ITEM - 1) // CHUNKS_PER_ITEM
@@ -757,16 +833,17 @@ def flash_kernel_lanes(q: np.ndarray, scale2: float, q_pos: np.ndarray, hkv: int
     kind: "f32" or "bf16" products (bf16 only where bf16_available())."""
     T, H, _ = q.shape
     vs = k if v is None else v
-    nch = -(-T * (H // hkv) // LANES)
-    qp = np.empty((hkv, nch, dk * LANES), dtype=np.uint16 if kind == "bf16" else np.float32)
+    qkind = _QKIND[kind]
     out = np.empty((hkv, T * (H // hkv), dv), dtype=np.float32)
     kbuf, vbuf = k.data.reshape(-1), vs.data.reshape(-1)
     _fa_kernel(q, np.float32(scale2), q_pos, hkv, kbuf, k.qtype, k.data.shape[1], khead, vbuf, vs.qtype,
-               vs.data.shape[1], vhead, v is None, n_kv, dv, cell_pos, nsplit, lut, np.float32(REFINE_LOG2), qp, out,
-               _attend_address(kbuf, vbuf, cell_pos, qp, lut))
+               vs.data.shape[1], vhead, v is None, n_kv, dv, cell_pos, nsplit, lut, np.float32(REFINE_LOG2), qkind, out,
+               _attend_address(kbuf, vbuf, cell_pos, qkind, lut))
     return out
 
 
+# the packed queries' dtype (and array type) of each kind: _fa_kernel allocates them, aligned
+_QKIND = {"f32": np.empty((0, 0, 0), np.float32), "bf16": np.empty((0, 0, 0), np.uint16)}
 # (argument kinds) -> (_attend_range, its address for them)
 _ATTEND: dict = {}
 _INT = types.int64

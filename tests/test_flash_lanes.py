@@ -218,6 +218,34 @@ def test_standard_heads_gqa_separate_v(monkeypatch, no_refine, lanes_calls, kind
     close(out, reference(bf16_q(q, 0.2), K, V, cp, qp, 0.2), TOL_ROUNDED)
 
 
+@pytest.mark.parametrize("ctype", ["f32", "f16", "bf16", "q8_0"])
+@pytest.mark.parametrize("nb", [1, 7, fl.CB])
+def test_block_conversion_matches_the_shared_decoder(ctype, nb):
+    """The f32 kind's block fill (16-lane conversions for the float caches) against
+    quant.kernels.decode_cache_rows, from an odd row of a cache whose rows hold two heads of 96
+    values; rows past nb zeroed even where the block held inf."""
+    from quant.kernels import QK, decode_cache_rows
+    rng = np.random.default_rng(3)
+    k = RowStore(40, 192, CACHE_TYPES[ctype])
+    k.write(0, rng.standard_normal((40, 192)).astype(np.float32) * 4)
+    buf, stride = k.data.reshape(-1), k.data.shape[1]
+    base = 5 * stride + stride // 2             # cell 5, second head
+    lut = F16_TO_F32                            # what engine.flash_attn passes
+    want = np.zeros((fl.CB, 96), np.float32)
+    decode_cache_rows(buf, k.qtype, base, stride, nb, 96, QK, lut, want)
+    want[nb:] = 0.0
+    got = np.full((fl.CB, 96), np.inf, np.float32)
+    fl._block_to_f32(buf, k.qtype, base, stride, nb, lut, got)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_aligned_scratch_starts_on_a_cache_line():
+    for n in (1, 16, 1000):
+        for like in (np.empty(0, np.float32), np.empty(0, np.uint16)):
+            a = fl._aligned_empty(n, like)
+            assert a.shape == (n,) and a.dtype == like.dtype and a.ctypes.data % 64 == 0
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_more_splits_than_blocks(no_refine, kind):
     """Split ranges past the last cell (empty work items) must not enter the merge."""
