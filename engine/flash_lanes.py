@@ -62,6 +62,7 @@ from quant.fnptr import arrays_key, cached_address, call_at
 from quant.kernels import QK, decode_cache_rows
 from quant.simd import _const_i64 as _i64
 from quant.simd import _vec, cpu_features
+from quant.simd import prefetch as simd_prefetch
 from quant.types import BF16, F16, F32
 
 from .flash_common import _combine, _exp2, _prefetch_rows, _split_cells
@@ -175,14 +176,16 @@ def _madd(builder, kind: str, acc, a, b):
 
 def _qk_block_intrinsic(kind: str):
     @intrinsic
-    def qk_block(typingctx, qp, qoff, kb, dk, s):
+    def qk_block(typingctx, qp, qoff, kb, dk, s, pf, pfoff, pflines):
         """s[c * 16 + r] = sum_j q[r, j] k[c, j] for CB cells c and 16 rows r.  f32: qp at element
         qoff holds dk vectors of 16 rows, kb CB f32 rows of dk; bf16: qp (uint16 bf16 bits) dk/2
         vectors of 16 row pairs, kb CB bf16 rows of dk.  Either way a step loads one 64-byte q
-        vector and broadcasts 4 bytes of each cell's row."""
-        if not all(isinstance(a, types.Array) for a in (qp, kb, s)):
+        vector and broadcasts 4 bytes of each cell's row.  Meanwhile the pflines cache lines from
+        byte pfoff of pf go towards L2, spread over the steps (the next block of the cache: as one
+        burst before the block they held up the loads of this one)."""
+        if not all(isinstance(a, types.Array) for a in (qp, kb, s, pf)):
             return None
-        sig = types.none(qp, types.int64, kb, types.int64, s)
+        sig = types.none(qp, types.int64, kb, types.int64, s, pf, types.int64, types.int64)
 
         def codegen(context, builder, sig, args):
             q0 = _ptr(context, builder, sig.args[0], args[0], args[1])
@@ -194,8 +197,11 @@ def _qk_block_intrinsic(kind: str):
             accs = [cgutils.alloca_once_value(builder, zero) for _ in range(CB)]
             kp = [builder.gep(k0, [builder.mul(rowb, _i64(c))]) for c in range(CB)]
             steps = dk if kind == "f32" else builder.udiv(dk, _i64(2))
+            p0 = _at(builder, _ptr(context, builder, sig.args[5], args[5], _i64(0)), args[6])
             with cgutils.for_range(builder, steps) as loop:
                 j = loop.index
+                with cgutils.for_range_slice(builder, j, args[7], steps) as (line, _):
+                    simd_prefetch(builder, _at(builder, p0, builder.mul(line, _i64(64))), 0, 64, locality=2)
                 qv = _load(builder, _at(builder, q0, builder.mul(j, _i64(64))), *((_F32, 16) if kind == "f32"
                                                                                     else (_BF, 32)))
                 jb = builder.mul(j, _i64(4))
@@ -521,16 +527,35 @@ def _exact_score(qf, qoff, buf, qt, base, fb, b, dk):
     return _dot_f32(qf, qoff, fb, b * fb.shape[1] * 4, dk)
 
 
-@njit(**_opts)
-def _prefetch_next(kbuf, vbuf, v_is_k, j1, n, kstride, vstride):
-    """The next block's rows towards L2 while this one is computed: deep in a context the cache
-    comes from memory, and the kernel's compute phases leave the hardware prefetchers idle
-    (attn16 at 3584 cells, f32 kind, one thread: 1.53-2.04 against 1.54-2.44 ms a call, lower in
-    each of five pairs of runs; the bf16 kind did not move on the Intel VM)."""
-    if n > 0:
-        _prefetch_rows(kbuf, j1, n, kstride)
+def _prefetch_next(qp, kbuf, vbuf, v_is_k, j1, n, kstride, vstride):
+    """The next block's rows (cells j1 .. j1 + n - 1) towards L2 while this one is computed: deep
+    in a context the cache comes from memory, and the kernel's compute phases leave the hardware
+    prefetchers idle.  Returns how many cache lines of K, from cell j1 on, the block's first score
+    pass should prefetch (f32 kind: spread over its steps; the bf16 kind prefetches them all here)."""
+
+
+@overload(_prefetch_next)
+def _prefetch_next_kind(qp, kbuf, vbuf, v_is_k, j1, n, kstride, vstride):
+    if _is_bf16(qp):
+        def burst(qp, kbuf, vbuf, v_is_k, j1, n, kstride, vstride):
+            """(measured with the f32 kind before its K prefetch was spread, 3584 cells, one thread:
+            1.53-2.04 against 1.54-2.44 ms a call without; the bf16 kind did not move on the Intel VM)."""
+            if n > 0:
+                _prefetch_rows(kbuf, j1, n, kstride)
+                if not v_is_k:
+                    _prefetch_rows(vbuf, j1, n, vstride)
+            return 0
+        return burst
+
+    def spread(qp, kbuf, vbuf, v_is_k, j1, n, kstride, vstride):
+        """(16 rows of 576 over 3584 f16 cells from memory, one thread: 1.17-1.18 ms a call
+        against 1.30-1.35 for the burst and 1.26-1.28 without)."""
+        if n <= 0:
+            return 0
         if not v_is_k:
             _prefetch_rows(vbuf, j1, n, vstride)
+        return (n * kstride + 63) // 64 + 1          # + 1: a row need not start a line
+    return spread
 
 
 @njit(**_opts)
@@ -604,7 +629,7 @@ def _attend_range(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, 
         cp = cell_pos[j0:j0 + nb]
         if cp.min() > maxpos:
             continue                      # no row sees any of these cells
-        _prefetch_next(kbuf, vbuf, v_is_k, j0 + CB, min(CB, c1 - j0 - CB), kstride, vstride)
+        pfl = _prefetch_next(qp, kbuf, vbuf, v_is_k, j0 + CB, min(CB, c1 - j0 - CB), kstride, vstride)
         for g in range(hkv):
             kbase = g * khead + j0 * kstride
             _fill_block(qp, blk, kbuf, kqt, kbase, kstride, vbuf, vqt, g * vhead + j0 * vstride, vstride, v_is_k,
@@ -613,7 +638,7 @@ def _attend_range(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, 
                 rp = rpos[ch * LANES:(ch + 1) * LANES]
                 mg = m[g, s, ch * LANES:(ch + 1) * LANES]
                 lg = l[g, s, ch * LANES:(ch + 1) * LANES]
-                _block_scores(qp[g, ch], blk, dk, S)
+                _block_scores(qp[g, ch], blk, dk, S, kbuf, (j0 + CB) * kstride, pfl if g == 0 and ch == ch0 else 0)
                 _mask_and_max(S, cp, nb, maxpos, rp, mg, mnew)
                 _refine_scores(qp, qf, (g * qf.shape[1] + ch * LANES) * dk, kbuf, kqt, kbase, kstride, blk, nb, dk,
                                S, mnew, refine)
@@ -670,15 +695,15 @@ def _fill_block_kind(qp, blk, kbuf, kqt, kbase, kstride, vbuf, vqt, vbase, vstri
     return f32
 
 
-def _block_scores(qc, blk, dk, S):
-    """S[c * 16 + r] = q row r of the chunk qc . K row c of the block."""
+def _block_scores(qc, blk, dk, S, pf, pfoff, pflines):
+    """S[c * 16 + r] = q row r of the chunk qc . K row c of the block; pflines cache lines from
+    byte pfoff of pf prefetched on the way."""
 
 
 @overload(_block_scores)
-def _block_scores_kind(qc, blk, dk, S):
-    if _is_bf16(qc):
-        return lambda qc, blk, dk, S: _qk_bf16(qc, 0, blk[0], dk, S)
-    return lambda qc, blk, dk, S: _qk_f32(qc, 0, blk[0], dk, S)
+def _block_scores_kind(qc, blk, dk, S, pf, pfoff, pflines):
+    qk = _qk_bf16 if _is_bf16(qc) else _qk_f32
+    return lambda qc, blk, dk, S, pf, pfoff, pflines: qk(qc, 0, blk[0], dk, S, pf, pfoff, pflines)
 
 
 def _refine_scores(qp, qf, qoff, kbuf, kqt, kbase, kstride, blk, nb, dk, S, mnew, refine):
