@@ -156,6 +156,18 @@ def _cvt2_fn(builder):
         "llvm.x86.avx512bf16.cvtne2ps2bf16.512")
 
 
+def _load_f32x16(builder, p, src: str, k):
+    """Values 16k..16k+15 of a row at p stored as `src` (f16, bf16 or f32), as 16 f32."""
+    if src == "f32":
+        return _load(builder, _at(builder, p, builder.mul(k, _i64(64))), _F32, 16)
+    if src == "f16":
+        return builder.fpext(_load(builder, _at(builder, p, builder.mul(k, _i64(32))), ir.HalfType(), 16),
+                             _vec(_F32, 16))
+    h = _load(builder, _at(builder, p, builder.mul(k, _i64(32))), _I16, 16)     # bf16: an f32's top half
+    return builder.bitcast(builder.shl(builder.zext(h, _vec(_I32, 16)), ir.Constant(_vec(_I32, 16), [16] * 16)),
+                           _vec(_F32, 16))
+
+
 # ----------------------------------------------------------------------------------------
 # intrinsics
 # ----------------------------------------------------------------------------------------
@@ -351,17 +363,8 @@ def _rows_to_f32_intrinsic(src: str):
                 with builder.if_else(builder.icmp_signed("<", c, nrows)) as (then, otherwise):
                     with then:
                         with cgutils.for_range(builder, builder.udiv(n, _i64(16))) as tl:
-                            t = tl.index
-                            if src == "f32":
-                                x = _load(builder, _at(builder, row, builder.mul(t, _i64(64))), _F32, 16)
-                            elif src == "f16":
-                                x = builder.fpext(_load(builder, _at(builder, row, builder.mul(t, _i64(32))),
-                                                        ir.HalfType(), 16), v16)
-                            else:                 # bf16 bits are the top half of an f32
-                                h = _load(builder, _at(builder, row, builder.mul(t, _i64(32))), _I16, 16)
-                                x = builder.bitcast(builder.shl(builder.zext(h, _vec(_I32, 16)),
-                                                                ir.Constant(_vec(_I32, 16), [16] * 16)), v16)
-                            _store(builder, x, _at(builder, dc, builder.mul(t, _i64(64))))
+                            _store(builder, _load_f32x16(builder, row, src, tl.index),
+                                   _at(builder, dc, builder.mul(tl.index, _i64(64))))
                     with otherwise:
                         with cgutils.for_range(builder, builder.udiv(n, _i64(16))) as tl:
                             _store(builder, ir.Constant(v16, None), _at(builder, dc, builder.mul(tl.index, _i64(64))))
@@ -422,15 +425,7 @@ def _dot_intrinsic(kind: str):
             def step(k, accp):
                 x = builder.mul(k, _i64(16))
                 qv = _load(builder, _at(builder, q0, builder.mul(x, _i64(4))), _F32, 16)
-                if kind == "f16":
-                    kv = builder.fpext(_load(builder, _at(builder, s0, builder.mul(x, _i64(2))), ir.HalfType(), 16),
-                                       _vec(_F32, 16))
-                elif kind == "bf16":
-                    h = _load(builder, _at(builder, s0, builder.mul(x, _i64(2))), _I16, 16)
-                    kv = builder.bitcast(builder.shl(builder.zext(h, _vec(_I32, 16)),
-                                                     ir.Constant(_vec(_I32, 16), [16] * 16)), _vec(_F32, 16))
-                else:
-                    kv = _load(builder, _at(builder, s0, builder.mul(x, _i64(4))), _F32, 16)
+                kv = _load_f32x16(builder, s0, kind, k)
                 # contract only: with reassoc LLVM merged the four chains back into one
                 prod = builder.fmul(qv, kv, flags=["contract"])
                 builder.store(builder.fadd(builder.load(accp), prod, flags=["contract"]), accp)
