@@ -9,28 +9,32 @@ multiply-adds:
 
 * Q is packed once per call, per kv head, in chunks of 16 rows (padded with rows that see no
   cell): f32 Qt[j] = (q[r, j] for the 16 rows r), or bf16 Qp[j] = (q[r, 2j], q[r, 2j+1]);
-* per block of CB = 16 cells the block's K rows are converted once (shared by every row of the
-  kv head): to f32 (16 values a step for the float caches, quant.kernels.decode_cache_rows for
-  quantized ones) or to bf16.  Scratch and packed queries start on cache lines.  Scores: S[c] += Qt[j] *
-  broadcast k[c, j] (f32 FMA) or dpbf16(Qp[j], broadcast k[c, 2j..2j+1]): 16 accumulators,
-  one per cell, of 16 rows;
+* per block of CB = 16 cells, scores: S[c] += Qt[j] * broadcast k[c, j] (f32 FMA) or
+  dpbf16(Qp[j], broadcast k[c, 2j..2j+1]): 16 accumulators, one per cell, of 16 rows.  bf16
+  converts the block's K rows once (shared by every row of the kv head); f32 reads f16 / bf16 /
+  f32 caches in place, converting 16 values of the 16 cells at a time into a 1 KiB tile (two
+  of them, alternating: the next is converted while the current one is used) that stays in L1,
+  and quantized caches from their f32 decode;
 * online softmax in the log2 domain, rows in lanes, f32 (shared by both kinds);
-* P.V: acc[d] (16 rows, kept transposed) += P[c] * broadcast v[c, d], four d at a time (f32),
-  or dpbf16 over cell pairs with V interleaved per pair (bf16).  The softmax rescale rides along
-  the pass over acc.
+* P.V: acc[d] (16 rows, kept transposed) += P[c] * broadcast v[c, d], eight d at a time from
+  the tiles of V (f32), or dpbf16 over cell pairs with V interleaved per pair (bf16).  The
+  softmax rescale rides along the pass over acc.
 
 f32 (`kind="f32"`): the same arithmetic as the portable kernel in another order (outputs equal
 to ~1e-6).  Generic LLVM vector IR (fma.v16f32): it compiles on every CPU, and engine.flash_attn
 uses it where the CPU has AVX-512 (16-lane registers; on AVX2 the 16 accumulators would spill).
 Measured on the Intel AVX-512 VM, one thread, 16 rows of 576/512 over 3584 f16 cells: 1.29-1.38
 ms against 1.65-1.77 for the portable kernel (scripts/bench_gen_attention.py; README,
-twenty-fourth session).
+twenty-fourth session); reading the cache a tile at a time instead of converting a whole 36 KiB
+block before its passes: 1.17 -> 1.03 ms at one thread, 0.65 -> 0.56 at two (README,
+twenty-ninth session).
 
 bf16 (`kind="bf16"`): vdpbf16ps does 32 bf16 multiply-adds into 16 f32 lanes, twice an f32
 FMA's.  It pays where it issues as often as an FMA (AMD Zen 4: ~1.7x the portable kernel,
 measured; later AMD cores are assumed alike, unmeasured); Intel cores issue it once a cycle beside
-two 512-bit FMAs (measured on the Intel VM: 2.2-2.4x slower than the f32 kind, random data).  The dot instructions are target intrinsics (llvm.x86.avx512bf16.dpbf16ps.512), so the
-bf16 kind may only be compiled on a CPU with avx512_bf16: callers check `bf16_available()`
+two 512-bit FMAs (measured on the Intel VM: 2.2-2.4x slower than the f32 kind, random data).
+The dot instructions are target intrinsics (llvm.x86.avx512bf16.dpbf16ps.512), so the bf16 kind
+may only be compiled on a CPU with avx512_bf16: callers check `bf16_available()`
 first.  Conversions to bf16 round to nearest even (vcvtne2ps2bf16, or a generic `fptrunc ... to
 bfloat`); K rows of f16 / f32 caches are converted in place, quantized ones go through
 quant.kernels.decode_cache_rows first.
@@ -186,115 +190,217 @@ def _madd(builder, kind: str, acc, a, b):
     return builder.call(fn, [a, b, acc])
 
 
-def _qk_block_intrinsic(kind: str):
+@intrinsic
+def _qk_bf16(typingctx, qp, qoff, kb, dk, s):
+    """bf16 kind: s[c * 16 + r] = sum_j q[r, j] k[c, j] for CB cells c and 16 rows r: qp (uint16
+    bf16 bits) at element qoff holds dk/2 vectors of 16 row pairs, kb CB bf16 rows of dk.  A step
+    loads one 64-byte q vector and broadcasts 4 bytes (a value pair) of each cell's row."""
+    if not all(isinstance(a, types.Array) for a in (qp, kb, s)):
+        return None
+    sig = types.none(qp, types.int64, kb, types.int64, s)
+
+    def codegen(context, builder, sig, args):
+        q0 = _ptr(context, builder, sig.args[0], args[0], args[1])
+        k0 = _ptr(context, builder, sig.args[2], args[2], _i64(0))
+        s0 = _ptr(context, builder, sig.args[4], args[4], _i64(0))
+        dk = args[3]
+        rowb = builder.mul(dk, _i64(2))                     # bytes per K row of the block
+        zero = ir.Constant(_vec(_F32, 16), None)
+        accs = [cgutils.alloca_once_value(builder, zero) for _ in range(CB)]
+        kp = [builder.gep(k0, [builder.mul(rowb, _i64(c))]) for c in range(CB)]
+        with cgutils.for_range(builder, builder.udiv(dk, _i64(2))) as loop:
+            j = loop.index
+            qv = _load(builder, _at(builder, q0, builder.mul(j, _i64(64))), _BF, 32)
+            jb = builder.mul(j, _i64(4))
+            for c in range(CB):
+                kv = _splat_word(builder, builder.gep(kp[c], [jb]), "bf16")
+                builder.store(_madd(builder, "bf16", builder.load(accs[c]), qv, kv), accs[c])
+        for c in range(CB):
+            _store(builder, builder.load(accs[c]), _at(builder, s0, 64 * c))
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def _pv_bf16(typingctx, s, vb, dv, acc, alpha, rescale):
+    """bf16 kind: acc[16 d + r] = acc[...] * alpha[r] (only if rescale) + sum_c p[c, r] v[c, d]:
+    p = s (CB cells x 16 rows, f32), rounded to bf16 here; vb the interleaved block, CB/2 cell
+    pairs of dv (v[2cp, d], v[2cp+1, d]).  One accumulator chain at a time, 16 unrolled (as
+    measured on Zen 4).  The softmax rescale rides along the pass over acc: a separate numba loop
+    over acc cost ~20 % of the kernel on random scores."""
+    if not all(isinstance(a, types.Array) for a in (s, vb, acc, alpha)):
+        return None
+    sig = types.none(s, vb, types.int64, acc, alpha, types.boolean)
+    unroll = 16
+
+    def codegen(context, builder, sig, args):
+        s0 = _ptr(context, builder, sig.args[0], args[0], _i64(0))
+        v0 = _ptr(context, builder, sig.args[1], args[1], _i64(0))
+        a0 = _ptr(context, builder, sig.args[3], args[3], _i64(0))
+        al = _load(builder, _ptr(context, builder, sig.args[4], args[4], _i64(0)), _F32, 16)
+        dv = args[2]
+        inter = ir.Constant(_vec(_I32, 32), [(i // 2) + 16 * (i % 2) for i in range(32)])
+        P = []                    # one term per cell pair: (p[2cp], p[2cp+1]) interleaved
+        for cp in range(CB // 2):
+            e = _load(builder, _at(builder, s0, 64 * (2 * cp)), _F32, 16)
+            o = _load(builder, _at(builder, s0, 64 * (2 * cp + 1)), _F32, 16)
+            P.append(builder.fptrunc(builder.shuffle_vector(e, o, inter), _vec(_BF, 32)))
+        termb = builder.mul(dv, _i64(4))
+        vp = [builder.gep(v0, [builder.mul(termb, _i64(t))]) for t in range(len(P))]
+
+        def pass_over_acc(scale: bool) -> None:
+            with cgutils.for_range(builder, builder.udiv(dv, _i64(unroll))) as loop:
+                base = builder.mul(loop.index, _i64(unroll))
+                for u in range(unroll):
+                    d0 = builder.add(base, _i64(u))
+                    ap = _at(builder, a0, builder.mul(d0, _i64(64)))
+                    a = _load(builder, ap, _F32, 16)
+                    if scale:
+                        a = builder.fmul(a, al)
+                    db = builder.mul(d0, _i64(4))
+                    for t in range(len(P)):
+                        a = _madd(builder, "bf16", a, P[t], _splat_word(builder, builder.gep(vp[t], [db]), "bf16"))
+                    _store(builder, a, ap)
+
+        with builder.if_else(_flag(builder, args[5])) as (then, otherwise):
+            with then:
+                pass_over_acc(True)
+            with otherwise:
+                pass_over_acc(False)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+def _flag(builder, x):
+    """A numba boolean argument as an i1."""
+    return x if x.type == ir.IntType(1) else builder.trunc(x, ir.IntType(1))
+
+
+# ---- f32 kind: the cache rows read in place, a tile of 16 values of the CB cells at a time ----
+TILE_BYTES = CB * 64
+
+
+def _convert_tile(builder, rows, stride, nrows, t, dst, src: str) -> None:
+    """Values 16t..16t+15 of the CB cache rows at rows + c * stride (stored as src) into dst, CB
+    vectors of 16 f32; rows c >= nrows zeros, unread (past the block: their p is 0, but 0 * inf
+    would be NaN, and past the last cell there may be no row)."""
+    for c in range(CB):
+        out = _at(builder, dst, 64 * c)
+        with builder.if_else(builder.icmp_signed("<", _i64(c), nrows)) as (then, otherwise):
+            with then:
+                row = _at(builder, rows, builder.mul(_i64(c), stride))
+                _store(builder, _load_f32x16(builder, row, src, t), out)
+            with otherwise:
+                _store(builder, ir.Constant(_vec(_F32, 16), None), out)
+
+
+def _over_tiles(builder, rows, stride, nrows, ntiles, scr, src: str, body) -> None:
+    """body(t, tile) for t < ntiles, tile the half of scr (2 tiles) holding tile t in f32.  Tile
+    t + 1 is converted into the other half before body(t) runs, so its stores have a tile's work
+    to retire before they are read (converting in place and reading right away measured slower:
+    0.75-0.95 against 0.70-0.80 of the separate-pass kernel's time, noisy)."""
+    _convert_tile(builder, rows, stride, nrows, _i64(0), scr, src)
+    with cgutils.for_range(builder, ntiles) as loop:
+        t = loop.index
+        odd = builder.trunc(t, ir.IntType(1))
+        cur = builder.select(odd, _at(builder, scr, TILE_BYTES), scr)
+        nxt = builder.select(odd, scr, _at(builder, scr, TILE_BYTES))
+        t1 = builder.add(t, _i64(1))
+        with builder.if_then(builder.icmp_signed("<", t1, ntiles)):
+            _convert_tile(builder, rows, stride, nrows, t1, nxt, src)
+        body(t, cur)
+
+
+def _qk_rows_intrinsic(src: str):
     @intrinsic
-    def qk_block(typingctx, qp, qoff, kb, dk, s, pf, pfoff, pflines):
-        """s[c * 16 + r] = sum_j q[r, j] k[c, j] for CB cells c and 16 rows r.  f32: qp at element
-        qoff holds dk vectors of 16 rows, kb CB f32 rows of dk; bf16: qp (uint16 bf16 bits) dk/2
-        vectors of 16 row pairs, kb CB bf16 rows of dk.  Either way a step loads one 64-byte q
-        vector and broadcasts 4 bytes of each cell's row.  Meanwhile the pflines cache lines from
-        byte pfoff of pf go towards L2, spread over the steps (the next block of the cache: as one
-        burst before the block they held up the loads of this one)."""
-        if not all(isinstance(a, types.Array) for a in (qp, kb, s, pf)):
+    def qk_rows(typingctx, qp, buf, off, stride, nrows, dk, s, scr, pf, pfoff, pflines):
+        """f32 kind: s[c * 16 + r] = sum_j q[r, j] k[c, j] for 16 rows r (qp: dk vectors Qt[j]) and
+        CB cells c, K row c at byte off + c * stride of buf, stored as src (rows c >= nrows: 0).
+        Per tile of 16 j: 16 q vector loads, 256 FMAs with a broadcast of the tile.  Meanwhile
+        the pflines cache lines from byte pfoff of pf go towards L2, spread over the tiles (the
+        next block: as one burst before the block they held up the loads of this one)."""
+        if not all(isinstance(a, types.Array) for a in (qp, buf, s, scr, pf)):
             return None
-        sig = types.none(qp, types.int64, kb, types.int64, s, pf, types.int64, types.int64)
+        i64 = types.int64
+        sig = types.none(qp, buf, i64, i64, i64, i64, s, scr, pf, i64, i64)
 
         def codegen(context, builder, sig, args):
-            q0 = _ptr(context, builder, sig.args[0], args[0], args[1])
-            k0 = _ptr(context, builder, sig.args[2], args[2], _i64(0))
-            s0 = _ptr(context, builder, sig.args[4], args[4], _i64(0))
-            dk = args[3]
-            rowb = builder.mul(dk, _i64(4 if kind == "f32" else 2))     # bytes per K row of the block
-            zero = ir.Constant(_vec(_F32, 16), None)
-            accs = [cgutils.alloca_once_value(builder, zero) for _ in range(CB)]
-            kp = [builder.gep(k0, [builder.mul(rowb, _i64(c))]) for c in range(CB)]
-            steps = dk if kind == "f32" else builder.udiv(dk, _i64(2))
-            p0 = _at(builder, _ptr(context, builder, sig.args[5], args[5], _i64(0)), args[6])
-            with cgutils.for_range(builder, steps) as loop:
-                j = loop.index
-                with cgutils.for_range_slice(builder, j, args[7], steps) as (line, _):
+            q0 = _ptr(context, builder, sig.args[0], args[0], _i64(0))
+            rows = _at(builder, _ptr(context, builder, sig.args[1], args[1], _i64(0)), args[2])
+            s0 = _ptr(context, builder, sig.args[6], args[6], _i64(0))
+            scr = _ptr(context, builder, sig.args[7], args[7], _i64(0))
+            p0 = _at(builder, _ptr(context, builder, sig.args[8], args[8], _i64(0)), args[9])
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, 16), None)) for _ in range(CB)]
+            ntiles = builder.udiv(args[5], _i64(16))
+
+            def body(t, tile):
+                with cgutils.for_range_slice(builder, t, args[10], ntiles) as (line, _):
                     simd_prefetch(builder, _at(builder, p0, builder.mul(line, _i64(64))), 0, 64, locality=2)
-                qv = _load(builder, _at(builder, q0, builder.mul(j, _i64(64))), *((_F32, 16) if kind == "f32"
-                                                                                    else (_BF, 32)))
-                jb = builder.mul(j, _i64(4))
-                for c in range(CB):
-                    kv = _splat_word(builder, builder.gep(kp[c], [jb]), kind)
-                    builder.store(_madd(builder, kind, builder.load(accs[c]), qv, kv), accs[c])
+                qt = _at(builder, q0, builder.mul(t, _i64(16 * 64)))
+                for jj in range(16):
+                    qv = _load(builder, _at(builder, qt, 64 * jj), _F32, 16)
+                    for c in range(CB):
+                        kv = _splat_word(builder, _at(builder, tile, 64 * c + 4 * jj), "f32")
+                        builder.store(_madd(builder, "f32", builder.load(accs[c]), qv, kv), accs[c])
+            _over_tiles(builder, rows, args[3], args[4], ntiles, scr, src, body)
             for c in range(CB):
                 _store(builder, builder.load(accs[c]), _at(builder, s0, 64 * c))
             return context.get_dummy_value()
         return sig, codegen
-    return qk_block
+    return qk_rows
 
 
-def _pv_block_intrinsic(kind: str):
-    # d values per pass: bf16 one accumulator chain at a time, 16 unrolled (as measured on Zen 4);
-    # f32 eight interleaved chains: two FMAs issue a cycle at a latency of four, and with four
-    # chains the kernel ran ~10 % slower (Intel VM, 3584 cells, one thread)
-    nd, unroll = (8, 1) if kind == "f32" else (1, 16)
+def _pv_rows_intrinsic(src: str):
+    nd = 8    # eight chains: two FMAs issue a cycle at a latency of four (four ran ~10 % slower)
 
     @intrinsic
-    def pv_block(typingctx, s, vb, vrow, dv, acc, aoff, alpha, rescale):
-        """acc[aoff + 16 d + r] = acc[...] * alpha[r] (only if rescale) + sum_c p[c, r] v[c, d]:
-        p = s (CB cells x 16 rows, f32).  f32: vb holds CB f32 rows of vrow values (V: the first
-        dv); bf16: p is rounded to bf16 here and vb is the interleaved block, CB/2 cell pairs of
-        dv (v[2cp, d], v[2cp+1, d]) (vrow unused).  The softmax rescale rides along the pass over
-        acc: a separate numba loop over acc cost ~20 % of the kernel on random scores."""
-        if not all(isinstance(a, types.Array) for a in (s, vb, acc, alpha)):
+    def pv_rows(typingctx, s, buf, off, stride, nrows, dv, acc, alpha, rescale, scr):
+        """f32 kind: acc[16 d + r] = acc[16 d + r] * alpha[r] (only if rescale) + sum_c p[c, r]
+        v[c, d]: p = s (CB cells x 16 rows), V row c the first dv values at byte off + c * stride
+        of buf, stored as src (rows c >= nrows: 0).  Per tile of 16 d: the 16 accumulator
+        vectors loaded and stored once, in two passes of eight.  The softmax rescale rides along
+        (a separate loop over acc cost ~20 % of the kernel on random scores)."""
+        if not all(isinstance(a, types.Array) for a in (s, buf, acc, alpha, scr)):
             return None
-        sig = types.none(s, vb, types.int64, types.int64, acc, types.int64, alpha, types.boolean)
+        i64 = types.int64
+        sig = types.none(s, buf, i64, i64, i64, i64, acc, alpha, types.boolean, scr)
 
         def codegen(context, builder, sig, args):
             s0 = _ptr(context, builder, sig.args[0], args[0], _i64(0))
-            v0 = _ptr(context, builder, sig.args[1], args[1], _i64(0))
-            a0 = _ptr(context, builder, sig.args[4], args[4], args[5])
-            al = _load(builder, _ptr(context, builder, sig.args[6], args[6], _i64(0)), _F32, 16)
-            vrow, dv = args[2], args[3]
-            if kind == "f32":         # one term per cell: p[c] (16 rows), v row c
-                P = [_load(builder, _at(builder, s0, 64 * c), _F32, 16) for c in range(CB)]
-                termb = builder.mul(vrow, _i64(4))
-            else:                     # one term per cell pair: (p[2cp], p[2cp+1]) interleaved
-                inter = ir.Constant(_vec(_I32, 32), [(i // 2) + 16 * (i % 2) for i in range(32)])
-                P = []
-                for cp in range(CB // 2):
-                    e = _load(builder, _at(builder, s0, 64 * (2 * cp)), _F32, 16)
-                    o = _load(builder, _at(builder, s0, 64 * (2 * cp + 1)), _F32, 16)
-                    P.append(builder.fptrunc(builder.shuffle_vector(e, o, inter), _vec(_BF, 32)))
-                termb = builder.mul(dv, _i64(4))
-            vp = [builder.gep(v0, [builder.mul(termb, _i64(t))]) for t in range(len(P))]
+            rows = _at(builder, _ptr(context, builder, sig.args[1], args[1], _i64(0)), args[2])
+            a0 = _ptr(context, builder, sig.args[6], args[6], _i64(0))
+            al = _load(builder, _ptr(context, builder, sig.args[7], args[7], _i64(0)), _F32, 16)
+            scr = _ptr(context, builder, sig.args[9], args[9], _i64(0))
+            P = [_load(builder, _at(builder, s0, 64 * c), _F32, 16) for c in range(CB)]
 
             def pass_over_acc(scale: bool) -> None:
-                with cgutils.for_range(builder, builder.udiv(dv, _i64(nd * unroll))) as loop:
-                    base = builder.mul(loop.index, _i64(nd * unroll))
-                    for u in range(unroll):
-                        d0 = builder.add(base, _i64(u * nd))
-                        aps = [_at(builder, a0, builder.mul(builder.add(d0, _i64(k)), _i64(64))) for k in range(nd)]
-                        accs = [_load(builder, ap, _F32, 16) for ap in aps]
+                def body(t, tile):
+                    at = _at(builder, a0, builder.mul(t, _i64(16 * 64)))
+                    for h in range(0, 16, nd):
+                        accs = [_load(builder, _at(builder, at, 64 * (h + k)), _F32, 16) for k in range(nd)]
                         if scale:
                             accs = [builder.fmul(a, al) for a in accs]
-                        db = builder.mul(d0, _i64(4))
-                        for t in range(len(P)):
+                        for c in range(CB):
                             for k in range(nd):
-                                vv = _splat_word(builder, builder.gep(vp[t], [builder.add(db, _i64(4 * k))]), kind)
-                                accs[k] = _madd(builder, kind, accs[k], P[t], vv)
-                        for a, ap in zip(accs, aps):
-                            _store(builder, a, ap)
+                                vv = _splat_word(builder, _at(builder, tile, 64 * c + 4 * (h + k)), "f32")
+                                accs[k] = _madd(builder, "f32", accs[k], P[c], vv)
+                        for k, a in enumerate(accs):
+                            _store(builder, a, _at(builder, at, 64 * (h + k)))
+                _over_tiles(builder, rows, args[3], args[4], builder.udiv(args[5], _i64(16)), scr, src, body)
 
-            with builder.if_else(builder.trunc(args[7], ir.IntType(1)) if args[7].type != ir.IntType(1) else args[7]) \
-                    as (then, otherwise):
+            with builder.if_else(_flag(builder, args[8])) as (then, otherwise):
                 with then:
                     pass_over_acc(True)
                 with otherwise:
                     pass_over_acc(False)
             return context.get_dummy_value()
         return sig, codegen
-    return pv_block
+    return pv_rows
 
 
-_qk_f32 = _qk_block_intrinsic("f32")
-_qk_bf16 = _qk_block_intrinsic("bf16")
-_pv_f32 = _pv_block_intrinsic("f32")
-_pv_bf16 = _pv_block_intrinsic("bf16")
+# by source: the float caches read in place, quantized ones from their f32 decode
+_qk_f16_rows, _qk_bf16_rows, _qk_f32_rows = (_qk_rows_intrinsic(k) for k in ("f16", "bf16", "f32"))
+_pv_f16_rows, _pv_bf16_rows, _pv_f32_rows = (_pv_rows_intrinsic(k) for k in ("f16", "bf16", "f32"))
 
 
 def _rows_to_bf16_intrinsic(src_t: ir.Type, src_bytes: int):
@@ -337,45 +443,6 @@ def _rows_to_bf16_intrinsic(src_t: ir.Type, src_bytes: int):
 
 _f16_rows_to_bf16 = _rows_to_bf16_intrinsic(ir.HalfType(), 2)
 _f32_rows_to_bf16 = _rows_to_bf16_intrinsic(_F32, 4)
-
-
-def _rows_to_f32_intrinsic(src: str):
-    @intrinsic
-    def rows_to_f32(typingctx, buf, off, stride, nrows, dst):
-        """dst (CB, n) f32 = the rows i < nrows at byte off + i * stride of buf, stored as `src`
-        (f16, bf16 or f32); rows nrows..CB-1 zeroed (their p is 0, but 0 * inf would be NaN).  n
-        a multiple of 16.  16 values a step: LLVM's own loop converted 8 (ymm), ~35 % slower."""
-        if not (isinstance(buf, types.Array) and isinstance(dst, types.Array) and dst.ndim == 2):
-            return None
-        sig = types.none(buf, types.int64, types.int64, types.int64, dst)
-
-        def codegen(context, builder, sig, args):
-            b0 = _at(builder, _ptr(context, builder, sig.args[0], args[0], _i64(0)), args[1])
-            da = context.make_array(sig.args[4])(context, builder, args[4])
-            d0 = builder.bitcast(da.data, _I8.as_pointer())
-            n = cgutils.unpack_tuple(builder, da.shape, 2)[1]
-            stride, nrows = args[2], args[3]
-            v16 = _vec(_F32, 16)
-            with cgutils.for_range(builder, _i64(CB)) as rl:
-                c = rl.index
-                row = _at(builder, b0, builder.mul(c, stride))
-                dc = _at(builder, d0, builder.mul(c, builder.mul(n, _i64(4))))
-                with builder.if_else(builder.icmp_signed("<", c, nrows)) as (then, otherwise):
-                    with then:
-                        with cgutils.for_range(builder, builder.udiv(n, _i64(16))) as tl:
-                            _store(builder, _load_f32x16(builder, row, src, tl.index),
-                                   _at(builder, dc, builder.mul(tl.index, _i64(64))))
-                    with otherwise:
-                        with cgutils.for_range(builder, builder.udiv(n, _i64(16))) as tl:
-                            _store(builder, ir.Constant(v16, None), _at(builder, dc, builder.mul(tl.index, _i64(64))))
-            return context.get_dummy_value()
-        return sig, codegen
-    return rows_to_f32
-
-
-_f16_rows_to_f32 = _rows_to_f32_intrinsic("f16")
-_bf16_rows_to_f32 = _rows_to_f32_intrinsic("bf16")
-_f32_rows_to_f32 = _rows_to_f32_intrinsic("f32")
 
 
 @intrinsic
@@ -495,21 +562,6 @@ _F32_TOKEN = np.empty(0, np.float32)
 
 
 @njit(**_opts)
-def _block_to_f32(buf, qt, base, stride, nb, lut, dst):
-    """Rows base + i * stride (i < nb) of the cache into the f32 block dst (CB, n); rows nb..CB-1
-    zeroed.  The float types are converted here, quantized ones go through the shared decoder."""
-    if qt == F16:
-        _f16_rows_to_f32(buf, base, stride, nb, dst)
-    elif qt == F32:
-        _f32_rows_to_f32(buf, base, stride, nb, dst)
-    elif qt == BF16:
-        _bf16_rows_to_f32(buf, base, stride, nb, dst)
-    else:
-        decode_cache_rows(buf, qt, base, stride, nb, dst.shape[1], QK, lut, dst)
-        dst[nb:] = 0.0                    # stale rows could hold inf: 0 * inf would be NaN
-
-
-@njit(**_opts)
 def _exact_score(qf, qoff, buf, qt, base, fb, b, dk):
     """q row (f32, at qoff of qf) . cell b of the block, in f32 from the cache's own values
     (quantized types: their f32 decode in fb)."""
@@ -626,19 +678,20 @@ def _attend_range(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, 
             continue                      # no row sees any of these cells
         pfl = _prefetch_next(qp, kbuf, vbuf, v_is_k, j0 + CB, min(CB, c1 - j0 - CB), kstride, vstride)
         for g in range(hkv):
-            kbase = g * khead + j0 * kstride
-            _fill_block(qp, blk, kbuf, kqt, kbase, kstride, vbuf, vqt, g * vhead + j0 * vstride, vstride, v_is_k,
-                        nb, dk, dv, lut)
+            kbase, vbase = g * khead + j0 * kstride, g * vhead + j0 * vstride
+            _fill_block(qp, blk, kbuf, kqt, kbase, kstride, vbuf, vqt, vbase, vstride, v_is_k, nb, dk, dv, lut)
             for ch in range(ch0, ch1):
                 rp = rpos[ch * LANES:(ch + 1) * LANES]
                 mg = m[g, s, ch * LANES:(ch + 1) * LANES]
                 lg = l[g, s, ch * LANES:(ch + 1) * LANES]
-                _block_scores(qp[g, ch], blk, dk, S, kbuf, (j0 + CB) * kstride, pfl if g == 0 and ch == ch0 else 0)
+                _block_scores(qp[g, ch], blk, kbuf, kqt, kbase, kstride, nb, dk, S, (j0 + CB) * kstride,
+                              pfl if g == 0 and ch == ch0 else 0)
                 _mask_and_max(S, cp, nb, maxpos, rp, mg, mnew)
                 _refine_scores(qp, qf, (g * qf.shape[1] + ch * LANES) * dk, kbuf, kqt, kbase, kstride, blk, nb, dk,
                                S, mnew, refine)
                 moved = _to_probabilities(S, mnew, mg, lg, alpha)
-                _block_values(qp, S, blk, dv, acc[g, s, ch], alpha, moved)
+                _block_values(qp, S, blk, kbuf, kqt, kbase, kstride, vbuf, vqt, vbase, vstride, v_is_k, nb, dv,
+                              acc[g, s, ch], alpha, moved)
 
 
 # ---- the kinds' hooks, chosen by the packed query's dtype (uint16: bf16 pairs, float32: f32) ----
@@ -646,9 +699,16 @@ def _is_bf16(qp) -> bool:
     return qp.dtype == types.uint16
 
 
+@njit(**_opts)
+def _in_place(qt):
+    """The cache types the f32 kind reads in place, converting a tile at a time."""
+    return qt == F16 or qt == BF16 or qt == F32
+
+
 def _new_block(qp, dk, dv, v_is_k):
     """A block's scratch: bf16 (K rows, V rows, V interleaved per cell pair, f32 K rows, f32 V rows),
-    f32 (K rows, V rows: the same array when v_is_k)."""
+    f32 (f32 K rows, f32 V rows: the same array when v_is_k, both for quantized caches only; two
+    tiles of 16 values of the CB cells)."""
 
 
 @overload(_new_block)
@@ -663,7 +723,8 @@ def _new_block_kind(qp, dk, dv, v_is_k):
 
     def f32(qp, dk, dv, v_is_k):
         kb = _aligned_empty(CB * dk, _F32_TOKEN).reshape(CB, dk)
-        return kb, kb if v_is_k else _aligned_empty(CB * dv, _F32_TOKEN).reshape(CB, dv)
+        return (kb, kb if v_is_k else _aligned_empty(CB * dv, _F32_TOKEN).reshape(CB, dv),
+                _aligned_empty(2 * CB * 16, _F32_TOKEN))
     return f32
 
 
@@ -683,22 +744,35 @@ def _fill_block_kind(qp, blk, kbuf, kqt, kbase, kstride, vbuf, vqt, vbase, vstri
         return bf16
 
     def f32(qp, blk, kbuf, kqt, kbase, kstride, vbuf, vqt, vbase, vstride, v_is_k, nb, dk, dv, lut):
-        kb, vb = blk
-        _block_to_f32(kbuf, kqt, kbase, kstride, nb, lut, kb)
-        if not v_is_k:
-            _block_to_f32(vbuf, vqt, vbase, vstride, nb, lut, vb)
+        kb, vb, _ = blk                   # the float caches are read in place
+        if not _in_place(kqt):
+            decode_cache_rows(kbuf, kqt, kbase, kstride, nb, dk, QK, lut, kb)
+        if not v_is_k and not _in_place(vqt):
+            decode_cache_rows(vbuf, vqt, vbase, vstride, nb, dv, QK, lut, vb)
     return f32
 
 
-def _block_scores(qc, blk, dk, S, pf, pfoff, pflines):
-    """S[c * 16 + r] = q row r of the chunk qc . K row c of the block; pflines cache lines from
-    byte pfoff of pf prefetched on the way."""
+def _block_scores(qc, blk, kbuf, kqt, kbase, kstride, nb, dk, S, pfoff, pflines):
+    """S[c * 16 + r] = q row r of the chunk qc . K row c of the block (f32 kind: pflines cache
+    lines of kbuf from byte pfoff prefetched on the way)."""
 
 
 @overload(_block_scores)
-def _block_scores_kind(qc, blk, dk, S, pf, pfoff, pflines):
-    qk = _qk_bf16 if _is_bf16(qc) else _qk_f32
-    return lambda qc, blk, dk, S, pf, pfoff, pflines: qk(qc, 0, blk[0], dk, S, pf, pfoff, pflines)
+def _block_scores_kind(qc, blk, kbuf, kqt, kbase, kstride, nb, dk, S, pfoff, pflines):
+    if _is_bf16(qc):
+        return lambda qc, blk, kbuf, kqt, kbase, kstride, nb, dk, S, pfoff, pflines: _qk_bf16(qc, 0, blk[0], dk, S)
+
+    def f32(qc, blk, kbuf, kqt, kbase, kstride, nb, dk, S, pfoff, pflines):
+        kb, _, scr = blk
+        if kqt == F16:
+            _qk_f16_rows(qc, kbuf, kbase, kstride, nb, dk, S, scr, kbuf, pfoff, pflines)
+        elif kqt == BF16:
+            _qk_bf16_rows(qc, kbuf, kbase, kstride, nb, dk, S, scr, kbuf, pfoff, pflines)
+        elif kqt == F32:
+            _qk_f32_rows(qc, kbuf, kbase, kstride, nb, dk, S, scr, kbuf, pfoff, pflines)
+        else:
+            _qk_f32_rows(qc, kb, 0, dk * 4, nb, dk, S, scr, kbuf, pfoff, pflines)
+    return f32
 
 
 def _refine_scores(qp, qf, qoff, kbuf, kqt, kbase, kstride, blk, nb, dk, S, mnew, refine):
@@ -733,15 +807,39 @@ def _refine_scores_kind(qp, qf, qoff, kbuf, kqt, kbase, kstride, blk, nb, dk, S,
     return bf16
 
 
-def _block_values(qp, S, blk, dv, a, alpha, moved):
-    """a (dv * 16, transposed) = a * alpha (if moved) + the probabilities S times the block's V rows."""
+def _block_values(qp, S, blk, kbuf, kqt, kbase, kstride, vbuf, vqt, vbase, vstride, v_is_k, nb, dv, a, alpha, moved):
+    """a (dv * 16, transposed) = a * alpha (if moved) + the probabilities S times the block's V rows
+    (v_is_k: the first dv values of the K rows)."""
 
 
 @overload(_block_values)
-def _block_values_kind(qp, S, blk, dv, a, alpha, moved):
+def _block_values_kind(qp, S, blk, kbuf, kqt, kbase, kstride, vbuf, vqt, vbase, vstride, v_is_k, nb, dv, a, alpha,
+                       moved):
     if _is_bf16(qp):
-        return lambda qp, S, blk, dv, a, alpha, moved: _pv_bf16(S, blk[2], 0, dv, a, 0, alpha, moved)
-    return lambda qp, S, blk, dv, a, alpha, moved: _pv_f32(S, blk[1], blk[1].shape[1], dv, a, 0, alpha, moved)
+        def bf16(qp, S, blk, kbuf, kqt, kbase, kstride, vbuf, vqt, vbase, vstride, v_is_k, nb, dv, a, alpha, moved):
+            _pv_bf16(S, blk[2], dv, a, alpha, moved)
+        return bf16
+
+    def f32(qp, S, blk, kbuf, kqt, kbase, kstride, vbuf, vqt, vbase, vstride, v_is_k, nb, dv, a, alpha, moved):
+        kb, vb, scr = blk
+        if v_is_k:
+            _values_from(S, kbuf, kqt, kbase, kstride, kb, nb, dv, a, alpha, moved, scr)
+        else:
+            _values_from(S, vbuf, vqt, vbase, vstride, vb, nb, dv, a, alpha, moved, scr)
+    return f32
+
+
+@njit(**_opts)
+def _values_from(S, buf, qt, base, stride, fb, nb, dv, a, alpha, moved, scr):
+    """f32 kind: P.V from the cache rows at base (float caches) or their f32 decode fb."""
+    if qt == F16:
+        _pv_f16_rows(S, buf, base, stride, nb, dv, a, alpha, moved, scr)
+    elif qt == BF16:
+        _pv_bf16_rows(S, buf, base, stride, nb, dv, a, alpha, moved, scr)
+    elif qt == F32:
+        _pv_f32_rows(S, buf, base, stride, nb, dv, a, alpha, moved, scr)
+    else:
+        _pv_f32_rows(S, fb, 0, fb.shape[1] * 4, nb, dv, a, alpha, moved, scr)
 
 
 def _pack_lanes(qpad, qp):

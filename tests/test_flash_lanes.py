@@ -218,25 +218,22 @@ def test_standard_heads_gqa_separate_v(monkeypatch, no_refine, lanes_calls, kind
     close(out, reference(bf16_q(q, 0.2), K, V, cp, qp, 0.2), TOL_ROUNDED)
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("ctype", ["f32", "f16", "bf16", "q8_0"])
-@pytest.mark.parametrize("nb", [1, 7, fl.CB])
-def test_block_conversion_matches_the_shared_decoder(ctype, nb):
-    """The f32 kind's block fill (16-lane conversions for the float caches) against
-    quant.kernels.decode_cache_rows, from an odd row of a cache whose rows hold two heads of 96
-    values; rows past nb zeroed even where the block held inf."""
-    from quant.kernels import QK, decode_cache_rows
-    rng = np.random.default_rng(3)
-    k = RowStore(40, 192, CACHE_TYPES[ctype])
-    k.write(0, rng.standard_normal((40, 192)).astype(np.float32) * 4)
-    buf, stride = k.data.reshape(-1), k.data.shape[1]
-    base = 5 * stride + stride // 2             # cell 5, second head
-    lut = F16_TO_F32                            # what engine.flash_attn passes
-    want = np.zeros((fl.CB, 96), np.float32)
-    decode_cache_rows(buf, k.qtype, base, stride, nb, 96, QK, lut, want)
-    want[nb:] = 0.0
-    got = np.full((fl.CB, 96), np.inf, np.float32)
-    fl._block_to_f32(buf, k.qtype, base, stride, nb, lut, got)
-    np.testing.assert_array_equal(got, want)
+def test_rows_past_the_last_cell_are_ignored(monkeypatch, lanes_calls, ctype, kind):
+    """A partial last block: the cache rows past n_kv hold NaN (and the cache ends before the
+    block does); they must not reach the output (0 * NaN is NaN)."""
+    rng = np.random.default_rng(11)
+    n_kv = 37                                    # blocks of 16: the last holds 5 cells
+    q, k, cp, qp = latent_case(rng, n_kv, 1, CACHE_TYPES[ctype])
+    out, ref32 = run_both(monkeypatch, kind, q, k, None, n_kv, 1, 96, 64, cp, qp, 0.3)
+    bad = RowStore(n_kv + 3, 96, CACHE_TYPES[ctype])
+    bad.data[:] = k.data
+    bad.data[n_kv:] = 0xFF                       # NaN in every float type and in q8_0's scales
+    use(monkeypatch, kind)
+    got = fa.flash_attn(q, bad, None, n_kv, 1, 96, 64, cp, qp, 0.3, path="kernel")
+    assert lanes_calls == [kind, kind] and np.isfinite(got).all()
+    np.testing.assert_array_equal(got, out)
 
 
 def test_aligned_scratch_starts_on_a_cache_line():
