@@ -262,18 +262,20 @@ def _pv_bf16(typingctx, s, vb, dv, acc, alpha, rescale):
                         a = _madd(builder, "bf16", a, P[t], _splat_word(builder, builder.gep(vp[t], [db]), "bf16"))
                     _store(builder, a, ap)
 
-        with builder.if_else(_flag(builder, args[5])) as (then, otherwise):
-            with then:
-                pass_over_acc(True)
-            with otherwise:
-                pass_over_acc(False)
+        _both_ways(builder, args[5], pass_over_acc)
         return context.get_dummy_value()
     return sig, codegen
 
 
-def _flag(builder, x):
-    """A numba boolean argument as an i1."""
-    return x if x.type == ir.IntType(1) else builder.trunc(x, ir.IntType(1))
+def _both_ways(builder, flag, emit) -> None:
+    """emit(True) where the numba boolean argument flag holds, emit(False) where not: two copies
+    of a loop, each without the test inside."""
+    flag = flag if flag.type == ir.IntType(1) else builder.trunc(flag, ir.IntType(1))
+    with builder.if_else(flag) as (then, otherwise):
+        with then:
+            emit(True)
+        with otherwise:
+            emit(False)
 
 
 # ---- f32 kind: the cache rows read in place, a tile of 16 values of the CB cells at a time ----
@@ -388,11 +390,7 @@ def _pv_rows_intrinsic(src: str):
                             _store(builder, a, _at(builder, at, 64 * (h + k)))
                 _over_tiles(builder, rows, args[3], args[4], builder.udiv(args[5], _i64(16)), scr, src, body)
 
-            with builder.if_else(_flag(builder, args[8])) as (then, otherwise):
-                with then:
-                    pass_over_acc(True)
-                with otherwise:
-                    pass_over_acc(False)
+            _both_ways(builder, args[8], pass_over_acc)
             return context.get_dummy_value()
         return sig, codegen
     return pv_rows
