@@ -353,7 +353,8 @@ def _qk_rows_intrinsic(src: str):
 
 
 def _pv_rows_intrinsic(src: str):
-    nd = 8    # eight chains: two FMAs issue a cycle at a latency of four (four ran ~10 % slower)
+    nd = 8    # eight chains: two FMAs issue a cycle at a latency of four (P.V with four: 0.42 ms
+    #           against 0.355, 3584 cells, one thread, in a scratch loop)
 
     @intrinsic
     def pv_rows(typingctx, s, buf, off, stride, nrows, dv, acc, alpha, rescale, scr):
@@ -549,8 +550,8 @@ def _block_to_bf16(buf, qt, base, stride, nb, n, lut, fb, dst, dstride):
 @njit(**_opts)
 def _aligned_empty(n, like):
     """n elements of like's dtype, uninitialised, from a 64-byte boundary: zmm loads and stores
-    across two cache lines cost up to twice as much (the f16 -> f32 block conversion ~35 % slower
-    from a 16-byte boundary)."""
+    across two cache lines cost up to twice as much (a whole-block f16 -> f32 conversion, as this
+    kernel had before its tiles, measured ~35 % slower from a 16-byte boundary)."""
     raw = np.empty(n + 64 // like.itemsize, like.dtype)
     o = ((-raw.ctypes.data) & 63) // like.itemsize
     return raw[o:o + n]
@@ -663,7 +664,7 @@ def _attend_range(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, 
     dv * 16) transposed accumulators; m / l (Hkv, nsplit, nch * 16).  bf16: scores within
     `refine` (log2 units) of the running max are recomputed in f32 (module docstring)."""
     hkv = qp.shape[0]
-    blk = _new_block(qp, dk, dv, v_is_k)
+    blk = _new_block(qp, dk, dv, v_is_k, kqt, vqt)
     S = _aligned_empty(CB * LANES, _F32_TOKEN)
     mnew = np.empty(LANES, dtype=np.float32)
     alpha = np.empty(LANES, dtype=np.float32)
@@ -703,26 +704,31 @@ def _in_place(qt):
     return qt == F16 or qt == BF16 or qt == F32
 
 
-def _new_block(qp, dk, dv, v_is_k):
+def _new_block(qp, dk, dv, v_is_k, kqt, vqt):
     """A block's scratch: bf16 (K rows, V rows, V interleaved per cell pair, f32 K rows, f32 V rows),
-    f32 (f32 K rows, f32 V rows: the same array when v_is_k, both for quantized caches only; two
-    tiles of 16 values of the CB cells)."""
+    f32 (f32 K rows, f32 V rows: the same array when v_is_k, each with no rows where its cache is
+    read in place; two tiles of 16 values of the CB cells)."""
 
 
 @overload(_new_block)
-def _new_block_kind(qp, dk, dv, v_is_k):
+def _new_block_kind(qp, dk, dv, v_is_k, kqt, vqt):
     if _is_bf16(qp):
-        def bf16(qp, dk, dv, v_is_k):
+        def bf16(qp, dk, dv, v_is_k, kqt, vqt):
             kb = np.zeros(CB * dk, dtype=np.uint16)
             vb = kb if v_is_k else np.zeros(CB * dv, dtype=np.uint16)
             return (kb, vb, np.zeros(CB * dv, dtype=np.uint16), np.zeros((CB, dk), dtype=np.float32),
                     np.zeros((CB, dv), dtype=np.float32))
         return bf16
 
-    def f32(qp, dk, dv, v_is_k):
-        kb = _aligned_empty(CB * dk, _F32_TOKEN).reshape(CB, dk)
-        return (kb, kb if v_is_k else _aligned_empty(CB * dv, _F32_TOKEN).reshape(CB, dv),
-                _aligned_empty(2 * CB * 16, _F32_TOKEN))
+    def f32(qp, dk, dv, v_is_k, kqt, vqt):
+        nk = 0 if _in_place(kqt) else CB          # decoded rows only for a quantized cache
+        kb = _aligned_empty(nk * dk, _F32_TOKEN).reshape(nk, dk)
+        if v_is_k:
+            vb = kb
+        else:
+            nv = 0 if _in_place(vqt) else CB
+            vb = _aligned_empty(nv * dv, _F32_TOKEN).reshape(nv, dv)
+        return kb, vb, _aligned_empty(2 * CB * 16, _F32_TOKEN)
     return f32
 
 

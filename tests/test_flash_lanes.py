@@ -226,7 +226,7 @@ def test_rows_past_the_last_cell_are_ignored(monkeypatch, lanes_calls, ctype, ki
     rng = np.random.default_rng(11)
     n_kv = 37                                    # blocks of 16: the last holds 5 cells
     q, k, cp, qp = latent_case(rng, n_kv, 1, CACHE_TYPES[ctype])
-    out, ref32 = run_both(monkeypatch, kind, q, k, None, n_kv, 1, 96, 64, cp, qp, 0.3)
+    out, _ = run_both(monkeypatch, kind, q, k, None, n_kv, 1, 96, 64, cp, qp, 0.3)
     bad = RowStore(n_kv + 3, 96, CACHE_TYPES[ctype])
     bad.data[:] = k.data
     bad.data[n_kv:] = 0xFF                       # NaN in every float type and in q8_0's scales
