@@ -52,10 +52,12 @@ def jit_address(dispatcher, argtypes: tuple) -> int:
     return int(cres.library.get_pointer_to_function(cres.fndesc.llvm_func_name))
 
 
-def arrays_key(*arrays) -> tuple:
+def arrays_key(*arrays, writability: bool = True) -> tuple:
     """What Numba's types of these arrays depend on (dtype, rank, layout, writability,
-    alignment): the key to keep a kernel's address under (numba.typeof itself costs ~15 us)."""
-    return tuple((a.dtype.char, a.ndim, a.flags.c_contiguous, a.flags.writeable, a.flags.aligned) for a in arrays)
+    alignment): the key to keep a kernel's address under (numba.typeof itself costs ~15 us).
+    writability=False leaves it out, for kernels that type their arrays read-only either way."""
+    return tuple((a.dtype.char, a.ndim, a.flags.c_contiguous, writability and a.flags.writeable, a.flags.aligned)
+                 for a in arrays)
 
 
 def cached_address(cache: dict, key, make: Callable[[], tuple]) -> int:

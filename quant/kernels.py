@@ -567,9 +567,9 @@ def rows_address(qtype, buf: np.ndarray, lut: np.ndarray, unscaled: bool = False
         return (_make_rows_kernel(make_tag(min(gty.group), gty.group), unscaled),
                 (_I64, bty.copy(readonly=True), _I64, _I64, _I64, _I64, _I64, numba.typeof(lut),
                  types.Array(types.float32, 2, "C")))
-    kb, kl = _fnptr.arrays_key(buf, lut)
     # buf's writability left out of the key, as out of the kernel's type
-    return _fnptr.cached_address(_ROWS_KERNELS, (gty, unscaled, kb[:3] + kb[4:], kl), make)
+    return _fnptr.cached_address(_ROWS_KERNELS, (gty, unscaled, _fnptr.arrays_key(buf, writability=False),
+                                                 _fnptr.arrays_key(lut)), make)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
