@@ -65,9 +65,9 @@ from numba.extending import intrinsic, overload
 from quant.fnptr import arrays_key, cached_address, call_at
 from quant.kernels import QK, decode_cache_rows
 from quant.simd import _const_i64 as _i64
-from quant.simd import _vec, cpu_features
+from quant.simd import HAS_VNNI, _vec, cpu_features, dpbusd
 from quant.simd import prefetch as simd_prefetch
-from quant.types import BF16, F16, F32
+from quant.types import BF16, F16, F32, Q8_0
 
 from .flash_common import _combine, _exp2, _prefetch_rows, _split_cells
 
@@ -77,6 +77,10 @@ CHUNKS_PER_ITEM = 4    # row chunks per work item (T <= 4 with 16 heads: one ite
 # scores within this many log2 units of the running max are recomputed in f32 (IKCLI_FA_REFINE;
 # a negative value turns it off)
 REFINE_LOG2 = float(os.environ.get("IKCLI_FA_REFINE", "4"))
+# q8_0 caches: scores as integer dot products of the int8 K blocks with the query rows quantized
+# to int8 per 32 values (as ik_llama.cpp's flash attention does for quantized K), where the CPU
+# has VNNI; else (and IKCLI_FA_Q8_SCORES=0) f32 products with K converted a tile at a time
+Q8_SCORES = HAS_VNNI and os.environ.get("IKCLI_FA_Q8_SCORES", "1") != "0"
 
 _F32 = ir.FloatType()
 _I16, _I32, _I64, _I8 = ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.IntType(8)
@@ -161,7 +165,15 @@ def _cvt2_fn(builder):
 
 
 def _load_f32x16(builder, p, src: str, k):
-    """Values 16k..16k+15 of a row at p stored as `src` (f16, bf16 or f32), as 16 f32."""
+    """Values 16k..16k+15 of a row at p stored as `src` (f16, bf16, f32 or q8_0), as 16 f32."""
+    if src == "q8_0":           # 34-byte blocks (f16 scale, 32 int8): half k & 1 of block k >> 1
+        blk = _at(builder, p, builder.mul(builder.lshr(k, _i64(1)), _i64(34)))
+        d = builder.fpext(_load(builder, blk, ir.HalfType()), _F32)
+        qs = _load(builder, _at(builder, blk, builder.add(_i64(2), builder.mul(builder.and_(k, _i64(1)), _i64(16)))),
+                   _I8, 16)
+        dv = builder.insert_element(ir.Constant(_vec(_F32, 16), None), d, ir.Constant(_I32, 0))
+        dv = builder.shuffle_vector(dv, dv, ir.Constant(_vec(_I32, 16), [0] * 16))
+        return builder.fmul(builder.sitofp(qs, _vec(_F32, 16)), dv)
     if src == "f32":
         return _load(builder, _at(builder, p, builder.mul(k, _i64(64))), _F32, 16)
     if src == "f16":
@@ -398,8 +410,95 @@ def _pv_rows_intrinsic(src: str):
 
 
 # by source: the float caches read in place, quantized ones from their f32 decode
-_qk_f16_rows, _qk_bf16_rows, _qk_f32_rows = (_qk_rows_intrinsic(k) for k in ("f16", "bf16", "f32"))
-_pv_f16_rows, _pv_bf16_rows, _pv_f32_rows = (_pv_rows_intrinsic(k) for k in ("f16", "bf16", "f32"))
+# ---- q8_0 caches: int8 scores ----
+Q8_BLOCK = 32 * LANES + 2 * 4 * LANES     # packed query bytes per 32 values of a row chunk
+
+
+def _dot4(builder, acc, u8, s8):
+    """acc (16 i32) + per lane the 4 products u8 x s8 (64 bytes each): vpdpbusd with VNNI, else
+    widened products and two pairwise sums (generic IR: correct anywhere, for tests)."""
+    if HAS_VNNI:
+        return dpbusd(builder, acc, u8, s8, vnni=True)
+    prod = builder.mul(builder.zext(u8, _vec(_I32, 64)), builder.sext(s8, _vec(_I32, 64)))
+    for e in range(4):
+        part = builder.shuffle_vector(prod, prod, ir.Constant(_vec(_I32, 16), [4 * i + e for i in range(16)]))
+        acc = builder.add(acc, part)
+    return acc
+
+
+@intrinsic
+def _qk_q8_scores(typingctx, q8c, buf, off, stride, nrows, dk, s, scr, pf, pfoff, pflines):
+    """s[c * 16 + r] = sum over 32-value blocks b of dq[b, r] dk[c, b] (q8[r, b] . k8[c, b]) for CB
+    cells c (q8_0 K row c at byte off + c * stride of buf; rows c >= nrows: 0) and the 16 rows r
+    packed by _pack_q8 in q8c.  First the block's int8 K values go into scr plus 128 (vpdpbusd
+    multiplies unsigned by signed bytes; the packed -128 * sum q8 undoes it) with their scales as
+    f32; then per 32 values and 8 cells: 8 query vectors, 64 vpdpbusd with a broadcast of 4 K bytes,
+    one int -> f32 conversion and FMA per cell.  pflines cache lines from byte pfoff of pf go
+    towards L2 on the way (the next block)."""
+    if not all(isinstance(a, types.Array) for a in (q8c, buf, s, scr, pf)):
+        return None
+    i64 = types.int64
+    sig = types.none(q8c, buf, i64, i64, i64, i64, s, scr, pf, i64, i64)
+
+    def codegen(context, builder, sig, args):
+        q0 = _ptr(context, builder, sig.args[0], args[0], _i64(0))
+        rows = _at(builder, _ptr(context, builder, sig.args[1], args[1], _i64(0)), args[2])
+        stride, nrows = args[3], args[4]
+        s0 = _ptr(context, builder, sig.args[6], args[6], _i64(0))
+        k8 = _ptr(context, builder, sig.args[7], args[7], _i64(0))
+        p0 = _at(builder, _ptr(context, builder, sig.args[8], args[8], _i64(0)), args[9])
+        nblk = builder.udiv(args[5], _i64(32))
+        ks0 = _at(builder, k8, builder.mul(nblk, _i64(32 * CB)))     # K scales, (nblk, CB) f32
+        top = ir.Constant(_vec(_I8, 32), [-128] * 32)
+        for c in range(CB):
+            kc = _at(builder, k8, 32 * c)
+            ksc = _at(builder, ks0, 4 * c)
+            with builder.if_else(builder.icmp_signed("<", _i64(c), nrows)) as (then, otherwise):
+                with then:
+                    row = _at(builder, rows, builder.mul(_i64(c), stride))
+                    with cgutils.for_range(builder, nblk) as loop:
+                        blk = _at(builder, row, builder.mul(loop.index, _i64(34)))
+                        d = builder.fpext(_load(builder, blk, ir.HalfType()), _F32)
+                        _store(builder, d, _at(builder, ksc, builder.mul(loop.index, _i64(4 * CB))))
+                        v = builder.xor(_load(builder, _at(builder, blk, 2), _I8, 32), top)
+                        _store(builder, v, _at(builder, kc, builder.mul(loop.index, _i64(32 * CB))))
+                with otherwise:           # scale 0: whatever bytes lie there add nothing
+                    with cgutils.for_range(builder, nblk) as loop:
+                        zero = ir.Constant(_F32, 0.0)
+                        _store(builder, zero, _at(builder, ksc, builder.mul(loop.index, _i64(4 * CB))))
+        half = CB // 2
+        for grp in range(2):
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, 16), None)) for _ in range(half)]
+            with cgutils.for_range(builder, nblk) as loop:
+                b = loop.index
+                if grp == 0:
+                    with cgutils.for_range_slice(builder, b, args[10], nblk) as (line, _):
+                        simd_prefetch(builder, _at(builder, p0, builder.mul(line, _i64(64))), 0, 64, locality=2)
+                qb = _at(builder, q0, builder.mul(b, _i64(Q8_BLOCK)))
+                qv = [_load(builder, _at(builder, qb, 64 * i), _I8, 64) for i in range(8)]
+                corr = _load(builder, _at(builder, qb, 32 * LANES + 4 * LANES), _I32, 16)
+                dq = _load(builder, _at(builder, qb, 32 * LANES), _F32, 16)
+                kb = _at(builder, k8, builder.mul(b, _i64(32 * CB)))
+                dots = [corr] * half
+                for i in range(8):
+                    for c in range(half):
+                        w = _splat_i32(builder, _load(builder, _at(builder, kb, 32 * (grp * half + c) + 4 * i), _I32))
+                        dots[c] = _dot4(builder, dots[c], builder.bitcast(w, _vec(_I8, 64)), qv[i])
+                ksb = _at(builder, ks0, builder.mul(b, _i64(4 * CB)))
+                for c in range(half):
+                    ks = builder.bitcast(_splat_i32(builder, _load(builder, _at(builder, ksb, 4 * (grp * half + c)),
+                                                                    _I32)), _vec(_F32, 16))
+                    f = builder.sitofp(dots[c], _vec(_F32, 16))
+                    builder.store(_madd(builder, "f32", builder.load(accs[c]), f, builder.fmul(dq, ks)), accs[c])
+            for c in range(half):
+                _store(builder, builder.load(accs[c]), _at(builder, s0, 64 * (grp * half + c)))
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+_TILE_SOURCES = ("f16", "bf16", "f32", "q8_0")
+_qk_f16_rows, _qk_bf16_rows, _qk_f32_rows, _qk_q8_0_rows = (_qk_rows_intrinsic(k) for k in _TILE_SOURCES)
+_pv_f16_rows, _pv_bf16_rows, _pv_f32_rows, _pv_q8_0_rows = (_pv_rows_intrinsic(k) for k in _TILE_SOURCES)
 
 
 def _rows_to_bf16_intrinsic(src_t: ir.Type, src_bytes: int):
@@ -558,6 +657,7 @@ def _aligned_empty(n, like):
 
 
 _F32_TOKEN = np.empty(0, np.float32)
+_U8_TOKEN = np.empty(0, np.uint8)
 
 
 @njit(**_opts)
@@ -656,7 +756,7 @@ def _to_probabilities(S, mnew, mg, lg, alpha):
 
 @njit(**_opts)
 def _attend_range(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, c0, c1, dk, dv, cell_pos,
-                  qp, qf, rpos, ch0, ch1, s, lut, refine, acc, m, l):
+                  qp, q8, qf, rpos, ch0, ch1, s, lut, refine, acc, m, l):
     """Online softmax of row chunks ch0..ch1 of every kv head over cells [c0, c1), in the kind
     qp's dtype names (the hooks below are chosen while typing: the f32 kind never compiles a
     bf16 intrinsic).  qp (Hkv, nch, dk * 16): Qt[j] (f32) or bf16 pairs of each chunk; qf (Hkv,
@@ -683,7 +783,7 @@ def _attend_range(kbuf, kqt, khead, kstride, vbuf, vqt, vhead, vstride, v_is_k, 
                 rp = rpos[ch * LANES:(ch + 1) * LANES]
                 mg = m[g, s, ch * LANES:(ch + 1) * LANES]
                 lg = l[g, s, ch * LANES:(ch + 1) * LANES]
-                _block_scores(qp[g, ch], blk, kbuf, kqt, kbase, kstride, nb, dk, S, (j0 + CB) * kstride,
+                _block_scores(qp[g, ch], q8[g, ch], blk, kbuf, kqt, kbase, kstride, nb, dk, S, (j0 + CB) * kstride,
                               pfl if g == 0 and ch == ch0 else 0)
                 _mask_and_max(S, cp, nb, maxpos, rp, mg, mnew)
                 _refine_scores(qp, qf, (g * qf.shape[1] + ch * LANES) * dk, kbuf, kqt, kbase, kstride, blk, nb, dk,
@@ -701,7 +801,7 @@ def _is_bf16(qp) -> bool:
 @njit(**_opts)
 def _in_place(qt):
     """The cache types the f32 kind reads in place, converting a tile at a time."""
-    return qt == F16 or qt == BF16 or qt == F32
+    return qt == F16 or qt == BF16 or qt == F32 or qt == Q8_0
 
 
 def _new_block(qp, dk, dv, v_is_k, kqt, vqt):
@@ -728,7 +828,8 @@ def _new_block_kind(qp, dk, dv, v_is_k, kqt, vqt):
         else:
             nv = 0 if _in_place(vqt) else CB
             vb = _aligned_empty(nv * dv, _F32_TOKEN).reshape(nv, dv)
-        return kb, vb, _aligned_empty(2 * CB * 16, _F32_TOKEN)
+        n8 = CB * dk + dk // 32 * CB * 4 if kqt == Q8_0 else 0     # int8 K + 128, their scales
+        return kb, vb, _aligned_empty(2 * CB * 16, _F32_TOKEN), _aligned_empty(n8, _U8_TOKEN)
     return f32
 
 
@@ -748,7 +849,7 @@ def _fill_block_kind(qp, blk, kbuf, kqt, kbase, kstride, vbuf, vqt, vbase, vstri
         return bf16
 
     def f32(qp, blk, kbuf, kqt, kbase, kstride, vbuf, vqt, vbase, vstride, v_is_k, nb, dk, dv, lut):
-        kb, vb, _ = blk                   # the float caches are read in place
+        kb, vb, _, _ = blk                # the float caches and q8_0 are read in place
         if not _in_place(kqt):
             decode_cache_rows(kbuf, kqt, kbase, kstride, nb, dk, QK, lut, kb)
         if not v_is_k and not _in_place(vqt):
@@ -756,24 +857,30 @@ def _fill_block_kind(qp, blk, kbuf, kqt, kbase, kstride, vbuf, vqt, vbase, vstri
     return f32
 
 
-def _block_scores(qc, blk, kbuf, kqt, kbase, kstride, nb, dk, S, pfoff, pflines):
+def _block_scores(qc, q8c, blk, kbuf, kqt, kbase, kstride, nb, dk, S, pfoff, pflines):
     """S[c * 16 + r] = q row r of the chunk qc . K row c of the block (f32 kind: pflines cache
-    lines of kbuf from byte pfoff prefetched on the way)."""
+    lines of kbuf from byte pfoff prefetched on the way; a q8_0 cache with the chunk packed as
+    int8 in q8c (not empty): integer products)."""
 
 
 @overload(_block_scores)
-def _block_scores_kind(qc, blk, kbuf, kqt, kbase, kstride, nb, dk, S, pfoff, pflines):
+def _block_scores_kind(qc, q8c, blk, kbuf, kqt, kbase, kstride, nb, dk, S, pfoff, pflines):
     if _is_bf16(qc):
-        return lambda qc, blk, kbuf, kqt, kbase, kstride, nb, dk, S, pfoff, pflines: _qk_bf16(qc, 0, blk[0], dk, S)
+        return lambda qc, q8c, blk, kbuf, kqt, kbase, kstride, nb, dk, S, pfoff, pflines: _qk_bf16(qc, 0, blk[0], dk, S)
 
-    def f32(qc, blk, kbuf, kqt, kbase, kstride, nb, dk, S, pfoff, pflines):
-        kb, _, scr = blk
+    def f32(qc, q8c, blk, kbuf, kqt, kbase, kstride, nb, dk, S, pfoff, pflines):
+        kb, _, scr, k8 = blk
+        if q8c.size:
+            _qk_q8_scores(q8c, kbuf, kbase, kstride, nb, dk, S, k8, kbuf, pfoff, pflines)
+            return
         if kqt == F16:
             _qk_f16_rows(qc, kbuf, kbase, kstride, nb, dk, S, scr, kbuf, pfoff, pflines)
         elif kqt == BF16:
             _qk_bf16_rows(qc, kbuf, kbase, kstride, nb, dk, S, scr, kbuf, pfoff, pflines)
         elif kqt == F32:
             _qk_f32_rows(qc, kbuf, kbase, kstride, nb, dk, S, scr, kbuf, pfoff, pflines)
+        elif kqt == Q8_0:
+            _qk_q8_0_rows(qc, kbuf, kbase, kstride, nb, dk, S, scr, kbuf, pfoff, pflines)
         else:
             _qk_f32_rows(qc, kb, 0, dk * 4, nb, dk, S, scr, kbuf, pfoff, pflines)
     return f32
@@ -825,7 +932,7 @@ def _block_values_kind(qp, S, blk, kbuf, kqt, kbase, kstride, vbuf, vqt, vbase, 
         return bf16
 
     def f32(qp, S, blk, kbuf, kqt, kbase, kstride, vbuf, vqt, vbase, vstride, v_is_k, nb, dv, a, alpha, moved):
-        kb, vb, scr = blk
+        kb, vb, scr, _ = blk
         if v_is_k:
             _values_from(S, kbuf, kqt, kbase, kstride, kb, nb, dv, a, alpha, moved, scr)
         else:
@@ -842,6 +949,8 @@ def _values_from(S, buf, qt, base, stride, fb, nb, dv, a, alpha, moved, scr):
         _pv_bf16_rows(S, buf, base, stride, nb, dv, a, alpha, moved, scr)
     elif qt == F32:
         _pv_f32_rows(S, buf, base, stride, nb, dv, a, alpha, moved, scr)
+    elif qt == Q8_0:
+        _pv_q8_0_rows(S, buf, base, stride, nb, dv, a, alpha, moved, scr)
     else:
         _pv_f32_rows(S, fb, 0, fb.shape[1] * 4, nb, dv, a, alpha, moved, scr)
 
@@ -881,7 +990,7 @@ def _pack_lanes_kind(qpad, qp):
 
 @njit(parallel=True, **_opts)
 def _fa_kernel(q, scale2, q_pos, hkv, kbuf, kqt, kstride, khead, vbuf, vqt, vstride, vhead, v_is_k, n_kv, dv,
-               cell_pos, nsplit, lut, refine, qkind, out, attend):
+               cell_pos, nsplit, lut, refine, qkind, q8scores, out, attend):
     """The whole call in one compiled function: pack the query rows into qp (qkind's dtype picks
     the kind), one work item per (group of CHUNKS_PER_ITEM row chunks, range of cells), merge the
     ranges into out (Hkv, R, dv).  Packing, attending and merging as three calls cost ~25 us of
@@ -896,6 +1005,10 @@ def _fa_kernel(q, scale2, q_pos, hkv, kbuf, kqt, kstride, khead, vbuf, vqt, vstr
     _pack_q(q, scale2, q_pos, qpad, rp)
     qp = _aligned_empty(hkv * nch * dk * LANES, qkind).reshape(hkv, nch, dk * LANES)
     _pack_lanes(qpad, qp)
+    q8 = _aligned_empty(hkv * nch * (dk // 32) * Q8_BLOCK if q8scores and kqt == Q8_0 else 0,
+                        _U8_TOKEN).reshape(hkv, nch, -1)
+    if q8.size:
+        _pack_q8(qpad, q8)
     acc = _aligned_empty(hkv * nsplit * nch * dv * LANES, _F32_TOKEN).reshape(hkv, nsplit, nch, dv * LANES)
     m = np.empty((hkv, nsplit, nch * LANES), dtype=np.float32)
     l = np.zeros((hkv, nsplit, nch * LANES), dtype=np.float32)
@@ -907,7 +1020,7 @@ def _fa_kernel(q, scale2, q_pos, hkv, kbuf, kqt, kstride, khead, vbuf, vqt, vstr
         if c0 < c1:       # the arguments' types are _attend_address's signature: scalars made int64 here
             call_at(attend, (kbuf, np.int64(kqt), np.int64(khead), np.int64(kstride), vbuf, np.int64(vqt),
                              np.int64(vhead), np.int64(vstride), v_is_k, np.int64(c0), np.int64(c1), np.int64(dk),
-                             np.int64(dv), cell_pos, qp, qpad, rp, np.int64(ch0), np.int64(ch1), np.int64(s), lut,
+                             np.int64(dv), cell_pos, qp, q8, qpad, rp, np.int64(ch0), np.int64(ch1), np.int64(s), lut,
                              refine, acc, m, l))
         else:
             for g in range(hkv):
@@ -936,6 +1049,37 @@ def _pack_q(q, scale2, q_pos, qpad, rp):
                     dst[d] = src[d] * scale2
 
 
+@njit(**_opts)
+def _pack_q8(qpad, q8):
+    """q8[g, ch]: per 32-value block b of the chunk's 16 rows (Q8_BLOCK bytes at b * Q8_BLOCK) the
+    int8 values x / d rounded to nearest (d = max |x| / 127, ik's Q8_0), value 4i + e of row r at
+    byte (i * 16 + r) * 4 + e (4 a lane, as vpdpbusd sums them); then d (16 f32) and -128 * the sum
+    of each row's int8 values (16 int32: the products are taken with K + 128)."""
+    dk = qpad.shape[2]
+    for g in range(q8.shape[0]):
+        for ch in range(q8.shape[1]):
+            out = q8[g, ch]
+            qs = out.view(np.int8)
+            for b in range(dk // 32):
+                o = b * Q8_BLOCK
+                sc = out[o + 32 * LANES:o + 36 * LANES].view(np.float32)
+                cr = out[o + 36 * LANES:o + Q8_BLOCK].view(np.int32)
+                for r in range(LANES):
+                    x = qpad[g, ch * LANES + r, b * 32:b * 32 + 32]
+                    amax = np.float32(0.0)
+                    for j in range(32):
+                        amax = max(amax, abs(x[j]))
+                    d = amax / np.float32(127.0)
+                    inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+                    tot = 0
+                    for j in range(32):
+                        v = np.int32(np.rint(x[j] * inv))
+                        qs[o + ((j >> 2) * LANES + r) * 4 + (j & 3)] = v
+                        tot += v
+                    sc[r] = d
+                    cr[r] = -128 * tot
+
+
 def supports(n_rows: int, dk: int, dv: int) -> bool:
     """Shapes the lanes kernels take: dk / dv in 16-value steps, and enough query rows per kv
     head that padding them to chunks of 16 wastes at most a quarter of the lanes (a single
@@ -959,7 +1103,8 @@ def flash_kernel_lanes(q: np.ndarray, scale2: float, q_pos: np.ndarray, hkv: int
     out = np.empty((hkv, T * (H // hkv), dv), dtype=np.float32)
     kbuf, vbuf = k.data.reshape(-1), vs.data.reshape(-1)
     _fa_kernel(q, np.float32(scale2), q_pos, hkv, kbuf, k.qtype, k.data.shape[1], khead, vbuf, vs.qtype,
-               vs.data.shape[1], vhead, v is None, n_kv, dv, cell_pos, nsplit, lut, np.float32(REFINE_LOG2), qkind, out,
+               vs.data.shape[1], vhead, v is None, n_kv, dv, cell_pos, nsplit, lut, np.float32(REFINE_LOG2), qkind,
+               Q8_SCORES, out,
                _attend_address(kbuf, vbuf, cell_pos, qkind, lut))
     return out
 
@@ -978,6 +1123,6 @@ def _attend_address(kbuf: np.ndarray, vbuf: np.ndarray, cell_pos: np.ndarray, qp
     def make():
         ty = numba.typeof
         return _attend_range, (ty(kbuf), _INT, _INT, _INT, ty(vbuf), _INT, _INT, _INT, types.boolean, _INT, _INT, _INT,
-                               _INT, ty(cell_pos), ty(qp), _F32_3, types.Array(types.int64, 1, "C"), _INT, _INT, _INT,
-                               ty(lut), types.float32, types.Array(types.float32, 4, "C"), _F32_3, _F32_3)
+                               _INT, ty(cell_pos), ty(qp), types.Array(types.uint8, 3, "C"), _F32_3,
+                               types.Array(types.int64, 1, "C"), _INT, _INT, _INT, ty(lut), types.float32, types.Array(types.float32, 4, "C"), _F32_3, _F32_3)
     return cached_address(_ATTEND, arrays_key(kbuf, vbuf, cell_pos, qp, lut), make)

@@ -130,6 +130,64 @@ def test_latent_matches_portable_kernel_and_rounded_reference(monkeypatch, no_re
     close(out, reference(bf16_q(q, 0.3), K, K[:, :, :64], cp, qp, 0.3), TOL_ROUNDED)
 
 
+@pytest.fixture(autouse=True)
+def f32_scores(monkeypatch):
+    """The f32 kind's q8_0 caches with f32 scores (exactly the portable kernel's arithmetic) unless
+    a test asks for the integer ones (test_q8_0_cache_integer_scores)."""
+    monkeypatch.setattr(fl, "Q8_SCORES", False)
+
+
+def q8_rounded(q, scale):
+    """q as the integer-score path rounds it: scaled into the log2 domain, int8 per 32 values with
+    d = max |x| / 127 (ik's Q8_0, d kept in f32), back in q's units (f64)."""
+    c = np.float32(scale * fa.LOG2E)
+    x = (q * c).astype(np.float32)
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    d = (np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    v = np.rint(blocks * inv)
+    assert np.abs(v).max() <= 127
+    return (v * d.astype(np.float64)).reshape(x.shape) / np.float64(c)
+
+
+@pytest.mark.parametrize("n_kv,T,dk,dv", [(1, 1, 96, 64), (17, 2, 96, 64), (200, 4, 96, 64), (613, 1, 576, 512)])
+def test_q8_0_cache_integer_scores(monkeypatch, lanes_calls, n_kv, T, dk, dv):
+    """q8_0 cache, f32 kind, integer scores (vpdpbusd with VNNI, widened products elsewhere): the
+    query rows rounded to int8 per 32 values, then exact integer sums, so the output equals an f64
+    reference on those rounded rows to f32 rounding; the rounding itself moves the outputs from the
+    f32-score kernel's by ~5e-3 relative on these random rows."""
+    monkeypatch.setattr(fl, "Q8_SCORES", True)
+    rng = np.random.default_rng(n_kv + T)
+    q, k, cp, qp = latent_case(rng, n_kv, T, CACHE_TYPES["q8_0"], dk=dk, dv=dv)
+    sc = 0.3 if dk < 500 else 0.12             # score std ~3, as DeepSeek's latent heads
+    out, ref32 = run_both(monkeypatch, "f32", q, k, None, n_kv, 1, dk, dv, cp, qp, sc)
+    assert lanes_calls == ["f32"]
+    K = k.read(n_kv).reshape(n_kv, 1, dk)
+    close(out, reference(q8_rounded(q, sc), K, K[:, :, :dv], cp, qp, sc), 2e-5)
+    close(out, ref32, 3e-2)
+    if n_kv > 16:
+        assert np.abs(out - ref32).max() > 1e-4 * np.abs(ref32).max()    # the integer path ran
+
+
+def test_q8_0_cache_integer_scores_gqa(monkeypatch, lanes_calls):
+    """Integer scores with two kv heads (each K head's blocks at its own offset in the row) and a
+    separate q8_0 V store."""
+    monkeypatch.setattr(fl, "Q8_SCORES", True)
+    rng = np.random.default_rng(12)
+    n, hkv, H, dk, dv = 150, 2, 32, 64, 32
+    k = RowStore(n, hkv * dk, CACHE_TYPES["q8_0"], dk)
+    v = RowStore(n, hkv * dv, CACHE_TYPES["q8_0"], dv)
+    k.write(0, rng.standard_normal((n, hkv * dk), dtype=np.float32))
+    v.write(0, rng.standard_normal((n, hkv * dv), dtype=np.float32))
+    q = rng.standard_normal((2, H, dk), dtype=np.float32)
+    cp, qp = np.arange(n), np.array([n - 2, n - 1])
+    use(monkeypatch, "f32")
+    out = fa.flash_attn(q, k, v, n, hkv, dk, dv, cp, qp, 0.2, path="kernel")
+    assert lanes_calls == ["f32"]
+    K, V = k.read(n).reshape(n, hkv, dk), v.read(n).reshape(n, hkv, dv)
+    close(out, reference(q8_rounded(q, 0.2), K, V, cp, qp, 0.2), 2e-5)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("ctype", ["f32", "f16", "bf16", "q8_0", "q4_0", "q6_0", "q4_1", "q5_0", "q5_1", "q8_kv"])
 def test_cache_types(monkeypatch, lanes_calls, ctype, kind):
@@ -219,10 +277,12 @@ def test_standard_heads_gqa_separate_v(monkeypatch, no_refine, lanes_calls, kind
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("ctype", ["f32", "f16", "bf16", "q8_0"])
+@pytest.mark.parametrize("ctype", ["f32", "f16", "bf16", "q8_0", "q8_0 int"])
 def test_rows_past_the_last_cell_are_ignored(monkeypatch, lanes_calls, ctype, kind):
     """A partial last block: the cache rows past n_kv hold NaN (and the cache ends before the
     block does); they must not reach the output (0 * NaN is NaN)."""
+    ctype, _, scores = ctype.partition(" ")
+    monkeypatch.setattr(fl, "Q8_SCORES", scores == "int")
     rng = np.random.default_rng(11)
     n_kv = 37                                    # blocks of 16: the last holds 5 cells
     q, k, cp, qp = latent_case(rng, n_kv, 1, CACHE_TYPES[ctype])
