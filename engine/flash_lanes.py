@@ -1,4 +1,4 @@
-"""Token-generation flash attention with query rows in vector lanes: f32 or bf16 products.
+"""Token-generation flash attention with query rows in vector lanes: f32, bf16 or int8 products.
 
 engine.flash_attn's portable kernel runs dot products along the head dimension, 4 rows x 4
 cells per register block, and its (rows x dv) accumulator lives in memory; for DeepSeek's
@@ -14,7 +14,7 @@ multiply-adds:
   converts the block's K rows once (shared by every row of the kv head); f32 reads f16 / bf16 /
   f32 caches in place, converting 16 values of the 16 cells at a time into a 1 KiB tile (two
   of them, alternating: the next is converted while the current one is used) that stays in L1,
-  and quantized caches from their f32 decode;
+  q8_0 likewise or (Q8_SCORES, below) as integers, other quantized caches from their f32 decode;
 * online softmax in the log2 domain, rows in lanes, f32 (shared by both kinds);
 * P.V: acc[d] (16 rows, kept transposed) += P[c] * broadcast v[c, d], eight d at a time from
   the tiles of V (f32), or dpbf16 over cell pairs with V interleaved per pair (bf16).  The
@@ -28,6 +28,17 @@ ms against 1.65-1.77 for the portable kernel (scripts/bench_gen_attention.py; RE
 twenty-fourth session); reading the cache a tile at a time instead of converting a whole 36 KiB
 block before its passes: 1.17 -> 1.03 ms at one thread, 0.65 -> 0.56 at two (README,
 twenty-ninth session).
+
+q8_0 caches, f32 kind, where the CPU has VNNI (Q8_SCORES; IKCLI_FA_Q8_SCORES=0 turns it off):
+the scores are integer dot products, as ik_llama.cpp's flash attention computes them for a
+quantized K: the query rows are rounded to int8 per 32 values (one f32 scale each), and per
+block the int8 K values (plus 128: vpdpbusd multiplies unsigned by signed bytes) meet them in
+vpdpbusd, 64 products per instruction against an FMA's 16; f32 only combines the two scales.
+P.V stays f32 from the q8_0 tiles.  Rounding q costs about what the q8_0 cache's own rounding
+does (5.3e-3 relative L2 from the f32-score outputs on random rows; a tiny DeepSeek model's
+logits 1.15e-2 from an f16 cache's against 1.12e-2 with f32 scores).  Measured on the Intel VM,
+one thread, 3584 q8_0 cells: 1.31-1.33 ms with f32 scores against 1.05-1.07
+(scripts/bench_gen_attention.py --type q8_0; the f16 cache's f32 kind ~1.03).
 
 bf16 (`kind="bf16"`): vdpbf16ps does 32 bf16 multiply-adds into 16 f32 lanes, twice an f32
 FMA's.  It pays where it issues as often as an FMA (AMD Zen 4: ~1.7x the portable kernel,
@@ -1124,5 +1135,6 @@ def _attend_address(kbuf: np.ndarray, vbuf: np.ndarray, cell_pos: np.ndarray, qp
         ty = numba.typeof
         return _attend_range, (ty(kbuf), _INT, _INT, _INT, ty(vbuf), _INT, _INT, _INT, types.boolean, _INT, _INT, _INT,
                                _INT, ty(cell_pos), ty(qp), types.Array(types.uint8, 3, "C"), _F32_3,
-                               types.Array(types.int64, 1, "C"), _INT, _INT, _INT, ty(lut), types.float32, types.Array(types.float32, 4, "C"), _F32_3, _F32_3)
+                               types.Array(types.int64, 1, "C"), _INT, _INT, _INT, ty(lut), types.float32,
+                               types.Array(types.float32, 4, "C"), _F32_3, _F32_3)
     return cached_address(_ATTEND, arrays_key(kbuf, vbuf, cell_pos, qp, lut), make)

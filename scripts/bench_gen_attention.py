@@ -6,9 +6,11 @@ with each kernel forced in turn:
     python scripts/bench_gen_attention.py [--threads 1] [--n-kv 3584] [--type f16] [--rounds 3] [--heads 16]
 
 Kernels: portable (engine.flash_attn's own), f32 and bf16 (engine.flash_lanes; bf16 only where
-the CPU has AVX512-BF16).  Each round times every kernel warm (best of 15) and after writing a
-64 MiB buffer before each call (best of 15).  Random q and cache: the bf16 kind refines more
-scores here than on a model's data.  The machine is shared and noisy: compare within a round.
+the CPU has AVX512-BF16); with --type q8_0 on a CPU with VNNI also f32-int8, the f32 kind with
+integer scores (the default there; "f32" is then the same kernel with f32 scores).  Each round
+times every kernel warm (best of 15) and after writing a 64 MiB buffer before each call (best
+of 15).  Random q and cache: the bf16 kind refines more scores here than on a model's data.  The
+machine is shared and noisy: compare within a round.
 """
 from __future__ import annotations
 
@@ -43,8 +45,11 @@ def main() -> None:
     cp, qp = np.arange(n, dtype=np.int64), np.array([n - 1], np.int64)
     fa._lanes_kind(a.heads, 576, 512)                 # loads engine.flash_lanes, reads the host
     kinds = ["portable", "f32"] + (["bf16"] if fa._HOST[0] else [])
+    if a.type == "q8_0" and fa._FL.HAS_VNNI:
+        kinds.insert(2, "f32-int8")                 # integer scores (the default there); f32: f32 scores
 
     def run(kind: str) -> np.ndarray:
+        fa._FL.Q8_SCORES = kind == "f32-int8"
         fa.USE_BF16 = kind == "bf16"
         fa.USE_LANES = kind != "portable"
         fa._HOST = (fa._HOST[0], fa._HOST[1], True)  # f32 lanes even without AVX-512

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from engine import flash_attn as fa
+from engine import flash_lanes
 from engine.flash_attn import flash_attn, use_kernel_path
 from engine.kv_cache import CACHE_TYPES, RowStore
 
@@ -14,6 +15,13 @@ LAYOUTS = {
     "mha": (4, 4, 64, 32, False),        # one row per kv head: the kernel's remainder rows
     "latent": (16, 1, 96, 64, True),     # MLA: [c (64) | k_pe (32)], V = c
 }
+
+
+@pytest.fixture(autouse=True)
+def f32_scores(monkeypatch):
+    """q8_0 caches with f32 scores in the lanes kernel too, so every path meets the f32 reference;
+    its integer scores (int8 query rows) have their own tests in test_flash_lanes."""
+    monkeypatch.setattr(flash_lanes, "Q8_SCORES", False)
 
 
 def reference(q, K, V, cell_pos, q_pos, scale):
