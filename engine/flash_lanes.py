@@ -336,6 +336,23 @@ def _over_tiles(builder, rows, stride, nrows, ntiles, scr, src: str, body) -> No
         body(t, cur)
 
 
+def _score_sig(q, buf, s, scr, pf):
+    """The signature of a block-score intrinsic (q, buf, off, stride, nrows, dk, s, scr, pf,
+    pfoff, pflines), or None for other argument types."""
+    if not all(isinstance(a, types.Array) for a in (q, buf, s, scr, pf)):
+        return None
+    i64 = types.int64
+    return types.none(q, buf, i64, i64, i64, i64, s, scr, pf, i64, i64)
+
+
+def _score_ptrs(context, builder, sig, args):
+    """A block-score intrinsic's pointers: packed query, the block's first K row, scores,
+    scratch, first prefetch line."""
+    def ptr(i):
+        return _ptr(context, builder, sig.args[i], args[i], _i64(0))
+    return ptr(0), _at(builder, ptr(1), args[2]), ptr(6), ptr(7), _at(builder, ptr(8), args[9])
+
+
 def _qk_rows_intrinsic(src: str):
     @intrinsic
     def qk_rows(typingctx, qp, buf, off, stride, nrows, dk, s, scr, pf, pfoff, pflines):
@@ -344,17 +361,12 @@ def _qk_rows_intrinsic(src: str):
         Per tile of 16 j: 16 q vector loads, 256 FMAs with a broadcast of the tile.  Meanwhile
         the pflines cache lines from byte pfoff of pf go towards L2, spread over the tiles (the
         next block: as one burst before the block they held up the loads of this one)."""
-        if not all(isinstance(a, types.Array) for a in (qp, buf, s, scr, pf)):
+        sig = _score_sig(qp, buf, s, scr, pf)
+        if sig is None:
             return None
-        i64 = types.int64
-        sig = types.none(qp, buf, i64, i64, i64, i64, s, scr, pf, i64, i64)
 
         def codegen(context, builder, sig, args):
-            q0 = _ptr(context, builder, sig.args[0], args[0], _i64(0))
-            rows = _at(builder, _ptr(context, builder, sig.args[1], args[1], _i64(0)), args[2])
-            s0 = _ptr(context, builder, sig.args[6], args[6], _i64(0))
-            scr = _ptr(context, builder, sig.args[7], args[7], _i64(0))
-            p0 = _at(builder, _ptr(context, builder, sig.args[8], args[8], _i64(0)), args[9])
+            q0, rows, s0, scr, p0 = _score_ptrs(context, builder, sig, args)
             accs = [cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, 16), None)) for _ in range(CB)]
             ntiles = builder.udiv(args[5], _i64(16))
 
@@ -446,18 +458,13 @@ def _qk_q8_scores(typingctx, q8c, buf, off, stride, nrows, dk, s, scr, pf, pfoff
     f32; then per 32 values and 8 cells: 8 query vectors, 64 vpdpbusd with a broadcast of 4 K bytes,
     one int -> f32 conversion and FMA per cell.  pflines cache lines from byte pfoff of pf go
     towards L2 on the way (the next block)."""
-    if not all(isinstance(a, types.Array) for a in (q8c, buf, s, scr, pf)):
+    sig = _score_sig(q8c, buf, s, scr, pf)
+    if sig is None:
         return None
-    i64 = types.int64
-    sig = types.none(q8c, buf, i64, i64, i64, i64, s, scr, pf, i64, i64)
 
     def codegen(context, builder, sig, args):
-        q0 = _ptr(context, builder, sig.args[0], args[0], _i64(0))
-        rows = _at(builder, _ptr(context, builder, sig.args[1], args[1], _i64(0)), args[2])
+        q0, rows, s0, k8, p0 = _score_ptrs(context, builder, sig, args)
         stride, nrows = args[3], args[4]
-        s0 = _ptr(context, builder, sig.args[6], args[6], _i64(0))
-        k8 = _ptr(context, builder, sig.args[7], args[7], _i64(0))
-        p0 = _at(builder, _ptr(context, builder, sig.args[8], args[8], _i64(0)), args[9])
         nblk = builder.udiv(args[5], _i64(32))
         ks0 = _at(builder, k8, builder.mul(nblk, _i64(32 * CB)))     # K scales, (nblk, CB) f32
         top = ir.Constant(_vec(_I8, 32), [-128] * 32)
