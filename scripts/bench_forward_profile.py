@@ -6,6 +6,7 @@ random tokens (after two untimed ones), as a sweep-bench row at N_KV 0 runs them
     python scripts/bench_forward_profile.py --model M [--batch 512] [--threads 2] [--reps 4]
     python scripts/bench_forward_profile.py --model M --tree /path/to/other/checkout
     python scripts/bench_forward_profile.py --model M --depth 3584     (on top of 3584 cached tokens)
+    python scripts/bench_forward_profile.py --model M --depth 3584 --ctk q8_0     (KV cache type)
 
 --tree imports ikcli's packages from another checkout (a `git worktree` of an older commit): the
 same wrappers, so two trees' tables compare step by step.  Functions are replaced by their wrappers
@@ -49,6 +50,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--depth", type=int, default=0, help="cached tokens under the timed batch (a sweep-bench row's N_KV)")
+    ap.add_argument("--ctk", default="f16", help="KV cache type (-ctk)")
     ap.add_argument("--tree", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     a = ap.parse_args()
     sys.path.insert(0, os.path.abspath(a.tree))
@@ -91,7 +93,8 @@ def main() -> None:
             wrap(owner, attr, f"{mod_name.split('.')[-1]}.{name}")
 
     cfg = EngineConfig(a.model, n_ctx=max(1024, 2 * a.batch, a.depth + a.batch), n_batch=max(512, a.batch),
-                       n_ubatch=max(512, a.batch), n_threads=a.threads, mla=3, flash_attn=True)
+                       n_ubatch=max(512, a.batch), n_threads=a.threads, mla=3, flash_attn=True,
+                       type_k=a.ctk)
     ctx = Context(load_model(a.model, quiet_log, mla=3), cfg, quiet_log)
     rng = np.random.default_rng(0)
     n_vocab = ctx.model.hp.n_vocab

@@ -4,6 +4,7 @@
 with each kernel forced in turn:
 
     python scripts/bench_gen_attention.py [--threads 1] [--n-kv 3584] [--type f16] [--rounds 3] [--heads 16]
+                                          [--sgemm]
 
 Kernels: portable (engine.flash_attn's own), f32 and bf16 (engine.flash_lanes; bf16 only where
 the CPU has AVX512-BF16); with --type q8_0 on a CPU with VNNI also f32-int8, the f32 kind with
@@ -35,6 +36,8 @@ def main() -> None:
     ap.add_argument("--type", default="f16", choices=sorted(CACHE_TYPES))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--heads", type=int, default=16, help="query heads (DeepSeek-V3: 128)")
+    ap.add_argument("--sgemm", action="store_true",
+                    help="first print numpy's one-thread sgemm rate and the f32 kind's FMA work at that rate")
     a = ap.parse_args()
     set_num_threads(a.threads)
     rng = np.random.default_rng(0)
@@ -59,6 +62,8 @@ def main() -> None:
     for kind in kinds[1:]:
         out = run(kind)
         print(f"{kind}: relative L2 difference from portable {np.linalg.norm(out - ref) / np.linalg.norm(ref):.2e}")
+    if a.sgemm:
+        sgemm_floor(n, a.heads)
     junk = np.ones(64 << 20, np.uint8)
     print(f"{n} {a.type} cells, {a.heads} rows of 576/512, {a.threads} thread(s): ms, warm / after a 64 MiB write")
     for _ in range(a.rounds):
@@ -76,6 +81,26 @@ def main() -> None:
                 best.append(b * 1e3)
             cols.append(f"{kind} {best[0]:.3f} / {best[1]:.3f}")
         print("  ".join(cols))
+
+
+def sgemm_floor(n: int, heads: int) -> None:
+    """The f32 kind does (576 + 512) 16-lane FMAs per cell and 16 rows; numpy's sgemm (2048^2, one
+    BLAS thread, best of 8) is the practical FMA rate of the core to set that against."""
+    from quant.blas_threads import get_blas_threads, set_blas_threads
+    old = get_blas_threads()
+    set_blas_threads(1)
+    x = np.random.default_rng(1).random((2, 2048, 2048), dtype=np.float32)
+    best = 1e9
+    for _ in range(8):
+        t = time.perf_counter()
+        x[0] @ x[1]
+        best = min(best, time.perf_counter() - t)
+    if old:
+        set_blas_threads(old)
+    rate = 2048 ** 3 / 16 / best                  # 16-lane FMAs a second
+    work = -(-n // 16) * 16 * (576 + 512) * -(-heads // 16)
+    print(f"numpy sgemm, one thread: {rate / 1e9:.2f} G 16-lane FMAs/s; the f32 kind's {work / 1e6:.2f} M FMAs "
+          f"at that rate: {work / rate * 1e3:.3f} ms")
 
 
 if __name__ == "__main__":
