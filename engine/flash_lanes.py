@@ -31,12 +31,13 @@ twenty-ninth session).
 
 q8_0 caches, f32 kind, where the CPU has VNNI (Q8_SCORES; IKCLI_FA_Q8_SCORES=0 turns it off):
 the scores are integer dot products, as ik_llama.cpp's flash attention computes them for a
-quantized K: the query rows are rounded to int8 per 32 values (one f32 scale each), and per
+quantized K: the query rows are rounded to int8 per 32 values as the matmuls' activations are
+(one scale each, rounded to bf16), and per
 block the int8 K values (plus 128: vpdpbusd multiplies unsigned by signed bytes) meet them in
 vpdpbusd, 64 products per instruction against an FMA's 16; f32 only combines the two scales.
 P.V stays f32 from the q8_0 tiles.  Rounding q costs about what the q8_0 cache's own rounding
 does (5.3e-3 relative L2 from the f32-score outputs on random rows; a tiny DeepSeek model's
-logits 1.15e-2 from an f16 cache's against 1.12e-2 with f32 scores).  Measured on the Intel VM,
+logits 1.31e-2 from an f16 cache's against 1.12e-2 with f32 scores).  Measured on the Intel VM,
 one thread, 3584 q8_0 cells: 1.31-1.33 ms with f32 scores against 1.05-1.07
 (scripts/bench_gen_attention.py --type q8_0; the f16 cache's f32 kind ~1.03).
 
@@ -74,7 +75,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from quant.fnptr import arrays_key, cached_address, call_at
-from quant.kernels import QK, decode_cache_rows
+from quant.kernels import QK, decode_cache_rows, quantize_act_q8_serial
 from quant.simd import _const_i64 as _i64
 from quant.simd import HAS_VNNI, _vec, cpu_features, dpbusd
 from quant.simd import prefetch as simd_prefetch
@@ -1069,33 +1070,32 @@ def _pack_q(q, scale2, q_pos, qpad, rp):
 
 @njit(**_opts)
 def _pack_q8(qpad, q8):
-    """q8[g, ch]: per 32-value block b of the chunk's 16 rows (Q8_BLOCK bytes at b * Q8_BLOCK) the
-    int8 values x / d rounded to nearest (d = max |x| / 127, ik's Q8_0), value 4i + e of row r at
-    byte (i * 16 + r) * 4 + e (4 a lane, as vpdpbusd sums them); then d (16 f32) and -128 * the sum
-    of each row's int8 values (16 int32: the products are taken with K + 128)."""
-    dk = qpad.shape[2]
-    for g in range(q8.shape[0]):
-        for ch in range(q8.shape[1]):
+    """q8[g, ch]: the chunk's 16 rows quantized as the matmuls' activations (quant.kernels'
+    quantize_act_q8_serial: int8 per 32 values, d = max |x| / 127 rounded to bf16, ik's rule) and
+    laid out for vpdpbusd: per 32-value block b (Q8_BLOCK bytes at b * Q8_BLOCK) value 4i + e of
+    row r at byte (i * 16 + r) * 4 + e (4 a lane), then d (16 f32) and -128 * the block's sum of
+    q (16 int32: the products are taken with K + 128)."""
+    hkv, nch, dk = q8.shape[0], q8.shape[1], qpad.shape[2]
+    nb = dk // 32
+    rows = qpad.reshape(hkv * nch * LANES, dk)
+    q = np.empty((rows.shape[0], dk), dtype=np.int8)
+    d = np.empty((rows.shape[0], nb), dtype=np.float32)
+    bs = np.empty((rows.shape[0], nb), dtype=np.int32)
+    quantize_act_q8_serial(rows, QK, q, d, bs, np.empty((0, 0), np.float32), np.empty((0, 0), np.int32))
+    for g in range(hkv):
+        for ch in range(nch):
             out = q8[g, ch]
             qs = out.view(np.int8)
-            for b in range(dk // 32):
+            for b in range(nb):
                 o = b * Q8_BLOCK
                 sc = out[o + 32 * LANES:o + 36 * LANES].view(np.float32)
                 cr = out[o + 36 * LANES:o + Q8_BLOCK].view(np.int32)
                 for r in range(LANES):
-                    x = qpad[g, ch * LANES + r, b * 32:b * 32 + 32]
-                    amax = np.float32(0.0)
+                    t = (g * nch + ch) * LANES + r
                     for j in range(32):
-                        amax = max(amax, abs(x[j]))
-                    d = amax / np.float32(127.0)
-                    inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
-                    tot = 0
-                    for j in range(32):
-                        v = np.int32(np.rint(x[j] * inv))
-                        qs[o + ((j >> 2) * LANES + r) * 4 + (j & 3)] = v
-                        tot += v
-                    sc[r] = d
-                    cr[r] = -128 * tot
+                        qs[o + ((j >> 2) * LANES + r) * 4 + (j & 3)] = q[t, b * 32 + j]
+                    sc[r] = d[t, b]
+                    cr[r] = -128 * bs[t, b]
 
 
 def supports(n_rows: int, dk: int, dv: int) -> bool:
