@@ -438,18 +438,6 @@ def _pv_rows_intrinsic(src: str):
 Q8_BLOCK = 32 * LANES + 2 * 4 * LANES     # packed query bytes per 32 values of a row chunk
 
 
-def _dot4(builder, acc, u8, s8):
-    """acc (16 i32) + per lane the 4 products u8 x s8 (64 bytes each): vpdpbusd with VNNI, else
-    widened products and two pairwise sums (generic IR: correct anywhere, for tests)."""
-    if HAS_VNNI:
-        return dpbusd(builder, acc, u8, s8, vnni=True)
-    prod = builder.mul(builder.zext(u8, _vec(_I32, 64)), builder.sext(s8, _vec(_I32, 64)))
-    for e in range(4):
-        part = builder.shuffle_vector(prod, prod, ir.Constant(_vec(_I32, 16), [4 * i + e for i in range(16)]))
-        acc = builder.add(acc, part)
-    return acc
-
-
 @intrinsic
 def _qk_q8_scores(typingctx, q8c, buf, off, stride, nrows, dk, s, scr, pf, pfoff, pflines):
     """s[c * 16 + r] = sum over 32-value blocks b of dq[b, r] dk[c, b] (q8[r, b] . k8[c, b]) for CB
@@ -502,7 +490,7 @@ def _qk_q8_scores(typingctx, q8c, buf, off, stride, nrows, dk, s, scr, pf, pfoff
                 for i in range(8):
                     for c in range(half):
                         w = _splat_i32(builder, _load(builder, _at(builder, kb, 32 * (grp * half + c) + 4 * i), _I32))
-                        dots[c] = _dot4(builder, dots[c], builder.bitcast(w, _vec(_I8, 64)), qv[i])
+                        dots[c] = dpbusd(builder, dots[c], builder.bitcast(w, _vec(_I8, 64)), qv[i], vnni=HAS_VNNI)
                 ksb = _at(builder, ks0, builder.mul(b, _i64(4 * CB)))
                 for c in range(half):
                     ks = builder.bitcast(_splat_i32(builder, _load(builder, _at(builder, ksb, 4 * (grp * half + c)),
