@@ -39,34 +39,40 @@ def _combine(acc, m, l, R, lanes, out):
     """out (Hkv, R, dv) = merged splits; rows that saw nothing get zeros.  acc (Hkv, nsplit,
     R / lanes, dv * lanes): value d of row r at [r // lanes, d * lanes + r % lanes] - lanes 1
     for the portable kernel's (R, dv) rows, 16 for the lanes kernels' transposed row chunks.
-    Each row's split weights are normalized first, so a row is one pass per split over its
-    values, read through a (dv, lanes) view with bare loop counters: no wrap-around checks
-    (the strided loop with three passes a row took 8.7 us for 16 rows of 512, now ~3)."""
-    hkv, nsplit = acc.shape[0], acc.shape[1]
+    A chunk's splits are summed in acc's own layout (the loop over a chunk's lanes is one vector
+    op), each split's values read once, then the chunk is transposed into out.  (Row by row, each
+    row read every split's whole chunk through a stride of 16 values: 21 us for 16 rows of 512
+    over 4 splits, against 5.3 per split now ~1.)"""
+    hkv, nsplit, nch = acc.shape[0], acc.shape[1], acc.shape[2]
     dv = out.shape[2]
-    w = np.empty(nsplit, dtype=np.float32)
+    w = np.empty((nsplit, lanes), dtype=np.float32)
+    t = np.empty(dv * lanes, dtype=np.float32)
     for g in range(hkv):
-        for r in range(R):
-            ch, lane = r // lanes, r % lanes
-            mx = -np.inf
+        for ch in range(nch):
+            for i in range(lanes):
+                mx = -np.inf
+                for s in range(nsplit):
+                    mx = max(mx, m[g, s, ch * lanes + i])
+                tot = np.float32(0.0)
+                for s in range(nsplit):
+                    mi = m[g, s, ch * lanes + i]
+                    w[s, i] = 0.0 if mx == -np.inf or mi == -np.inf else _exp2(mi - mx)
+                    tot += w[s, i] * l[g, s, ch * lanes + i]
+                inv = np.float32(0.0) if tot == 0.0 else np.float32(1.0) / tot
+                for s in range(nsplit):
+                    w[s, i] *= inv
+            t[:] = 0.0
             for s in range(nsplit):
-                mx = max(mx, m[g, s, r])
-            tot = np.float32(0.0)
-            for s in range(nsplit):
-                w[s] = 0.0 if mx == -np.inf or m[g, s, r] == -np.inf else _exp2(m[g, s, r] - mx)
-                tot += w[s] * l[g, s, r]
-            o = out[g, r]
-            o[:] = 0.0
-            if tot == 0.0:
-                continue
-            inv = np.float32(1.0) / tot
-            for s in range(nsplit):
-                if w[s] == 0.0:
-                    continue
-                ws = w[s] * inv
-                a = acc[g, s, ch].reshape(dv, lanes)
+                a, ws = acc[g, s, ch], w[s]
+                if ws.max() == 0.0:
+                    continue          # a split no row of the chunk saw: its acc was never written
                 for d in range(dv):
-                    o[d] += ws * a[d, lane]
+                    for i in range(lanes):
+                        t[d * lanes + i] += ws[i] * a[d * lanes + i]
+            for i in range(min(lanes, R - ch * lanes)):
+                o = out[g, ch * lanes + i]
+                for d in range(dv):
+                    o[d] = t[d * lanes + i]
 
 
 @intrinsic
