@@ -38,8 +38,10 @@ vpdpbusd, 64 products per instruction against an FMA's 16; f32 only combines the
 P.V stays f32 from the q8_0 tiles.  Rounding q costs about what the q8_0 cache's own rounding
 does (5.3e-3 relative L2 from the f32-score outputs on random rows; a tiny DeepSeek model's
 logits 1.31e-2 from an f16 cache's against 1.12e-2 with f32 scores).  Measured on the Intel VM,
-one thread, 3584 q8_0 cells: 1.31-1.33 ms with f32 scores against 1.05-1.07
-(scripts/bench_gen_attention.py --type q8_0; the f16 cache's f32 kind ~1.03).
+one thread, 3584 q8_0 cells (scripts/bench_gen_attention.py --type q8_0, README, thirtieth
+session): 1.21-1.31 ms with f32 scores against 1.01-1.04, the f16 cache 1.02-1.12 in the same
+minutes; ik_llama.cpp's kernel on the same shapes 1.10 at one thread, 0.55 at two, where this
+one took 0.63-0.66 (README, thirty-first session).
 
 bf16 (`kind="bf16"`): vdpbf16ps does 32 bf16 multiply-adds into 16 f32 lanes, twice an f32
 FMA's.  It pays where it issues as often as an FMA (AMD Zen 4: ~1.7x the portable kernel,
