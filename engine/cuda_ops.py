@@ -80,7 +80,7 @@ def _dev(a: Any, dtype=np.float32) -> Any:
 # the shuffles live in this module too: a device function that calls `cuda.*` must be in the
 # kernel's own module under the simulator (it swaps the `cuda` global of the kernel's module)
 @cuda.jit(device=True)
-def warp_sum(v):
+def warp_sum_shuffles(v):
     v += cuda.shfl_xor_sync(FULL, v, 16)
     v += cuda.shfl_xor_sync(FULL, v, 8)
     v += cuda.shfl_xor_sync(FULL, v, 4)
@@ -90,13 +90,25 @@ def warp_sum(v):
 
 
 @cuda.jit(device=True)
-def warp_max(v):
+def warp_max_shuffles(v):
     v = dmax(v, cuda.shfl_xor_sync(FULL, v, 16))
     v = dmax(v, cuda.shfl_xor_sync(FULL, v, 8))
     v = dmax(v, cuda.shfl_xor_sync(FULL, v, 4))
     v = dmax(v, cuda.shfl_xor_sync(FULL, v, 2))
     v = dmax(v, cuda.shfl_xor_sync(FULL, v, 1))
     return v
+
+
+if CM.SIM:      # the simulator's one-exchange butterfly (see quant.cuda_matmul.warp_sum)
+    @cuda.jit(device=True)
+    def warp_sum(v):
+        return cuda.ikcli_butterfly(v, False)
+
+    @cuda.jit(device=True)
+    def warp_max(v):
+        return cuda.ikcli_butterfly(v, True)
+else:
+    warp_sum, warp_max = warp_sum_shuffles, warp_max_shuffles
 
 
 _KERNELS: dict = {}

@@ -231,6 +231,9 @@ def place_on_gpu(arch, pl, log: Log) -> int:
         _, n = upload_weights(L, chooser(f"blk.{il}.derived"), vectors=pl.buffer(f"blk.{il}.attn_norm.weight") == GPU)
         total += n
     head = arch.head
+    if pl.buffer("blk.0.attn_norm.weight") == GPU:
+        from .cuda_backend import GpuVector
+        head.first_layer_const = np.zeros(1, np.float32).view(GpuVector)
     if pl.buffer("output.weight") == GPU:          # a tied output is duplicated to the GPU, as llama.cpp does
         want = chooser("output.weight")
         out = head.output

@@ -92,6 +92,11 @@ def to_device_of(x):
     return to_device(x)
 
 
+def to_side_of(x, like):
+    """x on the side of `like` (a layer's constant: on the GPU when it is a GPU layer's)."""
+    return to_device_of(x) if getattr(like, "on_gpu", False) else host(x)
+
+
 def on_host(fn, *args):
     """fn (a host op with no GPU kernel yet) on GPU inputs: they come down, the result goes up."""
     return _gpu().on_host(fn, *args)

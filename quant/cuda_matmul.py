@@ -96,8 +96,20 @@ def _simulator_support() -> None:
 
     class _Warp:
         def __init__(self, n: int) -> None:
-            self.barrier = threading.Barrier(n)
+            self.barrier = threading.Barrier(n, action=self._reduce)
             self.vals: list = [None] * 32
+            self.op = None          # a butterfly's kind while its lanes meet (the barrier's action runs it)
+
+        def _reduce(self) -> None:
+            if self.op is None:
+                return
+            n, is_max, v = self.barrier.parties, self.op, self.vals[:self.barrier.parties]
+            for m in (16, 8, 4, 2, 1):
+                v = [_step(v[i], v[i ^ m] if (i ^ m) < n else v[i], is_max) for i in range(n)]
+            self.out, self.op = v, None
+
+    def _step(a, b, is_max):
+        return dmax.py_func(a, b) if is_max else a + b
 
     lock = threading.Lock()
 
@@ -123,6 +135,18 @@ def _simulator_support() -> None:
         st.barrier.wait()
         return out
 
+    def butterfly(self, value, is_max):
+        """warp_sum / warp_max's xor butterfly in one exchange (the simulator's form): the lanes'
+        values meet once and the barrier's action runs the five steps for all of them, with the
+        same operations in the same order as the shuffles (a missing partner lane gives the lane's
+        own value back, as _exchange), so the result is the shuffles' to the bit.  Five shuffles
+        cost ten barrier rounds of 32 woken threads; this costs one."""
+        st, lane = _warp_state(self)
+        st.vals[lane] = value
+        st.op = bool(is_max)
+        st.barrier.wait()
+        return st.out[lane]
+
     def shfl_xor_sync(self, mask, value, lane_mask):
         return _exchange(self, value, lambda lane: lane ^ int(lane_mask))
 
@@ -141,6 +165,7 @@ def _simulator_support() -> None:
 
     for f in (shfl_xor_sync, shfl_down_sync, shfl_up_sync, shfl_sync, syncwarp):
         setattr(ka.FakeCUDAModule, f.__name__, f)
+    ka.FakeCUDAModule.ikcli_butterfly = butterfly
 
     orig_array = ka.FakeCUDAShared.array
     shared_lock = threading.Lock()
@@ -857,7 +882,7 @@ def upload(q: QTensor) -> DeviceQTensor:
 # kernel factories
 # ------------------------------------------------------------------------------------------
 @cuda.jit(device=True)
-def warp_sum(v):
+def warp_sum_shuffles(v):
     """Sum of v over the 32 lanes of a warp, in every lane (xor butterfly)."""
     v += cuda.shfl_xor_sync(FULL, v, 16)
     v += cuda.shfl_xor_sync(FULL, v, 8)
@@ -865,6 +890,14 @@ def warp_sum(v):
     v += cuda.shfl_xor_sync(FULL, v, 2)
     v += cuda.shfl_xor_sync(FULL, v, 1)
     return v
+
+
+if SIM:     # the same butterfly in one exchange (tests/test_cuda_kernels.py checks it against the shuffles)
+    @cuda.jit(device=True)
+    def warp_sum(v):
+        return cuda.ikcli_butterfly(v, False)
+else:
+    warp_sum = warp_sum_shuffles
 
 
 _KERNELS: dict = {}

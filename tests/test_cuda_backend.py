@@ -2,8 +2,8 @@
 DeepSeek model with its attention on the GPU and its routed experts on the CPU, against the CPU path.
 
 Without a GPU these run on Numba's CUDA simulator (conftest sets NUMBA_ENABLE_CUDASIM=1).  The
-simulator runs every GPU thread as a Python thread and is slow, so the whole-model check offloads
-one layer of a tiny model and decodes a few tokens; the kernels themselves are checked type by type
+simulator runs every GPU thread as a Python thread and is slow, so the whole-model checks run a
+two-layer model of small widths for a few tokens; the kernels themselves are checked type by type
 in tests/test_cuda_kernels.py.
 """
 from __future__ import annotations
@@ -99,24 +99,45 @@ def _decode(path: str, toks: np.ndarray, gen: list[int], log=None, **placement):
     return np.concatenate(out), (TRANSFERS.h2d, TRANSFERS.d2h)
 
 
-def test_deepseek_attention_on_gpu_experts_on_cpu_matches_cpu(make_model) -> None:
-    """-ngl 1 -ot exps=CPU -mla 3 -fa with a Q8_0 latent cache: the last layer's attention, shared
-    expert and router on the GPU (its cache in GPU memory), the routed experts on the CPU."""
-    path = make_model(preset="tiny", qtype="f16", kv_lora_rank=48)      # latent rows of 48 + 16: Q8_0 blocks
+# a dense layer and a MoE layer, small enough for the simulator; latent rows of 48 + 16: Q8_0 blocks
+_SMALL = dict(preset="tiny", qtype="f16", kv_lora_rank=48, n_layer=2, n_embd=32, n_head=2, q_lora_rank=32, n_ff=64,
+              n_ff_exp=32, n_expert=4, qk_nope=16, v_head=16)
+
+
+def _check_gpu_run(make_model, n_gpu_layers: int) -> tuple[str, tuple[int, int]]:
+    path = make_model(**_SMALL)
     toks = np.array([3, 17, 101], dtype=np.int32)
     ref, _ = _decode(path, toks, [42])
     lines: list[str] = []
-    got, (h2d, d2h) = _decode(path, toks, [42], log=lines.append, n_gpu_layers=1,
-                              tensor_overrides=[("exps", "CPU")])
+    got, transfers = _decode(path, toks, [42], log=lines.append, n_gpu_layers=n_gpu_layers,
+                             tensor_overrides=[("exps", "CPU")])
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-4 * np.abs(ref).max())
     text = "\n".join(lines)
-    assert "llm_load_tensors: offloaded 1/4 layers to GPU" in text
-    assert "Tensor blk.2.ffn_up_exps.weight" in text and "buffer type overridden to CPU" in text
+    assert "Tensor blk.1.ffn_up_exps.weight" in text and "buffer type overridden to CPU" in text
     assert "     CUDA0 buffer size" in text and "     CUDA0 KV buffer size" in text
-    # one generated token, one GPU layer after two CPU layers.  Up: the residual for the attention
-    # norm and for the residual add (ggml would reuse one copy), the routed experts' sum.  Down: the
-    # router's logits, the normed state for the routed experts, the final state for the CPU output.
-    # Not one transfer per product: the attention's five products and the shared expert add none.
+    return text, transfers
+
+
+def test_deepseek_all_layers_on_gpu_experts_on_cpu_matches_cpu(make_model) -> None:
+    """-ngl 99 -ot exps=CPU -mla 3 -fa -ctk q8_0 (the seeds' hybrid set-up): every layer's attention,
+    dense FFN, shared expert, router and the output on the GPU, the latent cache in GPU memory, the
+    routed experts on the CPU; logits as the CPU path's."""
+    text, (h2d, d2h) = _check_gpu_run(make_model, 99)
+    assert "llm_load_tensors: offloaded 3/3 layers to GPU" in text
+    # one generated token.  Up: the token's embedding (once, for the first layer's norm and its
+    # residual), the routed experts' sum.  Down: the MoE layer's router logits and normed state
+    # (for the experts), the logits.  The hidden state crosses twice a MoE layer, never per product.
+    assert (h2d, d2h) == (2, 3), (h2d, d2h)
+
+
+def test_deepseek_attention_on_gpu_experts_on_cpu_matches_cpu(make_model) -> None:
+    """-ngl 1 -ot exps=CPU: the last layer's attention, shared expert and router on the GPU (its
+    cache in GPU memory), the dense first layer and the output on the CPU."""
+    text, (h2d, d2h) = _check_gpu_run(make_model, 1)
+    assert "llm_load_tensors: offloaded 1/3 layers to GPU" in text
+    # Up: the residual for the attention norm and for the residual add (ggml would reuse one copy),
+    # the routed experts' sum.  Down: the router's logits, the normed state for the routed
+    # experts, the final state for the CPU output.  Not one transfer per product.
     assert (h2d, d2h) == (3, 3), (h2d, d2h)
 
 

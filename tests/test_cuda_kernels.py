@@ -195,6 +195,34 @@ def test_matmul_rejects_bad_shapes():
         CM.upload(QTensor(np.zeros((2, 34), np.uint8), 208, (2, 32)))       # Q8_0_R8: CPU only
 
 
+@pytest.mark.skipif(not CM.SIM, reason="the one-exchange butterfly is the simulator's form")
+def test_simulator_butterfly_is_the_shuffles_to_the_bit():
+    """Under the simulator warp_sum / warp_max reduce in one exchange (quant.cuda_matmul's
+    butterfly); on a GPU they are the five shuffles.  Both forms, in both modules, on values whose
+    sums depend on the order (wide exponents): the same bits in every lane."""
+    @cuda.jit
+    def reduce(x, out):
+        i = cuda.grid(1)
+        v = x[i]
+        out[0, i] = CM.warp_sum(v)
+        out[1, i] = CM.warp_sum_shuffles(v)
+        out[2, i] = OPS.warp_sum(v)
+        out[3, i] = OPS.warp_sum_shuffles(v)
+        out[4, i] = OPS.warp_max(v)
+        out[5, i] = OPS.warp_max_shuffles(v)
+
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal(64) * np.exp2(rng.integers(-20, 20, 64))).astype(np.float32)
+    x[37] = np.nan                     # max: a NaN lane, as the shuffles' comparisons leave it
+    out = cuda.device_array((6, 64), np.float32)
+    reduce[2, 32](_d(x), out)
+    got = out.copy_to_host()
+    for a, b in ((0, 1), (2, 3), (4, 5)):
+        np.testing.assert_array_equal(got[a].view(np.uint32), got[b].view(np.uint32))
+    assert np.all(got[1, :32] == got[1, 0]) and got[1, 0] != np.sum(x[:32], dtype=np.float64)  # order mattered
+    assert got[5, 0] == np.max(x[:32])
+
+
 # ------------------------------------------------------------------------------------------
 # engine.cuda_ops: element-wise, rows, RoPE
 # ------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from quant.tensor import QTensor
 from ..attention import standard_attention
 from ..hparams import HParams
 from ..linear import matmul      # observed: imatrix --process-output / -lsim record the output tensor
-from ..ops import all_finite, contiguous, empty_like_side, host, rms_norm, take_rows
+from ..ops import all_finite, contiguous, empty_like_side, host, rms_norm, take_rows, to_side_of
 from ..rope import rope_cos_sin
 
 
@@ -56,9 +56,13 @@ class Head:
 
     def __init__(self, tok_embd: QTensor, output_norm: np.ndarray, output: QTensor, eps: float) -> None:
         self.tok_embd, self.output_norm, self.output, self.eps = tok_embd, output_norm, output, eps
+        # a constant of the first layer (set at load): the embeddings go where that layer is, once,
+        # as ggml copies a split's input once (else its norm and its residual add would each copy them)
+        self.first_layer_const: np.ndarray | None = None
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
-        return get_rows(self.tok_embd, tokens.astype(np.int64))
+        x = get_rows(self.tok_embd, tokens.astype(np.int64))
+        return x if self.first_layer_const is None else to_side_of(x, self.first_layer_const)
 
     def logits(self, x: np.ndarray, rows: np.ndarray, opts: RunOptions | None = None) -> np.ndarray:
         """The logits of x's `rows`, or with opts.embeddings their normed hidden states (n_embd wide)."""
