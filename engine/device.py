@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+import quant.cuda_compat  # noqa: F401  (NumPy only; before numba.cuda compiles anything)
+
 DEVICE_NAME = "CUDA0"
 
 

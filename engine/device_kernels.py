@@ -6,7 +6,9 @@ Strided views are read and written in place (the kernels index with the arrays' 
 slice assignment into a view needs no temporary.  One thread per element (`launch`).
 """
 import numpy as np
-from numba import cuda
+
+import quant.cuda_compat  # noqa: F401  (before numba.cuda compiles anything)
+from numba import cuda  # noqa: E402
 
 THREADS = 256          # threads per block (engine.cuda_backend lowers it on the simulator)
 

@@ -48,7 +48,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from numba import cuda, float32, int32, int64
+
+from . import cuda_compat  # noqa: F401  (before numba.cuda compiles anything)
+from numba import cuda, float32, int32, int64  # noqa: E402
 from numba.core import config as _nb_config
 
 from . import iqk as _iqk

@@ -49,6 +49,7 @@ def launch_us(reps: int = 2000) -> float:
     """Host time of one launch of a one-block kernel with two array arguments (what a generated
     token pays per kernel when the kernels themselves are short), µs."""
     global cuda                # a global: the simulator swaps the kernel's globals, not its closure
+    import quant.cuda_compat  # noqa: F401
     from numba import cuda
 
     @cuda.jit

@@ -34,7 +34,7 @@ m.write_model('$M.part', 'deepseek2', 'ik', 'q8_0', '2b', expert_qtype='q4_0')" 
 fi
 
 stamp "CUDA tests on the GPU"
-timeout ${TESTS_S:-150} $PY -m pytest -n 8 -q -p no:cacheprovider -rs tests/test_cuda_kernels.py tests/test_cuda_backend.py \
+timeout ${TESTS_S:-150} $PY -m pytest -n 12 -q -p no:cacheprovider -rs tests/test_cuda_kernels.py tests/test_cuda_backend.py \
   -k "not timings" > "$OUT/tests.log" 2>&1
 echo "pytest rc $?"; tail -5 "$OUT/tests.log"
 grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20
@@ -64,7 +64,7 @@ stamp "bounds"
 for d in 0 16384; do $PY scripts/bench_cuda.py bound "$M" --depth $d --gbs "${GBS:-0}"; done
 for d in 0 3584; do $PY scripts/bench_cuda.py bound "$M" --depth $d --exps-cpu --gbs "${GBS:-0}"; done
 
-if [ -n "${CPU_BASELINE:-1}" ]; then
+if [ -n "${CPU_BASELINE:-}" ]; then   # CPU_BASELINE=1: also the CPU alone (cold compile: >45 s)
   stamp "sweep-bench on the CPU alone (same model)"
   timeout ${SWEEP3_S:-45} $PY -m ikcli sweep-bench $COMMON -c 2048 -ub 512 -n 32 > "$OUT/sweep_cpu.log" 2>&1
   echo "rc $?"; grep -E "^\|" "$OUT/sweep_cpu.log" | head -8
