@@ -183,21 +183,28 @@ class DeviceArray:
         return DeviceArray(self.contiguous().dev.reshape(shape))
 
     # ---- indexing (basic only: ints, slices with step 1, Ellipsis) ----
-    @staticmethod
-    def _check_index(idx: Any) -> None:
-        for i in idx if isinstance(idx, tuple) else (idx,):
+    def basic_index(self, idx: Any) -> tuple:
+        """idx as a tuple of ints and slices: Ellipsis expanded into full slices, since numba.cuda's
+        device arrays take no Ellipsis (the simulator's, NumPy arrays, do)."""
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        for i in idx:
             if not (isinstance(i, (int, np.integer, slice)) or i is Ellipsis):
                 raise TypeError(f"device arrays take basic indexing only, not {type(i).__name__}")
             if isinstance(i, slice) and i.step not in (None, 1):
                 raise TypeError("device arrays take slices with step 1 only")
+        dots = [k for k, i in enumerate(idx) if i is Ellipsis]
+        if len(dots) > 1:
+            raise IndexError("an index can only have a single ellipsis ('...')")
+        if dots:
+            k = dots[0]
+            idx = idx[:k] + (slice(None),) * (self.ndim - len(idx) + 1) + idx[k + 1:]
+        return idx
 
     def __getitem__(self, idx: Any) -> "DeviceArray":
-        self._check_index(idx)
-        return DeviceArray(self.dev[idx])
+        return DeviceArray(self.dev[self.basic_index(idx)])
 
     def __setitem__(self, idx: Any, value: Any) -> None:
-        self._check_index(idx)
-        view = self.dev[idx]
+        view = self.dev[self.basic_index(idx)]
         if np.isscalar(value):
             if not is_contiguous(view):
                 raise TypeError("filling a strided device view is not supported")

@@ -34,11 +34,15 @@ m.write_model('$M.part', 'deepseek2', 'ik', 'q8_0', '2b', expert_qtype='q4_0')" 
 fi
 
 stamp "CUDA tests on the GPU"
-timeout ${TESTS_S:-150} $PY -m pytest -n 12 -q -p no:cacheprovider -rs tests/test_cuda_kernels.py tests/test_cuda_backend.py \
+# TESTS=tests/test_cuda_backend.py: the model tests alone; TIMINGS=0: no kernel timings
+timeout ${TESTS_S:-150} $PY -m pytest -n 12 -q -p no:cacheprovider -rs ${TESTS:-tests/test_cuda_kernels.py tests/test_cuda_backend.py} \
   -k "not timings" > "$OUT/tests.log" 2>&1
-echo "pytest rc $?"; tail -5 "$OUT/tests.log"
-grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20
-timeout 45 $PY -m pytest -q -s -p no:cacheprovider tests/test_cuda_kernels.py -k timings 2>&1 | grep -E "x4096|passed|failed|Error" | head
+echo "pytest rc $?"; grep -E "^[.FEsx]+ *\[|passed|failed" "$OUT/tests.log" | tail -4
+grep -E "^_{3,} " "$OUT/tests.log" | head -20
+grep -E "^E  " "$OUT/tests.log" | sort | uniq -c | head -10
+if [ "${TIMINGS:-1}" != 0 ]; then
+  timeout 45 $PY -m pytest -q -s -p no:cacheprovider tests/test_cuda_kernels.py -k timings 2>&1 | grep -E "x4096|passed|failed|Error" | head
+fi
 
 stamp "bandwidth"
 BW=$(timeout 30 $PY scripts/bench_cuda.py bandwidth 2>&1 | tee -a "$OUT/bandwidth.log" | tail -1)

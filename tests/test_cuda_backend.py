@@ -79,6 +79,25 @@ def test_device_arrays_follow_numpy_and_count_transfers() -> None:
     np.testing.assert_array_equal(h, 1 + 2 * a)
     assert (TRANSFERS.h2d, TRANSFERS.d2h) == (4, 6)      # a, b twice, the factors; 5 to_host + the +=
 
+def test_device_indices_reach_numba_cuda_without_ellipsis() -> None:
+    """numba.cuda's device arrays take no Ellipsis (the simulator's, being NumPy arrays, do: the
+    model test first failed on a real GPU at `x[...] = part`), so DeviceArray expands it."""
+    from engine.device import to_device, to_host
+    a = np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4)
+    d = to_device(a)
+    for idx in [..., (..., 1), (0, ...), (0, ..., slice(1, 3)), (slice(None), 1, ...), 1, (1, 2, 3, ...)]:
+        full = d.basic_index(idx)
+        assert all(i is not Ellipsis for i in full)
+        np.testing.assert_array_equal(a[full], a[idx])
+    with pytest.raises(IndexError):
+        d.basic_index((..., 0, ...))
+    d[...] = 0
+    d[0, ..., 1:3] = np.ones((3, 2), np.float32)
+    b = np.zeros_like(a)
+    b[0, :, 1:3] = 1
+    np.testing.assert_array_equal(to_host(d), b)
+
+
 
 # ------------------------------------------------------------------------------- whole model
 
