@@ -73,4 +73,11 @@ if [ -n "${CPU_BASELINE:-}" ]; then   # CPU_BASELINE=1: also the CPU alone (cold
   timeout ${SWEEP3_S:-45} $PY -m ikcli sweep-bench $COMMON -c 2048 -ub 512 -n 32 > "$OUT/sweep_cpu.log" 2>&1
   echo "rc $?"; grep -E "^\|" "$OUT/sweep_cpu.log" | head -8
 fi
+if [ $(( $(date +%s) - T0 )) -lt ${PROFILE_IF_UNDER_S:-280} ]; then
+  stamp "profile of generation, -ngl 99 (self time per function)"
+  timeout 70 $PY -m cProfile -o "$OUT/tg.prof" -m ikcli sweep-bench $COMMON -ngl 99 -c 512 -ub 256 -n 128 \
+    > "$OUT/sweep_prof.log" 2>&1
+  $PY -c "import pstats; pstats.Stats('$OUT/tg.prof').sort_stats('tottime').print_stats(22)" 2>&1 \
+    | grep -E "ncalls|[0-9]" | cut -c1-150 | tail -23
+fi
 stamp "done"
