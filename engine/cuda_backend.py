@@ -144,9 +144,29 @@ def _dev(x: Any) -> Any:
     return to_device(x).dev
 
 
+_IDS: "OrderedDict[bytes, Any]" = OrderedDict()
+_IDS_MAX, _IDS_MAX_LEN = 256, 16384
+
+
 def _ids(a: np.ndarray) -> Any:
+    """int32 indices (expert ids, activation rows, cell positions) on the GPU.  Each upload is a
+    synchronous copy that waits for the GPU's queue, and a token asks for the same few arrays again
+    and again (the gate, up and down products of a layer share their expert ids; every layer has
+    the same per-head ids and cell positions), so small ones are kept by content (the kernels only
+    read them): 34 uploads of a 4-layer DeepSeek token become 4-6."""
+    a = np.ascontiguousarray(a, dtype=np.int32)
     from numba import cuda
-    return cuda.to_device(np.ascontiguousarray(a, dtype=np.int32))
+    if a.size > _IDS_MAX_LEN:
+        return cuda.to_device(a)
+    key = a.tobytes() + repr(a.shape).encode()
+    d = _IDS.get(key)
+    if d is None:
+        d = _IDS[key] = cuda.to_device(a)
+        if len(_IDS) > _IDS_MAX:
+            _IDS.popitem(last=False)
+    else:
+        _IDS.move_to_end(key)
+    return d
 
 
 def matmul(w: GpuTensor, x: Any) -> DeviceArray:
@@ -179,7 +199,7 @@ def dequantize(w: GpuTensor) -> np.ndarray:
 def rms_norm(x: DeviceArray, w: np.ndarray | None, eps: float) -> DeviceArray:
     shape = x.shape
     x2 = x.contiguous().reshape(-1, shape[-1])
-    return DeviceArray(cuda_ops.rms_norm(x2.dev, None if w is None else const(np.ascontiguousarray(w, np.float32)),
+    return DeviceArray(cuda_ops.rms_norm(x2.dev, None if w is None else const(w),
                                          float(eps))).reshape(shape)
 
 
@@ -275,7 +295,7 @@ def flash_attn(q: Any, k: Any, v: Any, n_kv: int, n_head_kv: int, dk: int, dv: i
     out = cuda_ops.flash_attn(q.dev, k.data, k.qtype, None if v is None else v.data, None if v is None else v.qtype,
                               int(n_kv), int(n_head_kv), int(dk), int(dv),
                               _ids(np.asarray(cell_pos[:n_kv])), _ids(np.asarray(q_pos)), float(scale),
-                              window=int(window), sinks=None if sinks is None else const(np.asarray(sinks, np.float32)))
+                              window=int(window), sinks=None if sinks is None else const(sinks))
     return DeviceArray(out)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -367,17 +368,20 @@ def empty(shape: tuple, like: Any, dtype=np.float32) -> Any:
     return np.empty(shape, dtype=dtype)
 
 
-_CONSTS: dict[int, tuple[np.ndarray, Any]] = {}
+_CONSTS: dict[int, tuple[Any, Any]] = {}     # id(host array) -> (weak reference to it, device copy)
 
 
-def const(x: np.ndarray) -> Any:
-    """A device copy of a host constant (a norm weight, a bias), made once and kept with it:
-    model constants are uploaded on first use, not per call, and not counted as transfers."""
+def const(x: np.ndarray, dtype: Any = np.float32) -> Any:
+    """A device copy (as dtype, contiguous) of a host constant (a norm weight, sinks), made once per
+    host array and kept while that array lives: model constants are uploaded on first use, not per
+    call, and not counted as transfers.  Pass the model's own array, not a converted temporary
+    (a temporary is uploaded at every call; its entry goes with it, so nothing accumulates)."""
     key = id(x)
     hit = _CONSTS.get(key)
-    if hit is not None and hit[0] is x:
+    if hit is not None and hit[0]() is x:
         return hit[1]
     from numba import cuda
-    d = cuda.to_device(np.ascontiguousarray(x))
-    _CONSTS[key] = (x, d)
+    d = cuda.to_device(np.ascontiguousarray(x, dtype=dtype))
+    _CONSTS[key] = (weakref.ref(x), d)
+    weakref.finalize(x, _CONSTS.pop, key, None)
     return d

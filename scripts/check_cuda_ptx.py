@@ -9,7 +9,7 @@ per kernel and the list of failures.
 import os, sys, time
 os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
 os.environ.setdefault("CUDA_HOME", "/usr/local/cuda-13.0")
-sys.path.insert(0, "/work/main")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np
 from numba import cuda, types
 import numba.cuda.dispatcher as D
@@ -53,7 +53,6 @@ if which in ("all", "ops"):
         el = ELEM[CM._DECODERS[qt][2]]
         comp(f"write {qt}", OPS._write_kernel(qt), (A(el, 2), i64, A(f32, 2)))
     comp("combine", OPS._fa_combine, (A(f32, 3), A(f32, 2), A(f32, 2), A(f32, 1), types.boolean, i64, A(f32, 2)))
-    comp("fill", OPS._fill, (A(f32, 1), f32))
     for (kq, vq, dk, dv, vik) in [(1, 1, 128, 128, False), (8, 8, 576, 512, True), (0, 30, 64, 64, False),
                                    (8, 2, 128, 128, False), (133, 8, 128, 128, False), (1, 1, 576, 512, True)]:
         BC = OPS._fa_bc(dk, dv, vik)
@@ -66,6 +65,7 @@ if which in ("all", "dev"):
     for nd in (1, 2, 3, 4):
         comp(f"elementwise rank {nd}", DK.KERNELS[nd], (A(f32, nd), types.Array(f32, nd, "A"),
                                                           types.Array(f32, nd, "A"), i64))
+    comp("fill", DK.fill, (A(f32, 1), f32))
     comp("gather_rows", DK._gather_rows, (A(f32, 2), A(f32, 2), A(i32, 1)))
     comp("gather_sum", DK._gather_sum, (A(f32, 2), A(f32, 2), A(i32, 2)))
     comp("count_nonfinite", DK._count_nonfinite, (A(f32, 1), A(i32, 1)))

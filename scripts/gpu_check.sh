@@ -49,6 +49,7 @@ BW=$(timeout 30 $PY scripts/bench_cuda.py bandwidth 2>&1 | tee -a "$OUT/bandwidt
 echo "$BW"
 GBS=$(echo "$BW" | sed -n 's/.*: \([0-9]*\) GB\/s.*/\1/p')
 timeout 30 $PY scripts/bench_cuda.py launch 2>&1 | tail -1
+timeout 30 $PY scripts/bench_cuda.py alloc 2>&1 | tail -1
 
 [ -n "${GEN:-}" ] && wait $GEN
 cat "$OUT/model.log"
@@ -57,12 +58,12 @@ COMMON="-m $M -mla 3 -fa -fmoe -amb 512 -ctk q8_0"
 
 stamp "sweep-bench -ngl 99"
 timeout ${SWEEP1_S:-150} $PY -m ikcli sweep-bench $COMMON -ngl 99 -c 18432 -ub 2048 -n 64 > "$OUT/sweep_ngl99.log" 2>&1
-echo "rc $?"; grep -E "offloaded|CUDA0|^\||warning|error|Error" "$OUT/sweep_ngl99.log" | head -30
+echo "rc $?"; grep -E "offloaded|CUDA0|^\||^warning|^ikcli:|Error" "$OUT/sweep_ngl99.log" | head -30
 
 stamp "sweep-bench -ngl 99 -ot exps=CPU"
 timeout ${SWEEP2_S:-110} $PY -m ikcli sweep-bench $COMMON -ngl 99 -ot exps=CPU -c 4096 -ub 512 -n 32 \
   > "$OUT/sweep_exps_cpu.log" 2>&1
-echo "rc $?"; grep -E "offloaded|CUDA0|^\||warning|error|Error" "$OUT/sweep_exps_cpu.log" | head -30
+echo "rc $?"; grep -E "offloaded|CUDA0|^\||^warning|^ikcli:|Error" "$OUT/sweep_exps_cpu.log" | head -30
 
 stamp "bounds"
 for d in 0 16384; do $PY scripts/bench_cuda.py bound "$M" --depth $d --gbs "${GBS:-0}"; done
@@ -75,7 +76,7 @@ if [ -n "${CPU_BASELINE:-}" ]; then   # CPU_BASELINE=1: also the CPU alone (cold
 fi
 if [ $(( $(date +%s) - T0 )) -lt ${PROFILE_IF_UNDER_S:-280} ]; then
   stamp "profile of generation, -ngl 99 (self time per function)"
-  timeout 70 $PY -m cProfile -o "$OUT/tg.prof" -m ikcli sweep-bench $COMMON -ngl 99 -c 512 -ub 256 -n 128 \
+  timeout 90 $PY -m cProfile -o "$OUT/tg.prof" -m ikcli sweep-bench $COMMON -ngl 99 -c 256 -ub 256 -n 64 \
     > "$OUT/sweep_prof.log" 2>&1
   $PY -c "import pstats; pstats.Stats('$OUT/tg.prof').sort_stats('tottime').print_stats(22)" 2>&1 \
     | grep -E "ncalls|[0-9]" | cut -c1-150 | tail -23
