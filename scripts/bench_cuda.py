@@ -100,8 +100,8 @@ def alloc_us(reps: int = 2000, nbytes: int = 65536) -> float:
 
 
 def host_per_token(path: str, exps_cpu: bool = False, tokens: int = 20,
-                   profile: bool = False) -> tuple[float, float, float]:
-    """(ms, kernel launches, device allocations) per generated token of ikcli's own host code on the
+                   profile: bool = False) -> tuple[float, float, float, dict]:
+    """(ms, kernel launches, device allocations, {kernel: launches}) per generated token of ikcli's own host code on the
     CUDA path (-ngl 99 -mla 3 -fa -ctk q8_0; routed experts on the CPU with exps_cpu), measured on
     Numba's simulator with every kernel launch a no-op: no GPU needed, any model size (the values
     are garbage; the host path, routing included, runs as on a GPU).  profile: cProfile's top 25."""
@@ -112,10 +112,13 @@ def host_per_token(path: str, exps_cpu: bool = False, tokens: int = 20,
     import numba.cuda as nc
     from numba.cuda.simulator import kernel as sim_kernel
     from numba.cuda.simulator.cudadrv import devicearray as sim_da
+    import collections
     counts = {"launch": 0, "alloc": 0}
+    by_kernel: collections.Counter = collections.Counter()
 
     def launch(self, *args):
         counts["launch"] += 1
+        by_kernel[self.fn.__name__] += 1
 
     sim_kernel.FakeCUDAKernel.__call__ = launch
     for name in ("device_array", "to_device", "device_array_like"):
@@ -143,6 +146,7 @@ def host_per_token(path: str, exps_cpu: bool = False, tokens: int = 20,
     for t in range(3):
         ctx.decode(np.array([5 + t], dtype=np.int32))
     counts.update(launch=0, alloc=0)
+    by_kernel.clear()
     pr = cProfile.Profile() if profile else None
     t0 = time.perf_counter()
     for t in range(tokens):
@@ -154,7 +158,8 @@ def host_per_token(path: str, exps_cpu: bool = False, tokens: int = 20,
     dt = (time.perf_counter() - t0) / tokens
     if pr:
         pstats.Stats(pr).sort_stats("tottime").print_stats(25)
-    return dt * 1e3, counts["launch"] / tokens, counts["alloc"] / tokens
+    per_kernel = {k: v / tokens for k, v in by_kernel.most_common()}
+    return dt * 1e3, counts["launch"] / tokens, counts["alloc"] / tokens, per_kernel
 
 
 def bytes_per_token(path: str, depth: int = 0, exps_cpu: bool = False, ctk: str = "q8_0") -> tuple[int, int]:
@@ -212,9 +217,10 @@ def main() -> None:
     if not a.model:
         sys.exit("bench_cuda.py: the model is needed")
     if a.what == "host":
-        ms, launches, allocs = host_per_token(a.model, a.exps_cpu, a.tokens, a.profile)
+        ms, launches, allocs, per_kernel = host_per_token(a.model, a.exps_cpu, a.tokens, a.profile)
         print(f"host time per generated token with no-op kernels: {ms:.2f} ms; {launches:.0f} kernel launches, "
               f"{allocs:.0f} device allocations")
+        print("  launches: " + ", ".join(f"{k} {v:g}" for k, v in per_kernel.items()))
         return
     w, c = bytes_per_token(a.model, a.depth, a.exps_cpu, a.ctk)
     line = f"bytes per token at N_KV {a.depth}: weights {w / 1e6:.1f} MB + cache {c / 1e6:.1f} MB"
