@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The CUDA path on a real GPU, in one pass that fits a short lease (~7 min on an H200 with 16 cores):
 #   1. the CUDA tests (tests/test_cuda_*.py) on the GPU instead of the simulator, and the kernel timings;
-#   2. the card's copy bandwidth (scripts/bench_cuda.py);
+#   2. the card's copy bandwidth, a launch's and an allocation's host cost (scripts/bench_cuda.py);
 #   3. `ikcli sweep-bench` on a DeepSeek-shaped model (make_test_model.py --preset 2b: Q8_0 attention,
 #      shared experts and output, Q4_0 routed experts) with -ngl 99 (to N_KV 16384) and with
-#      -ngl 99 -ot exps=CPU, and the bandwidth bound of S_TG at N_KV 0 and at the deepest row.
+#      -ngl 99 -ot exps=CPU, and the bandwidth bound of S_TG at N_KV 0 and at the deepest row;
+#   4. ikcli's own host time per token (no-op kernels), and a profile of generation when time is left.
 # Usage: bash scripts/gpu_check.sh [OUTDIR]   (logs in OUTDIR, default ./gpu_check_out)
 # Needs numba with numba-cuda, and gguf (for the tests and the model); ikcli runs from the checkout.
 set -u
@@ -68,6 +69,9 @@ echo "rc $?"; grep -E "offloaded|CUDA0|^\||^warning|^ikcli:|Error" "$OUT/sweep_e
 stamp "bounds"
 for d in 0 16384; do $PY scripts/bench_cuda.py bound "$M" --depth $d --gbs "${GBS:-0}"; done
 for d in 0 3584; do $PY scripts/bench_cuda.py bound "$M" --depth $d --exps-cpu --gbs "${GBS:-0}"; done
+# ikcli's own host time per token on this CPU (kernels as no-ops, on the simulator): the rest of a
+# measured TG token is numba-cuda's launches and allocations, the driver and the GPU
+timeout 60 $PY scripts/bench_cuda.py host "$M" 2>&1 | tail -2
 
 if [ -n "${CPU_BASELINE:-}" ]; then   # CPU_BASELINE=1: also the CPU alone (cold compile: >45 s)
   stamp "sweep-bench on the CPU alone (same model)"
