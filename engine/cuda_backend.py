@@ -246,8 +246,10 @@ def _table(a: np.ndarray) -> Any:
 
 
 def apply_rope(x: DeviceArray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> DeviceArray:
-    if not is_contiguous(x.dev):
-        raise ValueError("RoPE on the GPU rotates contiguous arrays in place")
+    """x rotated in place: contiguous, or a 3-D view (the rope part of each head), which the
+    kernel indexes through its strides (a copy out and back cost two launches a call)."""
+    if x.ndim != 3 and not is_contiguous(x.dev):
+        raise ValueError("RoPE on the GPU rotates 3-D views or contiguous arrays in place")
     cuda_ops.apply_rope(x.dev, _table(cos), _table(sin), bool(neox))
     return x
 

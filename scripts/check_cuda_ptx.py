@@ -49,6 +49,7 @@ if which in ("all", "ops"):
     for kind in (0, 1):
         comp(f"row {kind}", OPS._row_kernel(kind), (A(f32, 2), A(f32, 1), types.boolean, f32, A(f32, 2)))
     comp("rope", OPS._rope, (A(f32, 3), A(f32, 2), A(f32, 2), types.boolean))
+    comp("rope strided", OPS._rope, (types.Array(f32, 3, "A"), A(f32, 2), A(f32, 2), types.boolean))
     for qt in sorted(OPS.WRITE_TYPES):
         el = ELEM[CM._DECODERS[qt][2]]
         comp(f"write {qt}", OPS._write_kernel(qt), (A(el, 2), i64, A(f32, 2)))

@@ -285,6 +285,22 @@ def test_rope(neox):
     np.testing.assert_allclose(xd.copy_to_host(), ref, rtol=1e-5, atol=1e-6)
 
 
+def test_rope_rotates_a_strided_view_in_place():
+    """DeepSeek rotates q[:, :, nope:] (the last 32 of each head's 48 values) in place: the kernel
+    takes the view's strides, and the values around it stay as they were."""
+    T, H, nope, D = 3, 4, 16, 32
+    rng = np.random.default_rng(19)
+    q = rng.standard_normal((T, H, nope + D)).astype(np.float32)
+    cos, sin = rope_cos_sin(np.array([2, 3, 40]), D, 10000.0, 0.5, 1.0, 1.0, 4096, 32.0, 1.0)
+    ref = q.copy()
+    ref[:, :, nope:] = cpu_apply_rope(np.ascontiguousarray(q[:, :, nope:]), cos, sin, False)
+    qd = _d(q)
+    OPS.apply_rope(qd[:, :, nope:], _d(cos), _d(sin), False)
+    got = qd.copy_to_host()
+    np.testing.assert_array_equal(got[:, :, :nope], q[:, :, :nope])
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
 # ------------------------------------------------------------------------------------------
 # cache writes
 # ------------------------------------------------------------------------------------------
