@@ -7,7 +7,7 @@ per generated token, hence the bandwidth bound of S_TG.
     python scripts/bench_cuda.py alloc                      # µs per device allocation (64 KiB), freed
     python scripts/bench_cuda.py host MODEL.gguf [--exps-cpu] [--profile]   # per generated token, no GPU
         needed: ikcli's own host time on the CUDA path, kernel launches, device allocations
-    python scripts/bench_cuda.py bytes MODEL.gguf [--depth N] [--exps-cpu] [--ctk q8_0]
+    python scripts/bench_cuda.py bytes MODEL.gguf [--depth N] [--exps-cpu] [--ctk q8_0] [--mla 3]
     python scripts/bench_cuda.py bound MODEL.gguf --gbs G [--depth N] [--exps-cpu] [--ctk q8_0]
 
 Bytes per token: every weight a token reads once (the token embedding: one row; the routed experts:
@@ -101,18 +101,19 @@ def alloc_us(reps: int = 2000, nbytes: int = 65536) -> float:
 
 def host_per_token(path: str, exps_cpu: bool = False, tokens: int = 20,
                    profile: bool = False) -> tuple[float, float, float, dict]:
-    """(ms, kernel launches, device allocations, {kernel: launches}) per generated token of ikcli's own host code on the
-    CUDA path (-ngl 99 -mla 3 -fa -ctk q8_0; routed experts on the CPU with exps_cpu), measured on
+    """(ms, kernel launches, device allocations, {kernel: launches}) per generated token of ikcli's
+    own host code on the CUDA path (-ngl 99 -mla 3 -fa -ctk q8_0; routed experts on the CPU with
+    exps_cpu), measured on
     Numba's simulator with every kernel launch a no-op: no GPU needed, any model size (the values
     are garbage; the host path, routing included, runs as on a GPU).  profile: cProfile's top 25."""
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+    import collections
     import cProfile
     import pstats
 
     import numba.cuda as nc
     from numba.cuda.simulator import kernel as sim_kernel
     from numba.cuda.simulator.cudadrv import devicearray as sim_da
-    import collections
     counts = {"launch": 0, "alloc": 0}
     by_kernel: collections.Counter = collections.Counter()
 
@@ -162,34 +163,29 @@ def host_per_token(path: str, exps_cpu: bool = False, tokens: int = 20,
     return dt * 1e3, counts["launch"] / tokens, counts["alloc"] / tokens, per_kernel
 
 
-def bytes_per_token(path: str, depth: int = 0, exps_cpu: bool = False, ctk: str = "q8_0") -> tuple[int, int]:
-    """(weight bytes, cache bytes) one generated token reads on the GPU at depth cells."""
-    from engine.gguf_scan import read_layout
+def bytes_per_token(path: str, depth: int = 0, exps_cpu: bool = False, ctk: str = "q8_0",
+                    mla: int = 3) -> tuple[int, int]:
+    """(weight bytes, cache bytes) one generated token reads on the GPU at depth cells, from the
+    file's own tensor table (engine.gguf_file; split files too).  Generation with -mla 1..3 reads
+    attn_k_b / attn_v_b, not attn_kv_b (that decompresses prompts); -mla 0 the other way round."""
+    from engine.gguf_file import open_model_file
     from quant.types import type_info
-    buf = np.memmap(path, dtype=np.uint8, mode="r")
-    lay = read_layout(buf)
-    arch = lay.meta["general.architecture"]
-    n_exp = int(lay.meta.get(f"{arch}.expert_count", 0))
-    n_used = int(lay.meta.get(f"{arch}.expert_used_count", 0))
-    n_layer = int(lay.meta[f"{arch}.block_count"])
-    kv_rank = int(lay.meta.get(f"{arch}.attention.kv_lora_rank", 512))
-    rope = int(lay.meta.get(f"{arch}.rope.dimension_count", 64))
+    mf = open_model_file(path)
+    meta, arch = mf.meta, mf.arch
+    n_exp = int(meta.get(f"{arch}.expert_count", 0))
+    n_used = int(meta.get(f"{arch}.expert_used_count", 0))
+    n_layer = int(meta[f"{arch}.block_count"])
+    row = int(meta.get(f"{arch}.attention.kv_lora_rank", 512)) + int(meta.get(f"{arch}.rope.dimension_count", 64))
+    unused = (".attn_kv_b.",) if mla else (".attn_k_b.", ".attn_v_b.")
     total = 0
-    for t in lay.tensors:
-        ti = type_info(t.type_id)
-        ne = list(t.ne)
-        row = ne[0] // ti.block_size * ti.type_size
-        size = row * int(np.prod(ne[1:]))
-        if t.name == "token_embd.weight":
-            size = row
-        elif "_exps." in t.name:
-            if exps_cpu:
-                continue
-            size = size * n_used // n_exp
-        total += size
-    ct = type_info(ctk)
-    cache = n_layer * depth * ((kv_rank + rope) // ct.block_size * ct.type_size)
-    return total, cache
+    for name, t in mf.tensors.items():
+        if name == "token_embd.weight":
+            total += t.nbytes // t.shape[0]          # one row
+        elif "_exps." in name:
+            total += 0 if exps_cpu else t.nbytes * n_used // n_exp
+        elif not any(u in name for u in unused):
+            total += t.nbytes
+    return total, n_layer * depth * type_info(ctk).row_bytes(row)
 
 
 def main() -> None:
@@ -201,6 +197,7 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=0)
     ap.add_argument("--exps-cpu", action="store_true")
     ap.add_argument("--ctk", default="q8_0")
+    ap.add_argument("--mla", type=int, default=3)
     ap.add_argument("--gbs", type=float, default=0.0, help="measured bandwidth, GB/s (bound)")
     a = ap.parse_args()
     if a.what == "bandwidth":
@@ -222,7 +219,7 @@ def main() -> None:
               f"{allocs:.0f} device allocations")
         print("  launches: " + ", ".join(f"{k} {v:g}" for k, v in per_kernel.items()))
         return
-    w, c = bytes_per_token(a.model, a.depth, a.exps_cpu, a.ctk)
+    w, c = bytes_per_token(a.model, a.depth, a.exps_cpu, a.ctk, a.mla)
     line = f"bytes per token at N_KV {a.depth}: weights {w / 1e6:.1f} MB + cache {c / 1e6:.1f} MB"
     if a.what == "bound" and a.gbs > 0:
         line += f"; bound {a.gbs * 1e9 / (w + c):.0f} t/s at {a.gbs:.0f} GB/s"
