@@ -5,7 +5,8 @@
 #   3. `ikcli sweep-bench` on a DeepSeek-shaped model (make_test_model.py --preset 2b: Q8_0 attention,
 #      shared experts and output, Q4_0 routed experts) with -ngl 99 (to N_KV 16384) and with
 #      -ngl 99 -ot exps=CPU, and the bandwidth bound of S_TG at N_KV 0 and at the deepest row;
-#   4. ikcli's own host time per token (no-op kernels), and a profile of generation when time is left.
+#   4. the same with ik's default Q4_K_M mixture of that model (MIXTURE=0: not);
+#   5. ikcli's own host time per token (no-op kernels), and a profile of generation when time is left.
 # Usage: bash scripts/gpu_check.sh [OUTDIR]   (logs in OUTDIR, default ./gpu_check_out)
 # Needs numba with numba-cuda, and gguf (for the tests and the model); ikcli runs from the checkout.
 set -u
@@ -69,6 +70,17 @@ echo "rc $?"; grep -E "offloaded|CUDA0|^\||^warning|^ikcli:|Error" "$OUT/sweep_e
 stamp "bounds"
 for d in 0 16384; do $PY scripts/bench_cuda.py bound "$M" --depth $d --gbs "${GBS:-0}"; done
 for d in 0 3584; do $PY scripts/bench_cuda.py bound "$M" --depth $d --exps-cpu --gbs "${GBS:-0}"; done
+# ik's default mixture on the same weights (llama-quantize Q4_K_M: Q6_K output, Q4_K / Q6_K experts,
+# Q5_K attn_output), requantized from the Q8_0 file: what users download, not a --pure file
+MIX=${MIX_MODEL:-${M%.gguf}-q4_k_m.gguf}
+if [ "${MIXTURE:-1}" != 0 ]; then
+  stamp "sweep-bench -ngl 99 on ik's Q4_K_M mixture"
+  [ -f "$MIX" ] || timeout 120 $PY -m ikcli quantize --allow-requantize "$M" "$MIX" Q4_K_M > "$OUT/quantize.log" 2>&1
+  timeout ${SWEEP4_S:-90} $PY -m ikcli sweep-bench -m "$MIX" -mla 3 -fa -fmoe -amb 512 -ctk q8_0 -ngl 99 \
+    -c 4096 -ub 512 -n 32 > "$OUT/sweep_q4km.log" 2>&1
+  echo "rc $?"; grep -E "offloaded|CUDA0|^\||^warning|^ikcli:|Error" "$OUT/sweep_q4km.log" | head -20
+  for d in 0 3584; do $PY scripts/bench_cuda.py bound "$MIX" --depth $d --gbs "${GBS:-0}"; done
+fi
 # ikcli's own host time per token on this CPU (kernels as no-ops, on the simulator): the rest of a
 # measured TG token is numba-cuda's launches and allocations, the driver and the GPU
 timeout 60 $PY scripts/bench_cuda.py host "$M" 2>&1 | tail -2
@@ -78,7 +90,7 @@ if [ -n "${CPU_BASELINE:-}" ]; then   # CPU_BASELINE=1: also the CPU alone (cold
   timeout ${SWEEP3_S:-45} $PY -m ikcli sweep-bench $COMMON -c 2048 -ub 512 -n 32 > "$OUT/sweep_cpu.log" 2>&1
   echo "rc $?"; grep -E "^\|" "$OUT/sweep_cpu.log" | head -8
 fi
-if [ $(( $(date +%s) - T0 )) -lt ${PROFILE_IF_UNDER_S:-280} ]; then
+if [ $(( $(date +%s) - T0 )) -lt ${PROFILE_IF_UNDER_S:-360} ]; then
   stamp "profile of generation, -ngl 99 (self time per function)"
   timeout 90 $PY -m cProfile -o "$OUT/tg.prof" -m ikcli sweep-bench $COMMON -ngl 99 -c 256 -ub 256 -n 64 \
     > "$OUT/sweep_prof.log" 2>&1
